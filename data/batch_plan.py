@@ -1,0 +1,114 @@
+"""The multi-length batch plan: which crops each rank trains on at each step.
+
+A pure function of (seed, epoch, step, rank, world size), so a resumed run sees
+the same batches as one never stopped, and every rank agrees on the segment
+length and on the number of steps per epoch whatever the size of its shard:
+uneven step counts are the commonest cause of an all-reduce that waits forever.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from training.errors import BadInputError
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One rank's batch at one step: crops of `segment_length` frames."""
+
+    step: int
+    segment_length: int
+    utterances: np.ndarray  # indices into the rank's shard
+    starts: np.ndarray  # first frame of each crop
+
+    @property
+    def frames(self) -> int:
+        return self.segment_length * len(self.utterances)
+
+
+def shard_indices(num_utterances: int, rank: int, world_size: int) -> np.ndarray:
+    """The utterances a rank owns: every world_size-th, starting at rank."""
+    return np.arange(rank, num_utterances, world_size)
+
+
+class BatchPlan:
+    """Crops for training, `frames_per_step` frames per rank per step.
+
+    lengths: frame counts of all training utterances (every rank passes the
+    same array); the rank's shard is `shard_indices(len(lengths), rank, world)`.
+    """
+
+    def __init__(self, lengths, *, segment_lengths, frames_per_step: int, seed: int, rank: int = 0,
+                 world_size: int = 1, multiple_of: int = 1):
+        lengths = np.asarray(lengths, dtype=np.int64)
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.frames_per_step = frames_per_step
+        for length in segment_lengths:
+            if length <= 0 or length % multiple_of:
+                raise BadInputError(f"segment length {length} must be a positive multiple of --downsample {multiple_of}")
+        shards = [lengths[shard_indices(len(lengths), r, world_size)] for r in range(world_size)]
+        if min(len(s) for s in shards) == 0:
+            raise BadInputError(f"{len(lengths)} training utterances cannot be shared among {world_size} ranks")
+        shortest_needed = min(segment_lengths)
+        if lengths.max() < shortest_needed:
+            raise BadInputError(
+                f"no training utterance is long enough: the longest has {int(lengths.max())} frames, "
+                f"the shortest segment length is {shortest_needed}; lower --segment_length/--segment_lengths"
+            )
+        # A length is usable only if every rank owns an utterance that long, so that
+        # all ranks can train on it at the same step.
+        self.segment_lengths = sorted(L for L in segment_lengths if all(s.max() >= L for s in shards))
+        self.dropped_lengths = sorted(set(segment_lengths) - set(self.segment_lengths))
+        if not self.segment_lengths:
+            raise BadInputError(
+                f"no segment length in {sorted(segment_lengths)} fits an utterance on every one of {world_size} ranks"
+            )
+        self.too_short = int((lengths < shortest_needed).sum())
+        self.total_frames = int(lengths.sum())
+        self.steps_per_epoch = max(1, self.total_frames // (frames_per_step * world_size))
+        mine = shards[rank]
+        # crops are drawn uniformly over frames: an utterance weighs (len - L + 1)
+        self._candidates = {}
+        for L in self.segment_lengths:
+            idx = np.flatnonzero(mine >= L)
+            weight = (mine[idx] - L + 1).astype(np.float64)
+            self._candidates[L] = (idx, mine[idx], weight / weight.sum())
+
+    def batch_size(self, segment_length: int) -> int:
+        return max(1, self.frames_per_step // segment_length)
+
+    def segment_length(self, step: int) -> int:
+        """The same on every rank: drawn without the rank in the seed."""
+        if len(self.segment_lengths) == 1:
+            return self.segment_lengths[0]
+        epoch = step // self.steps_per_epoch
+        rng = np.random.default_rng([self.seed, epoch, step, self.world_size])
+        return int(self.segment_lengths[rng.integers(len(self.segment_lengths))])
+
+    def batch(self, step: int) -> StepBatch:
+        L = self.segment_length(step)
+        epoch = step // self.steps_per_epoch
+        rng = np.random.default_rng([self.seed, epoch, step, self.rank, self.world_size, 1])
+        idx, lens, prob = self._candidates[L]
+        pick = rng.choice(len(idx), size=self.batch_size(L), p=prob)
+        starts = (rng.random(len(pick)) * (lens[pick] - L + 1)).astype(np.int64)
+        return StepBatch(step, L, idx[pick], starts)
+
+
+def eval_windows(lengths, window: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Non-overlapping windows over utterances, for evaluation.
+
+    Returns (utterance index, start) per window and the number of utterances
+    shorter than one window, which are left out of evaluation.
+    """
+    utts, starts = [], []
+    skipped = 0
+    for i, n in enumerate(np.asarray(lengths)):
+        count = int(n) // window
+        if count == 0:
+            skipped += 1
+        utts.extend([i] * count)
+        starts.extend(range(0, count * window, window))
+    return np.asarray(utts, dtype=np.int64), np.asarray(starts, dtype=np.int64), skipped

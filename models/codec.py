@@ -1,0 +1,148 @@
+"""The RVQ codec: conv encoder -> vector_quantize_pytorch.ResidualVQ -> conv decoder.
+
+Features are standardised with per-dimension statistics of the training data,
+kept as buffers so that `encode` and `decode` work from a checkpoint alone.
+The forward pass returns the reconstruction, the codes and the loss terms,
+nothing larger, so nothing big can be gathered or reduced by mistake.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from vector_quantize_pytorch import ResidualVQ
+
+
+@dataclass
+class CodecConfig:
+    feature_dim: int
+    latent_dim: int = 256
+    codebook_dim: int | None = None  # None: the latent dim, no projection
+    num_quantizers: int = 8
+    codebook_size: int = 1024
+    downsample: int = 1  # 1, 2 or 4 frames per code
+    encoder_blocks: int = 2
+    kmeans_init: bool = True
+    kmeans_iters: int = 10
+    ema_decay: float = 0.99
+    dead_code_threshold: float = 2.0
+    quantize_dropout: bool = False
+    commitment_weight: float = 0.25
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class CodecOutput(NamedTuple):
+    reconstruction: torch.Tensor  # [B, T, D], in feature space
+    codes: torch.Tensor  # [B, T / downsample, Q], -1 where dropped out
+    recon_loss: torch.Tensor  # MSE in standardised feature space
+    commit_loss: torch.Tensor  # summed over levels
+    loss: torch.Tensor
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv1 = nn.Conv1d(channels, channels, 3, padding=1)
+        self.conv2 = nn.Conv1d(channels, channels, 1)
+
+    def forward(self, x):
+        return x + self.conv2(F.gelu(self.conv1(F.gelu(x))))
+
+
+class RVQCodec(nn.Module):
+    def __init__(self, config: CodecConfig):
+        super().__init__()
+        if config.downsample not in (1, 2, 4):
+            raise ValueError(f"downsample must be 1, 2 or 4, not {config.downsample}")
+        self.config = config
+        c, d, s = config.latent_dim, config.feature_dim, config.downsample
+        self.register_buffer("feature_mean", torch.zeros(d))
+        self.register_buffer("feature_std", torch.ones(d))
+        down = [nn.Conv1d(c, c, 2 * s, stride=s, padding=s // 2)] if s > 1 else []
+        up = [nn.ConvTranspose1d(c, c, 2 * s, stride=s, padding=s // 2)] if s > 1 else []
+        self.encoder = nn.Sequential(
+            nn.Conv1d(d, c, 3, padding=1),
+            *[ResidualBlock(c) for _ in range(config.encoder_blocks)],
+            *down,
+            nn.GELU(),
+            nn.Conv1d(c, c, 1),
+        )
+        self.decoder = nn.Sequential(
+            nn.Conv1d(c, c, 3, padding=1),
+            *up,
+            *[ResidualBlock(c) for _ in range(config.encoder_blocks)],
+            nn.GELU(),
+            nn.Conv1d(c, d, 3, padding=1),
+        )
+        self.rvq = ResidualVQ(
+            dim=c,
+            num_quantizers=config.num_quantizers,
+            codebook_size=config.codebook_size,
+            codebook_dim=config.codebook_dim,
+            kmeans_init=config.kmeans_init,
+            kmeans_iters=config.kmeans_iters,
+            decay=config.ema_decay,
+            threshold_ema_dead_code=config.dead_code_threshold,
+            quantize_dropout=config.quantize_dropout,
+            commitment_weight=1.0,
+            rotation_trick=False,
+        )
+
+    @torch.no_grad()
+    def set_feature_stats(self, mean: torch.Tensor, std: torch.Tensor) -> None:
+        self.feature_mean.copy_(mean)
+        self.feature_std.copy_(std.clamp_min(1e-5))
+
+    def _encode_latent(self, features: torch.Tensor) -> torch.Tensor:
+        x = (features - self.feature_mean) / self.feature_std
+        return self.encoder(x.transpose(1, 2)).transpose(1, 2)  # [B, T', C]
+
+    def _decode_latent(self, latent: torch.Tensor) -> torch.Tensor:
+        x = self.decoder(latent.transpose(1, 2)).transpose(1, 2)
+        return x * self.feature_std + self.feature_mean
+
+    def forward(self, features: torch.Tensor) -> CodecOutput:
+        """features: [B, T, D] with T a multiple of the downsample factor."""
+        latent = self._encode_latent(features)
+        quantized, codes, commit = self.rvq(latent)
+        recon_std = self.decoder(quantized.transpose(1, 2)).transpose(1, 2)
+        target_std = (features - self.feature_mean) / self.feature_std
+        recon_loss = F.mse_loss(recon_std.float(), target_std.float())
+        commit_loss = commit.float().sum()
+        loss = recon_loss + self.config.commitment_weight * commit_loss
+        reconstruction = recon_std * self.feature_std + self.feature_mean
+        return CodecOutput(reconstruction, codes, recon_loss, commit_loss, loss)
+
+    @torch.no_grad()
+    def encode(self, features: torch.Tensor, num_quantizers: int | None = None) -> torch.Tensor:
+        """Features [T, D] or [B, T, D] -> codes [T', Q] or [B, T', Q] (int64). Eval mode only."""
+        if self.training:
+            raise RuntimeError("encode() runs the codec in eval mode; call model.eval() first")
+        single = features.dim() == 2
+        x = features[None] if single else features
+        _, codes, _ = self.rvq(self._encode_latent(x))
+        if num_quantizers is not None:
+            codes = codes[..., :num_quantizers]
+        return codes[0] if single else codes
+
+    @torch.no_grad()
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """Codes [T', q] or [B, T', q] (q <= Q levels) -> features [T, D] or [B, T, D]."""
+        single = codes.dim() == 2
+        c = codes[None] if single else codes
+        missing = self.config.num_quantizers - c.shape[-1]
+        if missing > 0:  # absent levels contribute nothing (-1 is the library's "dropped" code)
+            c = F.pad(c, (0, missing), value=-1)
+        latent = self.rvq.get_output_from_indices(c)
+        out = self._decode_latent(latent)
+        return out[0] if single else out
+
+
+def codebook_tensors(model: RVQCodec) -> list[torch.Tensor]:
+    """The codebook of every level, [codebook_size, codebook_dim] each."""
+    return [layer._codebook.embed[0] for layer in model.rvq.layers]

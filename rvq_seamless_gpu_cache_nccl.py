@@ -1,0 +1,377 @@
+#!/usr/bin/env python3
+"""Train a multi-length residual vector quantizer (RVQ) on SeamlessM4T features.
+
+One process (`python rvq_seamless_gpu_cache_nccl.py ...`) or many (`torchrun`,
+`python -m torch.distributed.launch`, `accelerate launch`, `srun`). Read top to
+bottom: flags -> data -> process group -> model -> resume -> the loop -> teardown.
+The machinery lives in data/, models/ and training/.
+
+Exit codes: 0 done or stopped on request (checkpoint written); 2 bad flags or
+data (nothing written); 3 a distributed failure (the rank is named); 1 anything else.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from data.batch_plan import BatchPlan, eval_windows, shard_indices
+from data.crops import HostBatches, assemble_crops
+from data.demo_corpus import ensure_demo_corpus
+from data.device_cache import DeviceFeatureCache
+from data.prefetcher import Prefetcher
+from data.stores import check_finite, open_stores
+from models.codec import CodecConfig, RVQCodec, codebook_tensors
+from models.metrics import EvalSums
+from training import checkpoint as ckpt
+from training.config import parse_args, save_config, train_lengths
+from training.distributed import (DistContext, all_reduce_sum, destroy, detect_launch, init_distributed,
+                                  select_device, wrap_ddp)
+from training.errors import EXIT_FAILURE, EXIT_OK, BadInputError, DistributedFailure
+from training.metrics_log import MetricsLog
+from training.signals import StopRequest
+from training.faults import FaultInjector
+from training.sync_check import exchange, sync_check
+
+log = logging.getLogger("rvq")
+
+
+def setup_logging(rank: int) -> None:
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank{rank}] %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+        force=True,
+    )
+    from loguru import logger  # vector-quantize-pytorch logs through loguru
+
+    logger.remove()
+    logger.add(sys.stderr, level="ERROR")
+
+
+def feature_stats(store, max_utterances: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-dimension mean and std over evenly spaced training utterances (the same on every rank)."""
+    picks = sorted(set(int(i) for i in torch.linspace(0, len(store) - 1, min(len(store), max_utterances))))
+    frames = torch.cat([torch.from_numpy(store.utterance(i).astype("float64")) for i in picks])
+    return frames.mean(0).float(), frames.std(0).float()
+
+
+def learning_rate(step: int, args, total_steps: int) -> float:
+    """Linear warmup, then cosine decay to lr x min_lr_ratio."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    progress = min(1.0, (step - args.warmup_steps) / max(1, total_steps - args.warmup_steps))
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def autocast_dtype(precision: str, device: torch.device):
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def make_batches(args, store, plan, device, start_step: int, show_progress: bool):
+    if args.use_gpu_cache:
+        cache_dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float16
+        return DeviceFeatureCache(store, plan, device, max_bytes=args.gpu_cache_gb * 1e9, dtype=cache_dtype,
+                                  show_progress=show_progress)
+    if args.prefetch or args.num_workers > 0:
+        return Prefetcher(store, plan, device, start_step=start_step, depth=args.prefetch_depth,
+                          workers=args.num_workers, pin_memory=args.pin_memory,
+                          persistent_workers=args.persistent_workers)
+    return HostBatches(store, plan, device, pin_memory=args.pin_memory)
+
+
+@torch.no_grad()
+def evaluate_shard(model: RVQCodec, store, windows, device, args, amp_dtype) -> EvalSums:
+    """Sums over this rank's held-out windows; no collectives, so a failure here cannot hang a peer."""
+    utterances, starts, length = windows
+    sums = EvalSums(model.config.feature_dim, model.config.num_quantizers, model.config.codebook_size, device)
+    per_batch = max(1, args.batch_size * args.segment_length // length)
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for i in range(0, len(utterances), per_batch):
+                x = torch.from_numpy(assemble_crops(store, utterances[i : i + per_batch], starts[i : i + per_batch],
+                                                    length)).to(device)
+                with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                    out = model(x)
+                sums.add(x, out.reconstruction.float(), out.codes)
+    finally:
+        model.train()
+    return sums
+
+
+def evaluate(model, store, windows, ctx: DistContext, args, amp_dtype, faults, step) -> tuple[dict | None, list]:
+    """Eval on all ranks: per-rank sums, agreement over the control plane, then one all-reduce.
+
+    Returns (metrics, []) or (None, failed ranks) when any rank failed: then every rank skips it.
+    """
+    sums = None
+    try:
+        faults.in_eval(step)
+        sums = evaluate_shard(model, store, windows, ctx.device, args, amp_dtype)
+    except Exception as e:  # noqa: BLE001 - reported, agreed on, and training goes on
+        log.error("eval at step %d failed on rank %d: %r", step, ctx.rank, e)
+    failed = [r for r, flag in enumerate(exchange(ctx, [sums is None])[:, 0]) if flag > 0]
+    if failed:
+        return None, failed
+    sums.load_vector(all_reduce_sum(ctx, sums.vector()))
+    return sums.result(model.config.downsample), []
+
+
+def codec_config(args, feature_dim: int) -> CodecConfig:
+    return CodecConfig(
+        feature_dim=feature_dim,
+        latent_dim=args.latent_dim,
+        codebook_dim=args.codebook_dim,
+        num_quantizers=args.num_quantizers,
+        codebook_size=args.codebook_size,
+        downsample=args.downsample,
+        kmeans_init=args.kmeans_init,
+        ema_decay=args.ema_decay,
+        dead_code_threshold=args.dead_code_threshold,
+        quantize_dropout=args.quantize_dropout,
+        commitment_weight=args.commitment_weight,
+    )
+
+
+def gather_rng_states(ctx: DistContext) -> list:
+    """Every rank's RNG states, so that a resumed run draws what an unbroken one would have."""
+    mine = {"torch": torch.get_rng_state()}
+    if ctx.device.type == "cuda":
+        mine["cuda"] = torch.cuda.get_rng_state(ctx.device)
+    if not ctx.is_distributed:
+        return [mine]
+    states = [None] * ctx.world_size
+    dist.all_gather_object(states, mine, group=ctx.control)
+    return states
+
+
+def restore_rng_states(states: list, ctx: DistContext) -> None:
+    if len(states) != ctx.world_size:
+        log.warning("checkpoint has RNG states for %d ranks, this run has %d: reseeding", len(states), ctx.world_size)
+        return
+    torch.set_rng_state(states[ctx.rank]["torch"])
+    if ctx.device.type == "cuda" and "cuda" in states[ctx.rank]:
+        torch.cuda.set_rng_state(states[ctx.rank]["cuda"], ctx.device)
+
+
+def find_resume(args, out_dir: Path):
+    if args.resume == "none":
+        return None
+    if args.resume == "auto":
+        return ckpt.load_latest(out_dir / "checkpoints")
+    return Path(args.resume), ckpt.load_checkpoint(Path(args.resume))
+
+
+def train(args, stop: StopRequest) -> int:
+    launch = detect_launch(args.local_rank)
+    setup_logging(launch.rank)
+    main_rank = launch.rank == 0
+    out_dir = Path(args.output_dir)
+    faults = FaultInjector(launch.rank)
+
+    # ---- data: opened and validated before anything is written
+    data_dir = args.data_dir
+    if data_dir is None:
+        data_dir = ensure_demo_corpus()
+        log.info("no --data_dir given: training on the built-in DEMO corpus (synthetic speech-like 160-d "
+                 "features) in %s", data_dir)
+    train_store, valid_store, holdout_note = open_stores(data_dir, args.train_split, args.valid_split, seed=args.seed)
+    if holdout_note:
+        log.info("%s", holdout_note)
+    check_finite(train_store, show_progress=main_rank)
+    check_finite(valid_store, show_progress=main_rank)
+    plan = BatchPlan(train_store.lengths, segment_lengths=train_lengths(args),
+                     frames_per_step=args.batch_size * args.segment_length, seed=args.seed, rank=launch.rank,
+                     world_size=launch.world_size, multiple_of=args.downsample)
+    log.info("train: %s, %d utterances, %d frames, dim %d; held out: %d utterances",
+             train_store.description, len(train_store), train_store.total_frames, train_store.dim, len(valid_store))
+    if plan.too_short:
+        log.warning("%d training utterances are shorter than %d frames and are never sampled",
+                    plan.too_short, min(train_lengths(args)))
+    if plan.dropped_lengths:
+        log.warning("segment length(s) %s dropped: not every rank has an utterance that long; training on %s",
+                    plan.dropped_lengths, plan.segment_lengths)
+    eval_length = min(plan.segment_lengths)
+    valid_shard = valid_store.subset(shard_indices(len(valid_store), launch.rank, launch.world_size), "held out")
+    win_utts, win_starts, eval_skipped = eval_windows(valid_shard.lengths, eval_length)
+    if eval_skipped:
+        log.warning("%d held-out utterances on this rank are shorter than %d frames and are not evaluated",
+                    eval_skipped, eval_length)
+    total_steps = args.max_steps or args.epochs * plan.steps_per_epoch
+    config = codec_config(args, train_store.dim)
+    resume = find_resume(args, out_dir)
+    if resume is not None and resume[1]["codec"] != config.to_dict():
+        raise BadInputError(f"checkpoint {resume[0]} was trained with codec {resume[1]['codec']}, "
+                            f"which differs from this run's flags {config.to_dict()}; use another --output_dir "
+                            "or --resume none")
+
+    # ---- device and process groups
+    device = select_device(args.device, launch)
+    ctx = init_distributed(launch, device, timeout_s=args.nccl_timeout, control_timeout_s=args.sync_timeout,
+                           output_dir=out_dir)
+    batches = None
+    metrics = MetricsLog(None)
+    try:
+        # ---- model (after the process group: the quantizer syncs its codebooks when it exists)
+        torch.manual_seed(args.seed)
+        model = RVQCodec(config).to(device)
+        model.set_feature_stats(*(t.to(device) for t in feature_stats(train_store)))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99),
+                                      weight_decay=args.weight_decay)
+        amp_dtype = autocast_dtype(args.precision, device)
+        scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+        torch.manual_seed(args.seed + launch.rank)
+        step, samples_seen, bad_steps, bad_in_a_row = 0, 0, 0, 0
+        if resume is not None:
+            path, state = resume
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            scaler.load_state_dict(state["scaler"])
+            step, samples_seen = state["step"], state["samples_seen"]
+            restore_rng_states(state["rng"], ctx)
+            log.info("resumed from %s at step %d", path, step)
+        ddp_model = wrap_ddp(model, ctx)
+
+        # ---- outputs: rank 0 alone writes
+        if main_rank:
+            (out_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+            save_config(args, out_dir / "config.json")
+            metrics = MetricsLog(out_dir / "metrics.jsonl")
+        log.info("codec: %d levels x %d codes, latent %d, downsample %d (%.0f bits/frame), %.2fM parameters",
+                 config.num_quantizers, config.codebook_size, config.latent_dim, config.downsample,
+                 config.num_quantizers * math.log2(config.codebook_size) / config.downsample,
+                 sum(p.numel() for p in model.parameters()) / 1e6)
+        log.info("training %d steps (%d per epoch), %d frames per rank per step, lengths %s, on %s x %d",
+                 total_steps, plan.steps_per_epoch, args.batch_size * args.segment_length, plan.segment_lengths,
+                 device, ctx.world_size)
+
+        batches = make_batches(args, train_store.subset(shard_indices(len(train_store), ctx.rank, ctx.world_size),
+                                                         "this rank's shard"),
+                               plan, device, step, main_rank)
+
+        def save(at_step: int) -> None:
+            rng = gather_rng_states(ctx)
+            if main_rank:
+                state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                         "scaler": scaler.state_dict(), "step": at_step, "samples_seen": samples_seen,
+                         "epoch": at_step // plan.steps_per_epoch, "codec": config.to_dict(),
+                         "config": {k: v for k, v in vars(args).items() if k != "local_rank"}, "rng": rng}
+                path = ckpt.save_checkpoint(out_dir / "checkpoints", at_step, state, keep=args.keep_checkpoints)
+                metrics.write("checkpoint", at_step, path=str(path))
+                log.info("checkpoint: %s", path)
+
+        # ---- the loop
+        stop_reason = None if step < total_steps else "max_steps"
+        bar = tqdm(total=total_steps, initial=step, disable=not main_rank, desc="train", unit="step",
+                   dynamic_ncols=True, mininterval=1.0)
+        window_start, window_frames = time.perf_counter(), 0
+        while stop_reason is None:
+            faults.before_step(step, codebook_tensors(model))
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(step, args, total_steps)
+            batch, x = batches.get(step)
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                out = ddp_model(x)
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(faults.loss(step, out.loss)).backward()
+            scaler.unscale_(optimizer)
+            # The gradients are all-reduced, so this norm is the same on every rank: a NaN on any
+            # rank skips the step on all of them, with no extra collective.
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf)
+            if torch.isfinite(grad_norm):
+                scaler.step(optimizer)
+                bad_in_a_row = 0
+            else:
+                bad_steps += 1
+                bad_in_a_row += 1
+                metrics.write("skipped_step", step + 1, reason="non-finite loss or gradient", bad_steps=bad_steps)
+                log.warning("step %d: non-finite loss or gradient, update skipped on every rank (%d so far)",
+                            step + 1, bad_steps)
+            scaler.update()
+            step += 1
+            samples_seen += len(batch.utterances)
+            window_frames += batch.frames * ctx.world_size
+            bar.update(1)
+            if bad_in_a_row > args.max_bad_steps:
+                save(step)
+                metrics.write("stop", step, reason=f"{bad_in_a_row} non-finite steps in a row")
+                log.error("%d non-finite steps in a row (more than --max_bad_steps %d): checkpoint written, "
+                          "stopping; lower --lr or check the data", bad_in_a_row, args.max_bad_steps)
+                return EXIT_FAILURE
+
+            if step % args.log_every == 0:
+                seconds = time.perf_counter() - window_start
+                loss, fps = out.loss.item(), window_frames / max(seconds, 1e-9)
+                metrics.write("train", step, loss=loss, recon=out.recon_loss.item(), commit=out.commit_loss.item(),
+                              lr=optimizer.param_groups[0]["lr"], frames_per_sec=round(fps, 1),
+                              segment_length=batch.segment_length, bad_steps=bad_steps)
+                bar.set_postfix(loss=f"{loss:.4f}", fps=f"{fps:,.0f}")
+                window_start, window_frames = time.perf_counter(), 0
+
+            if step >= total_steps:
+                stop_reason = "max_steps" if args.max_steps else "epochs"
+            if ctx.is_distributed and (step % args.sync_check_every == 0 or stop_reason):
+                result = sync_check(ctx, step=step, epoch=step // plan.steps_per_epoch, samples_seen=samples_seen,
+                                    stop=bool(stop), codebooks=codebook_tensors(model))
+                if result.stop and stop_reason is None:
+                    stop_reason = f"signal on rank(s) {result.stop_ranks}"
+            elif not ctx.is_distributed and stop and stop_reason is None:
+                stop_reason = f"signal {stop.reason}"
+
+            if step % args.eval_every == 0 or (stop_reason and not stop):
+                result, failed = evaluate(model, valid_shard, (win_utts, win_starts, eval_length), ctx, args,
+                                          amp_dtype, faults, step)
+                if failed:
+                    metrics.write("eval_failed", step, ranks=failed)
+                    log.warning("eval at step %d skipped on every rank: it failed on rank(s) %s", step, failed)
+                else:
+                    metrics.write("eval", step, **result)
+                    log.info("eval at step %d: rel_mse %.4f, cosine %.4f, code usage %s, %.0f bits/frame", step,
+                             result["rel_mse"], result["cosine"], result["code_usage"], result["bits_per_frame"])
+            if step % args.save_every == 0 or stop_reason:
+                save(step)
+        bar.close()
+        metrics.write("stop", step, reason=stop_reason)
+        log.info("finished at step %d: %s", step, stop_reason)
+        return EXIT_OK
+    finally:
+        if batches is not None:
+            batches.close()
+        metrics.close()
+        destroy(ctx)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    stop = StopRequest().install()
+    try:
+        return train(args, stop)
+    except BadInputError as e:
+        log.error("%s", e)
+        return e.exit_code
+    except DistributedFailure as e:
+        log.error("distributed failure: %s", e)
+        return e.exit_code
+    except dist.DistError as e:
+        log.error("distributed failure (a peer was lost or timed out): %s", e)
+        return DistributedFailure.exit_code
+    except Exception:
+        log.exception("training failed")
+        return EXIT_FAILURE
+    finally:
+        stop.restore()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

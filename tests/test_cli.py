@@ -1,0 +1,154 @@
+"""The trainer from the command line: bad input, single process, resume, signals."""
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import TINY, events, run_trainer, write_fairseq
+
+
+def bad_data(tmp_path, case):
+    d = tmp_path / "data"
+    if case == "missing":
+        return d, "does not exist"
+    d.mkdir()
+    if case == "empty":
+        return d, "no training features found"
+    if case == "bad_len":
+        write_fairseq(d, "train", [40, 50])
+        (d / "train_0_1.len").write_text("40\n51\n")
+        return d, "lists 91 frames in total but train_0_1.npy has 90 rows"
+    if case == "mixed_dims":
+        np.save(d / "a.npy", np.zeros((40, 8), np.float32))
+        np.save(d / "b.npy", np.zeros((40, 6), np.float32))
+        return d, "feature dims differ"
+    if case == "nan":
+        utts = write_fairseq(d, "train", [40, 50, 60])
+        arr = np.concatenate(utts)
+        arr[95, 0] = np.nan
+        np.save(d / "train_0_1.npy", arr)
+        return d, "train_0_1.npy utterance 2"
+    if case == "too_short":
+        write_fairseq(d, "train", [10, 20, 30])
+        return d, "no training utterance is long enough"
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "bad_len", "mixed_dims", "nan", "too_short"])
+def test_bad_data_exits_2_names_it_and_writes_nothing(tmp_path, case):
+    data, message = bad_data(tmp_path, case)
+    out = tmp_path / "run"
+    r = run_trainer(["--data_dir", data, "--output_dir", out, *TINY, "--max_steps", "3"], timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert message in r.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--batch_size", "0"], "expected a positive number"),
+    (["--downsample", "3"], "invalid choice"),
+    (["--no_such_flag"], "unrecognized arguments"),
+    (["--segment_lengths", "64,x"], "comma-separated"),
+    (["--downsample", "4", "--segment_length", "30"], "not multiples of --downsample 4"),
+])
+def test_bad_flags_exit_2(tmp_path, argv, message):
+    r = run_trainer([*argv, "--output_dir", tmp_path / "run"], timeout=60)
+    assert r.returncode == 2 and message in r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_fault_spec_exits_2(tmp_path):
+    r = run_trainer(["--output_dir", tmp_path / "run", *TINY], extra_env={"RVQ_FAULT": "explode:rank=0"})
+    assert r.returncode == 2 and "unknown fault 'explode'" in r.stderr
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    lengths = np.random.default_rng(1).integers(40, 200, size=60).tolist()
+    write_fairseq(d, "train", lengths, dim=16, seed=1)
+    write_fairseq(d, "valid", [64] * 6, dim=16, seed=2)
+    return d
+
+
+def weights(run_dir):
+    from training.checkpoint import list_checkpoints, load_checkpoint
+
+    return load_checkpoint(list_checkpoints(run_dir / "checkpoints")[0])
+
+
+def test_stop_and_resume_gives_identical_weights(tmp_path, small_data):
+    common = ["--data_dir", small_data, *TINY, "--max_steps", "24", "--eval_every", "8", "--save_every", "100",
+              "--multi_length_training", "--segment_lengths", "16,32,64", "--quantize_dropout"]
+    straight = tmp_path / "straight"
+    r = run_trainer([*common, "--output_dir", straight])
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    split = tmp_path / "split"
+    r = run_trainer([*common, "--output_dir", split], extra_env={"RVQ_FAULT": "signal:step=12:sig=TERM"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "SIGTERM received" in r.stderr
+    stops = events(split, "stop")  # the signal lands during step 13: the run stops when that step is done
+    assert stops[-1]["step"] == 13 and "SIGTERM" in stops[-1]["reason"]
+    assert [e["step"] for e in events(split, "checkpoint")] == [13]
+
+    r = run_trainer([*common, "--output_dir", split])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stderr and "at step 13" in r.stderr
+
+    a, b = weights(straight), weights(split)
+    assert a["step"] == b["step"] == 24
+    for key in a["model"]:
+        torch.testing.assert_close(a["model"][key], b["model"][key], rtol=0, atol=0, msg=key)
+
+
+def test_outputs_of_a_run(tmp_path, small_data):
+    out = tmp_path / "run"
+    r = run_trainer(["--data_dir", small_data, *TINY, "--max_steps", "10", "--eval_every", "5", "--save_every", "4",
+                     "--keep_checkpoints", "2", "--output_dir", out])
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["max_steps"] == 10 and config["data_dir"] == str(small_data)
+    train = events(out, "train")
+    assert [e["step"] for e in train] == list(range(1, 11))
+    assert all({"loss", "lr", "frames_per_sec"} <= e.keys() for e in train)
+    evals = events(out, "eval")
+    assert [e["step"] for e in evals] == [5, 10]
+    for e in evals:
+        assert len(e["code_usage"]) == len(e["perplexity"]) == 2
+        assert e["bits_per_frame"] == 10 and 0 < e["rel_mse"] and -1 <= e["cosine"] <= 1
+    assert [e["step"] for e in events(out, "checkpoint")] == [4, 8, 10]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000008.pt", "step_00000010.pt"]
+    assert events(out, "stop")[-1] == {**events(out, "stop")[-1], "step": 10, "reason": "max_steps"}
+
+
+def test_truncated_checkpoint_falls_back_to_the_previous(tmp_path, small_data):
+    out = tmp_path / "run"
+    common = ["--data_dir", small_data, *TINY, "--eval_every", "100", "--save_every", "4", "--output_dir", out]
+    assert run_trainer([*common, "--max_steps", "8"]).returncode == 0
+    newest = out / "checkpoints" / "step_00000008.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    r = run_trainer([*common, "--max_steps", "10"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "unreadable" in r.stderr and "at step 4" in r.stderr
+
+
+def test_nan_loss_step_is_skipped_and_counted(tmp_path, small_data):
+    out = tmp_path / "run"
+    r = run_trainer(["--data_dir", small_data, *TINY, "--max_steps", "8", "--output_dir", out],
+                    extra_env={"RVQ_FAULT": "nan:step=3"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [e["step"] for e in events(out, "skipped_step")] == [4]
+    assert events(out, "train")[-1]["bad_steps"] == 1
+
+
+def test_single_process_fallback_command(tmp_path):
+    """The README's single-process fallback, on the demo corpus."""
+    out = tmp_path / "run"
+    r = run_trainer(["--batch_size", "64", "--multi_length_training", "--max_steps", "20", "--output_dir", out],
+                    timeout=280)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "DEMO corpus" in r.stderr
+    assert events(out, "stop")[-1]["step"] == 20
+    assert {e["segment_length"] for e in events(out, "train")} <= {64, 128, 256, 512}

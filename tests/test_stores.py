@@ -1,0 +1,75 @@
+import numpy as np
+import pytest
+import torch
+
+from data.stores import check_finite, open_stores
+from training.errors import BadInputError
+from tests.helpers import write_fairseq
+
+
+def test_fairseq_dump_reads_every_shard_in_order(tmp_path):
+    lengths = [40, 50, 60, 70, 80]
+    utts = write_fairseq(tmp_path, "train", lengths, nshard=2)
+    write_fairseq(tmp_path, "valid", [40, 40])
+    train, valid, note = open_stores(tmp_path, "train", "valid", seed=0)
+    assert note is None
+    assert list(train.lengths) == lengths and train.dim == 16 and len(valid) == 2
+    for i, u in enumerate(utts):
+        np.testing.assert_array_equal(train.utterance(i), u)
+
+
+def test_directory_of_npy_and_pt_with_holdout(tmp_path):
+    rng = np.random.default_rng(0)
+    for i in range(100):
+        a = rng.standard_normal((30 + i, 8)).astype(np.float32)
+        if i % 2:
+            np.save(tmp_path / f"u{i:03d}.npy", a)
+        else:
+            torch.save(torch.from_numpy(a), tmp_path / f"u{i:03d}.pt")
+    train, valid, note = open_stores(tmp_path, "train", "valid", seed=3)
+    assert len(train) == 98 and len(valid) == 2
+    assert "holding out 2 of 100" in note
+    again = open_stores(tmp_path, "train", "valid", seed=3)[1]
+    assert [valid.name(i) for i in range(2)] == [again.name(i) for i in range(2)]
+
+
+def test_split_subfolders(tmp_path):
+    for split, n in (("train", 5), ("valid", 2)):
+        (tmp_path / split).mkdir()
+        for i in range(n):
+            np.save(tmp_path / split / f"{i}.npy", np.zeros((20, 4), np.float32))
+    train, valid, _ = open_stores(tmp_path, "train", "valid", seed=0)
+    assert (len(train), len(valid)) == (5, 2)
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "bad_len", "mixed_dims", "missing_shard", "not_2d"])
+def test_bad_stores_are_named(tmp_path, case):
+    d = tmp_path / "data"
+    if case != "missing":
+        d.mkdir()
+    if case == "bad_len":
+        write_fairseq(d, "train", [10, 20])
+        (d / "train_0_1.len").write_text("10\n25\n")
+    elif case == "mixed_dims":
+        np.save(d / "a.npy", np.zeros((10, 8), np.float32))
+        np.save(d / "b.npy", np.zeros((10, 9), np.float32))
+    elif case == "missing_shard":
+        write_fairseq(d, "train", [10, 20, 30], nshard=3)
+        (d / "train_1_3.npy").unlink()
+    elif case == "not_2d":
+        np.save(d / "a.npy", np.zeros((10,), np.float32))
+    with pytest.raises(BadInputError) as info:
+        open_stores(d, "train", "valid", seed=0)
+    expected = {"missing": "does not exist", "empty": "no training features", "bad_len": "lists 35 frames",
+                "mixed_dims": "feature dims differ", "missing_shard": "train_1_3.npy", "not_2d": "[T, D]"}[case]
+    assert expected in str(info.value)
+
+
+def test_non_finite_values_name_the_utterance(tmp_path):
+    utts = write_fairseq(tmp_path, "train", [10, 20, 30])
+    arr = np.concatenate(utts)
+    arr[10 + 5, 3] = np.nan
+    np.save(tmp_path / "train_0_1.npy", arr)
+    train, _, _ = open_stores(tmp_path, "train", "valid", seed=0)
+    with pytest.raises(BadInputError, match=r"train_0_1.npy utterance 1 \(rows 10-30\)"):
+        check_finite(train, show_progress=False)

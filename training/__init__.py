@@ -1,0 +1,1 @@
+"""Training machinery: distributed setup, sync checks, signals, checkpoints, metrics."""

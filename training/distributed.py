@@ -1,0 +1,167 @@
+"""Process groups: who this rank is, which device it binds, and the collectives it uses.
+
+Rank, world size and local rank come from the launcher's environment
+(torchrun, torch.distributed.launch, accelerate launch, SLURM srun) or from
+`--local_rank`; with none, one process. CUDA -> nccl, CPU -> gloo. A second
+process group on gloo, the control plane, carries sync checks and barriers so
+that they never wait behind queued NCCL kernels.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Launch:
+    rank: int
+    world_size: int
+    local_rank: int
+    launcher: str
+
+
+@dataclass
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None = None
+    control: object | None = None  # the gloo control-plane group
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def detect_launch(local_rank_flag: int | None = None) -> Launch:
+    """Who this process is, from the launcher's environment; one process when there is none."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        launcher = "accelerate" if "ACCELERATE_MIXED_PRECISION" in env else "torchrun"
+        local = int(env.get("LOCAL_RANK", local_rank_flag if local_rank_flag is not None else 0))
+        return Launch(int(env["RANK"]), int(env["WORLD_SIZE"]), local, launcher)
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        launch = Launch(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)), "srun")
+        # init_process_group reads these; srun does not set them
+        env.setdefault("RANK", str(launch.rank))
+        env.setdefault("WORLD_SIZE", str(launch.world_size))
+        env.setdefault("LOCAL_RANK", str(launch.local_rank))
+        return launch
+    return Launch(0, 1, local_rank_flag or 0, "none")
+
+
+def select_device(flag: str, launch: Launch) -> torch.device:
+    """The device this rank uses: its local GPU when there are GPUs, else the CPU.
+
+    Bound with torch.cuda.set_device before any CUDA work and before the process
+    group exists, so that no two ranks share cuda:0 by accident.
+    """
+    if flag == "auto":
+        flag = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(flag)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was asked for, but no GPU is visible")
+        if launch.world_size > 1 or device.index is None:
+            count = torch.cuda.device_count()
+            if launch.local_rank >= count:
+                raise RuntimeError(f"local rank {launch.local_rank} has no GPU: only {count} visible")
+            device = torch.device("cuda", launch.local_rank if launch.world_size > 1 else (device.index or 0))
+        torch.cuda.set_device(device)
+    return device
+
+
+def _set_default_env(name: str, value: str) -> None:
+    if name in os.environ:
+        log.info("keeping %s=%s from the environment", name, os.environ[name])
+    else:
+        os.environ[name] = value
+
+
+def configure_nccl_env(output_dir: Path) -> None:
+    """PyTorch's async error handling and NCCL flight recorder, dumping into the output dir.
+
+    Read by PyTorch when the NCCL process group is created; values the user set win.
+    """
+    trace_dir = Path(output_dir) / "nccl_traces"
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    _set_default_env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    _set_default_env("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    _set_default_env("TORCH_FR_BUFFER_SIZE", os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"])
+    _set_default_env("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    _set_default_env("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(trace_dir / "rank_"))
+    _set_default_env("TORCH_FR_DUMP_TEMP_FILE", os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"])
+
+
+def init_distributed(launch: Launch, device: torch.device, *, timeout_s: int, control_timeout_s: int,
+                     output_dir: Path) -> DistContext:
+    ctx = DistContext(launch.rank, launch.world_size, launch.local_rank, device)
+    if launch.world_size == 1:
+        return ctx
+    ctx.backend = "nccl" if device.type == "cuda" else "gloo"
+    if ctx.backend == "nccl":
+        configure_nccl_env(output_dir)
+    dist.init_process_group(
+        backend=ctx.backend,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+    ctx.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=control_timeout_s))
+    log.info("process group up: %s, world size %d, timeout %ds; control plane on gloo (%ds)",
+             ctx.backend, ctx.world_size, timeout_s, control_timeout_s)
+    return ctx
+
+
+def destroy(ctx: DistContext) -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(ctx: DistContext, tensor: torch.Tensor, chunk_elements: int = 1 << 22) -> torch.Tensor:
+    """Sum a tensor over ranks in place, in chunks of at most `chunk_elements`.
+
+    Bounding the chunk bounds the memory NCCL stages and the time any one
+    collective runs; the result equals a plain all-reduce element for element.
+    """
+    if not ctx.is_distributed:
+        return tensor
+    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1)
+    for start in range(0, flat.numel(), chunk_elements):
+        chunk = flat[start : start + chunk_elements]
+        if chunk.is_contiguous():
+            dist.all_reduce(chunk)
+        else:  # pragma: no cover - views of contiguous tensors stay contiguous
+            buffer = chunk.contiguous()
+            dist.all_reduce(buffer)
+            chunk.copy_(buffer)
+    if flat.data_ptr() != tensor.data_ptr():
+        tensor.copy_(flat.view_as(tensor))
+    return tensor
+
+
+def wrap_ddp(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
+    """DDP without per-forward buffer broadcast: the quantizer syncs its codebooks itself.
+
+    Buffers are still made equal once, at construction, from rank 0.
+    """
+    if not ctx.is_distributed:
+        return model
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    no_forward_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+    device_ids = [ctx.device] if ctx.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids, **no_forward_sync)

@@ -1,0 +1,18 @@
+"""Exit codes and the exceptions that map to them (DESIGN.md section 5)."""
+
+EXIT_OK = 0  # done, or stopped on request with a checkpoint written
+EXIT_FAILURE = 1  # anything else
+EXIT_BAD_INPUT = 2  # bad flags or data; nothing written
+EXIT_DISTRIBUTED = 3  # peer lost, timeout or desync; the rank is named
+
+
+class BadInputError(Exception):
+    """A problem the user can fix in their flags or data: exit code 2, nothing written."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class DistributedFailure(Exception):
+    """A rank was lost, timed out or diverged: exit code 3."""
+
+    exit_code = EXIT_DISTRIBUTED

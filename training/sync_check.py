@@ -1,0 +1,74 @@
+"""Sync checks over the control plane: ranks compare where they are and what they hold.
+
+Every `--sync_check_every` steps each rank contributes its step, epoch,
+samples seen, stop request, eval status and a checksum of its codebooks; a
+mismatch ends every rank with DistributedFailure naming the rank(s) and step.
+A stop requested on any rank (a signal) becomes a stop on all of them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from training.distributed import DistContext
+from training.errors import DistributedFailure
+
+FIELDS = ("step", "epoch", "samples_seen", "stop", "eval_failed", "codebook_sum", "codebook_sq")
+CHECKSUM_RTOL = 1e-6
+
+
+def codebook_checksum(codebooks) -> tuple[float, float]:
+    """Two numbers that change when any codebook entry changes."""
+    total, squares = 0.0, 0.0
+    for level, embed in enumerate(codebooks):
+        e = embed.detach().double()
+        weights = torch.arange(1, e.shape[0] + 1, dtype=torch.float64, device=e.device)[:, None]
+        total += float((e * weights).sum()) * (level + 1)
+        squares += float((e * e).sum())
+    return total, squares
+
+
+@dataclass
+class SyncResult:
+    stop: bool
+    stop_ranks: list
+    eval_failed_ranks: list
+
+
+def exchange(ctx: DistContext, values) -> torch.Tensor:
+    """Every rank's values, [world_size, len(values)], gathered over the control plane."""
+    mine = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    if not ctx.is_distributed:
+        return mine[None]
+    table = [torch.zeros_like(mine) for _ in range(ctx.world_size)]
+    dist.all_gather(table, mine, group=ctx.control)
+    return torch.stack(table)
+
+
+def _differs(column: torch.Tensor, rtol: float = 0.0) -> list[int]:
+    ref = column[0]
+    tol = rtol * max(abs(float(ref)), 1.0)
+    return [r for r in range(1, len(column)) if abs(float(column[r] - ref)) > tol]
+
+
+def sync_check(ctx: DistContext, *, step: int, epoch: int, samples_seen: int, stop: bool, codebooks,
+               eval_failed: bool = False) -> SyncResult:
+    table = exchange(ctx, [step, epoch, samples_seen, int(stop), int(eval_failed), *codebook_checksum(codebooks)])
+    col = {name: table[:, i] for i, name in enumerate(FIELDS)}
+    for name in ("step", "epoch", "samples_seen"):
+        bad = _differs(col[name])
+        if bad:
+            detail = ", ".join(f"rank {r} at {int(col[name][r])}" for r in bad)
+            raise DistributedFailure(
+                f"sync check at step {step}: ranks disagree on {name}: rank 0 at {int(col[name][0])}, {detail}")
+    bad = sorted(set(_differs(col["codebook_sum"], CHECKSUM_RTOL)) | set(_differs(col["codebook_sq"], CHECKSUM_RTOL)))
+    if bad:
+        ranks = ", ".join(str(r) for r in bad)
+        raise DistributedFailure(
+            f"sync check at step {step}: the codebooks of rank(s) {ranks} differ from rank 0's "
+            f"(checksums {[round(float(v), 6) for v in col['codebook_sum']]})")
+    stop_ranks = [r for r in range(len(table)) if col["stop"][r] > 0]
+    failed = [r for r in range(len(table)) if col["eval_failed"][r] > 0]
+    return SyncResult(bool(stop_ranks), stop_ranks, failed)
