@@ -21,7 +21,6 @@ def env(**extra) -> dict:
     e = dict(os.environ)
     e.pop("RVQ_FAULT", None)
     e["PYTHONPATH"] = str(REPO)
-    e["OMP_NUM_THREADS"] = "1"
     e.update({k: str(v) for k, v in extra.items()})
     return e
 

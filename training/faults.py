@@ -2,7 +2,9 @@
 
     RVQ_FAULT=kind[:key=value...][,kind...]
 
-Each fault fires once; rank defaults to every rank, step to the first chance:
+Each fault fires once, and only in the first attempt of an elastic job
+(TORCHELASTIC_RESTART_COUNT 0 or unset), so that a restarted job runs clean;
+rank defaults to every rank, step to the first chance:
     kill:rank=1:step=30          SIGKILL this rank at step 30 (a lost rank)
     hang:rank=1:step=30          SIGSTOP this rank at step 30 (stopped, not dead)
     nan:step=12[:rank=0]         make the loss NaN at step 12
@@ -59,6 +61,8 @@ class FaultInjector:
     def __init__(self, rank: int, text: str | None = None):
         self.rank = rank
         self.faults = parse_faults(os.environ.get("RVQ_FAULT") if text is None else text)
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+            self.faults = []
         self._fired: set = set()
 
     def _take(self, kind: str, step: int) -> Fault | None:
