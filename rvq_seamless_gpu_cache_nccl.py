@@ -33,12 +33,13 @@ from models.metrics import EvalSums
 from training import checkpoint as ckpt
 from training.config import parse_args, save_config, train_lengths
 from training.distributed import (DistContext, all_reduce_sum, destroy, detect_launch, init_distributed,
-                                  select_device, wrap_ddp)
+                                  final_barrier, is_distributed_error, phase_timeout, select_device, wrap_ddp)
 from training.errors import EXIT_FAILURE, EXIT_OK, BadInputError, DistributedFailure
-from training.metrics_log import MetricsLog
+from training.metrics_log import MetricsLog, require_tensorboard
 from training.signals import StopRequest
 from training.faults import FaultInjector
 from training.sync_check import exchange, sync_check
+from training.watchdog import PeerWatchdog
 
 log = logging.getLogger("rvq")
 
@@ -181,6 +182,8 @@ def train(args, stop: StopRequest) -> int:
     faults = FaultInjector(launch.rank)
 
     # ---- data: opened and validated before anything is written
+    if args.tensorboard:
+        require_tensorboard()  # on every rank: a missing package is bad input, exit 2
     data_dir = args.data_dir
     if data_dir is None:
         data_dir = ensure_demo_corpus()
@@ -208,7 +211,8 @@ def train(args, stop: StopRequest) -> int:
     if eval_skipped:
         log.warning("%d held-out utterances on this rank are shorter than %d frames and are not evaluated",
                     eval_skipped, eval_length)
-    total_steps = args.max_steps or args.epochs * plan.steps_per_epoch
+    steps_per_epoch = max(1, plan.steps_per_epoch // args.grad_accum)
+    total_steps = args.max_steps or args.epochs * steps_per_epoch
     config = codec_config(args, train_store.dim)
     resume = find_resume(args, out_dir)
     if resume is not None and resume[1]["codec"] != config.to_dict():
@@ -220,7 +224,11 @@ def train(args, stop: StopRequest) -> int:
     device = select_device(args.device, launch)
     ctx = init_distributed(launch, device, timeout_s=args.nccl_timeout, control_timeout_s=args.sync_timeout,
                            output_dir=out_dir)
-    batches = None
+    live = {"step": 0}  # read by the watchdog thread for its messages
+    watchdog = (PeerWatchdog(ctx.rank, ctx.world_size, timeout_s=args.sync_timeout, progress=lambda: live["step"])
+                .start() if ctx.is_distributed else None)
+    slow_phase = args.slow_phase_timeout or 2 * args.nccl_timeout
+    batches, failed = None, False
     metrics = MetricsLog(None)
     try:
         # ---- model (after the process group: the quantizer syncs its codebooks when it exists)
@@ -247,25 +255,25 @@ def train(args, stop: StopRequest) -> int:
         if main_rank:
             (out_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
             save_config(args, out_dir / "config.json")
-            metrics = MetricsLog(out_dir / "metrics.jsonl")
+            metrics = MetricsLog(out_dir / "metrics.jsonl",
+                                 tensorboard_dir=out_dir / "tensorboard" if args.tensorboard else None)
         log.info("codec: %d levels x %d codes, latent %d, downsample %d (%.0f bits/frame), %.2fM parameters",
                  config.num_quantizers, config.codebook_size, config.latent_dim, config.downsample,
                  config.num_quantizers * math.log2(config.codebook_size) / config.downsample,
                  sum(p.numel() for p in model.parameters()) / 1e6)
-        log.info("training %d steps (%d per epoch), %d frames per rank per step, lengths %s, on %s x %d",
-                 total_steps, plan.steps_per_epoch, args.batch_size * args.segment_length, plan.segment_lengths,
-                 device, ctx.world_size)
+        log.info("training %d steps (%d per epoch), %d frames per rank per step in %d micro-batch(es), lengths %s, "
+                 "on %s x %d", total_steps, steps_per_epoch, args.batch_size * args.segment_length * args.grad_accum,
+                 args.grad_accum, plan.segment_lengths, device, ctx.world_size)
 
-        batches = make_batches(args, train_store.subset(shard_indices(len(train_store), ctx.rank, ctx.world_size),
-                                                         "this rank's shard"),
-                               plan, device, step, main_rank)
+        my_shard = train_store.subset(shard_indices(len(train_store), ctx.rank, ctx.world_size), "this rank's shard")
+        batches = make_batches(args, my_shard, plan, device, step * args.grad_accum, main_rank)
 
         def save(at_step: int) -> None:
             rng = gather_rng_states(ctx)
             if main_rank:
                 state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                          "scaler": scaler.state_dict(), "step": at_step, "samples_seen": samples_seen,
-                         "epoch": at_step // plan.steps_per_epoch, "codec": config.to_dict(),
+                         "epoch": at_step // steps_per_epoch, "codec": config.to_dict(),
                          "config": {k: v for k, v in vars(args).items() if k != "local_rank"}, "rng": rng}
                 path = ckpt.save_checkpoint(out_dir / "checkpoints", at_step, state, keep=args.keep_checkpoints)
                 metrics.write("checkpoint", at_step, path=str(path))
@@ -277,14 +285,22 @@ def train(args, stop: StopRequest) -> int:
                    dynamic_ncols=True, mininterval=1.0)
         window_start, window_frames = time.perf_counter(), 0
         while stop_reason is None:
-            faults.before_step(step, codebook_tensors(model))
+            faults.before_step(step, model)
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step, args, total_steps)
-            batch, x = batches.get(step)
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                out = ddp_model(x)
             optimizer.zero_grad(set_to_none=True)
-            scaler.scale(faults.loss(step, out.loss)).backward()
+            # the first step runs k-means init across ranks: it gets the slow-phase timeout
+            with phase_timeout(ctx, slow_phase, args.nccl_timeout) if step == 0 else contextlib.nullcontext():
+                for micro in range(args.grad_accum):
+                    batch, x = batches.get(step * args.grad_accum + micro)
+                    last = micro == args.grad_accum - 1
+                    # gradients are all-reduced once per step, on the last micro-batch
+                    with ddp_model.no_sync() if ctx.is_distributed and not last else contextlib.nullcontext():
+                        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                            out = ddp_model(x)
+                        scaler.scale(faults.loss(step, out.loss) / args.grad_accum).backward()
+                    samples_seen += len(batch.utterances)
+                    window_frames += batch.frames * ctx.world_size
             scaler.unscale_(optimizer)
             # The gradients are all-reduced, so this norm is the same on every rank: a NaN on any
             # rank skips the step on all of them, with no extra collective.
@@ -300,8 +316,7 @@ def train(args, stop: StopRequest) -> int:
                             step + 1, bad_steps)
             scaler.update()
             step += 1
-            samples_seen += len(batch.utterances)
-            window_frames += batch.frames * ctx.world_size
+            live["step"] = step
             bar.update(1)
             if bad_in_a_row > args.max_bad_steps:
                 save(step)
@@ -322,16 +337,18 @@ def train(args, stop: StopRequest) -> int:
             if step >= total_steps:
                 stop_reason = "max_steps" if args.max_steps else "epochs"
             if ctx.is_distributed and (step % args.sync_check_every == 0 or stop_reason):
-                result = sync_check(ctx, step=step, epoch=step // plan.steps_per_epoch, samples_seen=samples_seen,
+                result = sync_check(ctx, step=step, epoch=step // steps_per_epoch, samples_seen=samples_seen,
                                     stop=bool(stop), codebooks=codebook_tensors(model))
                 if result.stop and stop_reason is None:
                     stop_reason = f"signal on rank(s) {result.stop_ranks}"
             elif not ctx.is_distributed and stop and stop_reason is None:
                 stop_reason = f"signal {stop.reason}"
 
-            if step % args.eval_every == 0 or (stop_reason and not stop):
-                result, failed = evaluate(model, valid_shard, (win_utts, win_starts, eval_length), ctx, args,
-                                          amp_dtype, faults, step)
+            # a stop on request skips the final eval: a preempted job may have seconds left
+            if step % args.eval_every == 0 or stop_reason in ("max_steps", "epochs"):
+                with phase_timeout(ctx, slow_phase, args.nccl_timeout):
+                    result, failed = evaluate(model, valid_shard, (win_utts, win_starts, eval_length), ctx, args,
+                                              amp_dtype, faults, step)
                 if failed:
                     metrics.write("eval_failed", step, ranks=failed)
                     log.warning("eval at step %d skipped on every rank: it failed on rank(s) %s", step, failed)
@@ -343,13 +360,26 @@ def train(args, stop: StopRequest) -> int:
                 save(step)
         bar.close()
         metrics.write("stop", step, reason=stop_reason)
+        final_barrier(ctx, args.sync_timeout)
         log.info("finished at step %d: %s", step, stop_reason)
         return EXIT_OK
+    except Exception as e:
+        failed = True
+        if not is_distributed_error(e):
+            raise
+        # a collective failed: a peer is probably gone; the watchdog names it and exits
+        log.error("rank %d at step %d: a collective failed: %s", ctx.rank, live["step"], e)
+        if watchdog is not None:
+            watchdog.await_verdict(args.sync_timeout + 10)
+        raise DistributedFailure(f"rank {ctx.rank} stopped at step {live['step']}: {e}") from e
     finally:
         if batches is not None:
             batches.close()
+        if watchdog is not None:
+            watchdog.stop()
         metrics.close()
-        destroy(ctx)
+        if not failed:  # tearing down groups with a lost peer can block; the process exit frees them
+            destroy(ctx)
 
 
 def main(argv=None) -> int:
@@ -363,9 +393,6 @@ def main(argv=None) -> int:
     except DistributedFailure as e:
         log.error("distributed failure: %s", e)
         return e.exit_code
-    except dist.DistError as e:
-        log.error("distributed failure (a peer was lost or timed out): %s", e)
-        return DistributedFailure.exit_code
     except Exception:
         log.exception("training failed")
         return EXIT_FAILURE

@@ -61,3 +61,69 @@ def write_fairseq(folder: Path, split: str, lengths, dim=16, nshard=1, seed=0) -
         np.save(folder / f"{split}_{k}_{nshard}.npy", np.concatenate([utts[i] for i in idx]))
         (folder / f"{split}_{k}_{nshard}.len").write_text("".join(f"{lengths[i]}\n" for i in idx))
     return utts
+
+
+def _state(pid: int) -> str:
+    """A process's state letter from /proc (T: stopped), or '' when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
+class Ranks:
+    """Two (or more) trainer ranks started as a launcher would, each process observable on its own.
+
+    style: "env" (RANK/WORLD_SIZE/LOCAL_RANK, as torchrun and accelerate set them) or "slurm"
+    (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, as srun sets them). Rank 0 hosts the rendezvous store.
+    """
+
+    def __init__(self, args, *, world=2, style="env", extra_env=None, log_dir=None):
+        import signal as _signal
+        import tempfile
+        import time
+
+        self._signal, self._time = _signal, time
+        port = free_port()
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="ranks"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs, self.logs, self.ended, self.stopped = [], [], {}, {}
+        for rank in range(world):
+            e = env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS=1, **(extra_env or {}))
+            if style == "slurm":
+                e.update(SLURM_PROCID=str(rank), SLURM_NTASKS=str(world), SLURM_LOCALID=str(rank))
+            else:
+                e.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+                if style == "accelerate":
+                    e.update(ACCELERATE_MIXED_PRECISION="no")
+            log = open(self.log_dir / f"rank{rank}.log", "w+")
+            self.logs.append(log)
+            self.procs.append(subprocess.Popen([sys.executable, str(TRAINER), *map(str, args)], stdout=log,
+                                               stderr=subprocess.STDOUT, env=e, cwd=REPO))
+
+    def wait(self, timeout, ranks=None):
+        """Wait until `ranks` (default all) have ended or `timeout` passed; returns every rank's exit code
+        (None: still there)."""
+        ranks = range(len(self.procs)) if ranks is None else ranks
+        deadline = self._time.monotonic() + timeout
+        while self._time.monotonic() < deadline and not all(r in self.ended for r in ranks):
+            for r, p in enumerate(self.procs):
+                if r not in self.ended and p.poll() is not None:
+                    self.ended[r] = self._time.monotonic()
+                elif r not in self.stopped and _state(p.pid) == "T":
+                    self.stopped[r] = self._time.monotonic()
+            self._time.sleep(0.2)
+        return [p.poll() for p in self.procs]
+
+    def output(self, rank) -> str:
+        return (self.log_dir / f"rank{rank}.log").read_text()
+
+    def close(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(self._signal.SIGCONT)
+                p.kill()
+                p.wait(timeout=30)
+        for log in self.logs:
+            log.close()

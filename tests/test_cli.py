@@ -152,3 +152,23 @@ def test_single_process_fallback_command(tmp_path):
     assert "DEMO corpus" in r.stderr
     assert events(out, "stop")[-1]["step"] == 20
     assert {e["segment_length"] for e in events(out, "train")} <= {64, 128, 256, 512}
+
+
+def test_first_sigint_requests_a_stop_and_the_second_exits_at_once():
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO, env
+
+    script = (
+        "import os, signal\n"
+        "from training.signals import StopRequest\n"
+        "stop = StopRequest().install()\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "print('stop requested:', stop.reason, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "print('still running', flush=True)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env(), cwd=REPO)
+    assert r.returncode == 130
+    assert "stop requested: SIGINT" in r.stdout and "still running" not in r.stdout

@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("optimisation")
     g.add_argument("--max_steps", type=positive_int, default=None, help="none: --epochs decides")
     g.add_argument("--epochs", type=positive_int, default=10)
+    g.add_argument("--grad_accum", type=positive_int, default=1,
+                   help="micro-batches per step; gradients are all-reduced on the last one only")
     g.add_argument("--lr", type=positive_float, default=2e-3)
     g.add_argument("--min_lr_ratio", type=float, default=0.1, help="cosine decay ends at lr x this")
     g.add_argument("--warmup_steps", type=int, default=50)
@@ -119,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--keep_checkpoints", type=positive_int, default=3)
     g.add_argument("--log_every", type=positive_int, default=10)
     g.add_argument("--resume", default="auto", help="auto (last checkpoint in --output_dir), none, or a path")
+    g.add_argument("--tensorboard", action="store_true",
+                   help="also write the metrics as TensorBoard scalars to OUTPUT_DIR/tensorboard (pip install tensorboard)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, or cuda:N (single process)")
 
     g = p.add_argument_group("distributed")
@@ -127,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sync_check_every", type=positive_int, default=50, help="steps between cross-rank sync checks")
     g.add_argument("--sync_timeout", type=positive_int, default=300,
                    help="seconds a sync check waits for a silent rank before every rank stops")
+    g.add_argument("--slow_phase_timeout", type=positive_int, default=None,
+                   help="process-group timeout in seconds for the first step (k-means init) and eval; "
+                        "default twice --nccl_timeout")
     g.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p
 

@@ -8,6 +8,7 @@ that they never wait behind queued NCCL kernels.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -18,6 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+
+from training.presets import FLIGHT_RECORDER_DIR, trainer_nccl_env
 
 log = logging.getLogger(__name__)
 
@@ -98,14 +101,10 @@ def configure_nccl_env(output_dir: Path) -> None:
 
     Read by PyTorch when the NCCL process group is created; values the user set win.
     """
-    trace_dir = Path(output_dir) / "nccl_traces"
-    trace_dir.mkdir(parents=True, exist_ok=True)
-    _set_default_env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    _set_default_env("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
-    _set_default_env("TORCH_FR_BUFFER_SIZE", os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"])
-    _set_default_env("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-    _set_default_env("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(trace_dir / "rank_"))
-    _set_default_env("TORCH_FR_DUMP_TEMP_FILE", os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"])
+    (Path(output_dir) / FLIGHT_RECORDER_DIR).mkdir(parents=True, exist_ok=True)
+    # the values live in training/presets.py, which the launcher reads too (DRY_RUN shows them)
+    for name, value in trainer_nccl_env(output_dir).items():
+        _set_default_env(name, value)
 
 
 def init_distributed(launch: Launch, device: torch.device, *, timeout_s: int, control_timeout_s: int,
@@ -125,6 +124,12 @@ def init_distributed(launch: Launch, device: torch.device, *, timeout_s: int, co
     log.info("process group up: %s, world size %d, timeout %ds; control plane on gloo (%ds)",
              ctx.backend, ctx.world_size, timeout_s, control_timeout_s)
     return ctx
+
+
+def final_barrier(ctx: DistContext, timeout_s: int) -> None:
+    """Every rank waits here before tearing down; monitored_barrier names a rank that never arrives."""
+    if ctx.is_distributed:
+        dist.monitored_barrier(group=ctx.control, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
 
 
 def destroy(ctx: DistContext) -> None:
@@ -165,3 +170,27 @@ def wrap_ddp(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
     no_forward_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
     device_ids = [ctx.device] if ctx.device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids, **no_forward_sync)
+
+
+@contextlib.contextmanager
+def phase_timeout(ctx: DistContext, seconds: int, normal_seconds: int):
+    """Give the main process group a longer timeout for a slow phase (k-means init, eval), then restore it."""
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if not ctx.is_distributed or setter is None:
+        yield
+        return
+    setter(timedelta(seconds=seconds))
+    try:
+        yield
+    finally:
+        setter(timedelta(seconds=normal_seconds))
+
+
+def is_distributed_error(error: BaseException) -> bool:
+    """A failure of a collective or of the rendezvous (a peer lost, a timeout), as opposed to a bug."""
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        mark in text for mark in ("gloo", "Gloo", "NCCL", "Connection closed by peer", "Connection reset",
+                                  "timed out", "Timed out", "monitoredBarrier"))

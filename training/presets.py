@@ -1,13 +1,21 @@
-"""Launch presets: defined here once, read by run_nccl_optimized.sh and by the tests.
+"""Launch presets and the trainer's NCCL debugging defaults: defined here once.
 
-`python -m training.presets NAME` prints the preset as tab-separated lines
-(`about`, `flag`, `env` and `workaround` rows) for the launcher to read;
-`python -m training.presets --list` prints the names with what they are for.
+Read by run_nccl_optimized.sh, by the trainer (training/distributed.py) and by
+the tests.
+
+`python -m training.presets NAME [--output_dir DIR]` prints the preset as
+tab-separated lines for the launcher to read: `about`, `flag`, `env` and
+`workaround` rows, then `trainer_env` rows (what ProcessGroupNCCL will read
+with DIR as the output dir, and whether the value is yours or the trainer's
+default); `python -m training.presets
+--list` prints the names with what they are for.
 """
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -40,12 +48,43 @@ PRESETS = {
     ),
 }
 
+# PyTorch's async error handling and NCCL flight recorder, documented in PyTorch's "ProcessGroupNCCL
+# Environment Variables". Every preset gets them: the trainer sets them when it creates an NCCL process
+# group (values the user set win). The launcher shows them but does not export them, because the dump
+# path depends on the output dir, which a later --output_dir flag can change.
+FLIGHT_RECORDER_DIR = "nccl_traces"  # dumps land in OUTPUT_DIR/nccl_traces/rank_<rank>
+TRAINER_NCCL_ENV = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": None,  # OUTPUT_DIR/nccl_traces/rank_
+}
+# Newer PyTorch reads the flight recorder's settings under these names; each follows its older twin.
+TRAINER_NCCL_ENV_NEWER_NAMES = {
+    "TORCH_FR_BUFFER_SIZE": "TORCH_NCCL_TRACE_BUFFER_SIZE",
+    "TORCH_FR_DUMP_TEMP_FILE": "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+}
+
+
+def trainer_nccl_env(output_dir, environ=None) -> dict[str, str]:
+    """The values ProcessGroupNCCL will read: the user's where set, else the trainer's defaults."""
+    environ = os.environ if environ is None else environ
+    dump_prefix = str(Path(output_dir) / FLIGHT_RECORDER_DIR / "rank_")
+    values = {name: environ.get(name, default if default is not None else dump_prefix)
+              for name, default in TRAINER_NCCL_ENV.items()}
+    for newer, older in TRAINER_NCCL_ENV_NEWER_NAMES.items():
+        values[newer] = environ.get(newer, values[older])
+    return values
+
 
 def main(argv) -> int:
     if argv == ["--list"]:
         for name, preset in PRESETS.items():
             print(f"{name}\t{preset.about}")
         return 0
+    output_dir = None
+    if len(argv) == 3 and argv[1] == "--output_dir":
+        argv, output_dir = argv[:1], argv[2]
     if len(argv) != 1 or argv[0] not in PRESETS:
         print(f"unknown preset {' '.join(argv)!r}; presets: {', '.join(PRESETS)}", file=sys.stderr)
         return 2
@@ -57,6 +96,9 @@ def main(argv) -> int:
         print(f"env\t{name}\t{value}")
     for name, value in preset.workarounds.items():
         print(f"workaround\t{name}\t{value}")
+    if output_dir is not None:
+        for name, value in trainer_nccl_env(output_dir).items():
+            print(f"trainer_env\t{name}\t{value}\t{'yours' if name in os.environ else 'default'}")
     return 0
 
 

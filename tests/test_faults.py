@@ -1,0 +1,134 @@
+"""Every fault on 2 gloo ranks: each run ends within its bound, with the right exit code, message and files."""
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import TINY, Ranks, events, write_fairseq
+
+SYNC_TIMEOUT = 10
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    write_fairseq(d, "train", np.random.default_rng(3).integers(40, 200, size=61).tolist(), seed=3)
+    write_fairseq(d, "valid", [64] * 7, seed=4)
+    return d
+
+
+def flags(data, out, *extra):
+    return ["--data_dir", data, "--output_dir", out, *TINY, "--sync_check_every", "4", "--sync_timeout",
+            SYNC_TIMEOUT, "--nccl_timeout", "600", "--eval_every", "8", *map(str, extra)]
+
+
+@pytest.fixture
+def ranks():
+    started = []
+
+    def start(*args, **kw):
+        r = Ranks(*args, **kw)
+        started.append(r)
+        return r
+
+    yield start
+    for r in started:
+        r.close()
+
+
+def final_weights(run_dir):
+    from training.checkpoint import list_checkpoints, load_checkpoint
+
+    return load_checkpoint(list_checkpoints(run_dir / "checkpoints")[0])
+
+
+def assert_same_weights(a, b):
+    assert a["step"] == b["step"]
+    for key in a["model"]:
+        torch.testing.assert_close(a["model"][key], b["model"][key], rtol=0, atol=0, msg=key)
+
+
+def test_killed_rank_is_named_and_resume_loses_at_most_save_every(tmp_path, data, ranks):
+    out = tmp_path / "run"
+    job = ranks(flags(data, out, "--max_steps", 30, "--save_every", 4), extra_env={"RVQ_FAULT": "kill:rank=1:step=10"})
+    codes = job.wait(timeout=SYNC_TIMEOUT + 90)
+    assert codes[1] == -9
+    assert codes[0] not in (0, None), job.output(0)
+    assert job.ended[0] - job.ended[1] <= SYNC_TIMEOUT + 30
+    assert "rank(s) [1] lost" in job.output(0)
+
+    again = ranks(flags(data, out, "--max_steps", 30, "--save_every", 4))
+    assert again.wait(timeout=200) == [0, 0], again.output(0)
+    assert "resumed from" in again.output(0) and "at step 8" in again.output(0)  # killed during step 11
+    assert events(out, "stop")[-1]["step"] == 30
+
+
+def test_hung_rank_is_named_while_peer_blocks_in_gradient_allreduce(tmp_path, data, ranks):
+    out = tmp_path / "run"
+    job = ranks(flags(data, out, "--max_steps", 30), extra_env={"RVQ_FAULT": "hang:rank=1:step=6:at=backward"})
+    codes = job.wait(timeout=SYNC_TIMEOUT + 90, ranks=[0])
+    assert codes[1] is None and 1 in job.stopped  # stopped, not dead
+    assert codes[0] == 3, job.output(0)
+    assert job.ended[0] - job.stopped[1] <= SYNC_TIMEOUT + 30
+    assert "rank(s) [1] silent" in job.output(0) and "at step 6" in job.output(0)
+
+
+def test_perturbed_codebook_is_caught_at_the_next_sync_check(tmp_path, data, ranks):
+    out = tmp_path / "run"
+    job = ranks(flags(data, out, "--max_steps", 30), extra_env={"RVQ_FAULT": "desync:rank=1:step=5"})
+    assert job.wait(timeout=120) == [3, 3], job.output(0)
+    for r in (0, 1):
+        assert "sync check at step 8: the codebooks of rank(s) 1 differ from rank 0's" in job.output(r)
+
+
+def test_sigterm_to_one_rank_stops_both_at_one_step_and_resumes_exactly(tmp_path, data, ranks):
+    straight = tmp_path / "straight"
+    assert ranks(flags(data, straight, "--max_steps", 16)).wait(timeout=200) == [0, 0]
+
+    out = tmp_path / "split"
+    job = ranks(flags(data, out, "--max_steps", 16), extra_env={"RVQ_FAULT": "signal:rank=1:step=5:sig=TERM"})
+    assert job.wait(timeout=200) == [0, 0], job.output(0) + job.output(1)
+    assert "SIGTERM received" in job.output(1) and "SIGTERM" not in job.output(0)
+    stop = events(out, "stop")[-1]
+    assert stop["step"] == 8 and "signal on rank(s) [1]" in stop["reason"]
+    assert [e["step"] for e in events(out, "checkpoint")] == [8]
+
+    again = ranks(flags(data, out, "--max_steps", 16))
+    assert again.wait(timeout=200) == [0, 0], again.output(0)
+    assert_same_weights(final_weights(straight), final_weights(out))
+
+
+def test_eval_error_on_one_rank_is_skipped_by_all_and_training_goes_on(tmp_path, data, ranks):
+    out = tmp_path / "run"
+    job = ranks(flags(data, out, "--max_steps", 16), extra_env={"RVQ_FAULT": "eval_error:rank=1"})
+    assert job.wait(timeout=200) == [0, 0], job.output(0) + job.output(1)
+    assert [(e["step"], e["ranks"]) for e in events(out, "eval_failed")] == [(8, [1])]
+    assert [e["step"] for e in events(out, "eval")] == [16]
+    assert events(out, "stop")[-1]["step"] == 16
+
+
+def test_nan_loss_on_one_rank_is_skipped_on_both(tmp_path, data, ranks):
+    out = tmp_path / "run"
+    job = ranks(flags(data, out, "--max_steps", 12), extra_env={"RVQ_FAULT": "nan:rank=1:step=5"})
+    assert job.wait(timeout=200) == [0, 0], job.output(0) + job.output(1)
+    assert [e["step"] for e in events(out, "skipped_step")] == [6]
+    assert "update skipped on every rank" in job.output(1)
+    assert events(out, "train")[-1]["bad_steps"] == 1
+    assert events(out, "stop")[-1]["step"] == 12  # the sync checks at 8 and 12 found equal codebooks
+
+
+def test_too_many_bad_steps_checkpoint_and_exit_1(tmp_path, data, ranks):
+    out = tmp_path / "run"
+    faults = ",".join(f"nan:step={s}" for s in range(3, 7))
+    job = ranks(flags(data, out, "--max_steps", 20, "--max_bad_steps", 3), extra_env={"RVQ_FAULT": faults})
+    assert job.wait(timeout=200) == [1, 1], job.output(0)
+    assert "4 non-finite steps in a row" in job.output(0)
+    assert [e["step"] for e in events(out, "checkpoint")] == [7]
+
+
+@pytest.mark.parametrize("style", ["slurm", "accelerate"])
+def test_other_launchers_environments(tmp_path, data, ranks, style):
+    out = tmp_path / "run"
+    job = ranks(flags(data, out, "--max_steps", 8, "--grad_accum", 2), style=style)
+    assert job.wait(timeout=200) == [0, 0], job.output(0) + job.output(1)
+    assert "world size 2" in job.output(0) and "in 2 micro-batch(es)" in job.output(0)
+    assert events(out, "stop")[-1]["step"] == 8
