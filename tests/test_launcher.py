@@ -1,15 +1,43 @@
-"""run_nccl_optimized.sh: presets read from training/presets.py, flags forwarded, one process without GPUs."""
+"""run_nccl_optimized.sh: presets from training/presets.py, the environment it resolves, torchrun or one process."""
+import json
+import os
+import re
+import shlex
 import subprocess
+import time
 
 import pytest
 
 from tests.helpers import REPO, TINY, env, events
-from training.presets import PRESETS
+from training.presets import PRESETS, TRAINER_NCCL_ENV
+
+# variables of this machine that would change what the launcher prints
+LAUNCH_VARS = ("NPROC_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "RDZV_ENDPOINT", "RDZV_ID",
+               "MAX_RESTARTS", "OMP_NUM_THREADS", "DATA_DIR", "OUTPUT_DIR", "DRY_RUN", "SLURM_JOB_ID")
 
 
-def launch(*args, timeout=240, **extra_env):
+def launch(*args, timeout=240, cwd=REPO, **extra_env):
+    e = env(**extra_env)
+    for name in list(e):
+        if (name in LAUNCH_VARS or name.startswith(("NCCL_", "TORCH_"))) and name not in extra_env:
+            del e[name]
     return subprocess.run(["bash", str(REPO / "run_nccl_optimized.sh"), *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env=env(**extra_env), cwd=REPO)
+                          text=True, timeout=timeout, env=e, cwd=cwd)
+
+
+def dry_run(*args, **extra_env):
+    """(exported variables, command as a list, the messages) of a DRY_RUN; stdout is a script to paste."""
+    r = launch(*args, timeout=60, DRY_RUN=1, **extra_env)
+    assert r.returncode == 0, r.stderr
+    exports = dict(line[len("export "):].split("=", 1) for line in r.stdout.splitlines() if line.startswith("export "))
+    command = shlex.split(r.stdout.split("# command\n", 1)[1])
+    trainer_env = dict(line[len("#   "):].split("=", 1) for line in r.stdout.splitlines() if line.startswith("#   "))
+    exports = {k: shlex.split(v)[0] if v else "" for k, v in exports.items()}
+    return exports, command, r.stderr + "".join(f"\ntrainer sets {k}={v}" for k, v in trainer_env.items())
+
+
+def value_after(command, flag):
+    return command[command.index(flag) + 1]
 
 
 @pytest.mark.parametrize("args", [[], ["turbo"]])
@@ -17,16 +45,38 @@ def test_no_or_unknown_preset_prints_usage_and_exits_2(args):
     r = launch(*args)
     assert r.returncode == 2
     assert "usage: bash run_nccl_optimized.sh PRESET" in r.stderr
+    assert "run_nccl_optimized.sh doctor" in r.stderr
     for name in PRESETS:
         assert name in r.stderr
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_dry_run_prints_each_presets_flags_and_environment_and_starts_nothing(preset, tmp_path):
+    out = tmp_path / "run"
+    exports, command, stderr = dry_run(preset, "--max_steps", "7", OUTPUT_DIR=out)
+    assert not out.exists()  # nothing started, nothing written
+    assert command[1].endswith("rvq_seamless_gpu_cache_nccl.py")  # one process without GPUs or NPROC_PER_NODE
+    trainer_args = command[2:]
+    preset_flags = list(PRESETS[preset].flags)
+    assert trainer_args == ["--output_dir", str(out), *preset_flags, "--max_steps", "7"]
+    workarounds = {"NCCL_IB_DISABLE": "1", "NCCL_P2P_DISABLE": "1"}
+    if preset == "conservative":
+        assert {k: exports[k] for k in workarounds} == workarounds
+        assert "NCCL_IB_DISABLE=1: a workaround from NCCL's troubleshooting guide" in stderr
+    else:
+        assert not set(workarounds) & set(exports)
+        assert "workaround" not in stderr
+    assert int(exports["OMP_NUM_THREADS"]) == max(1, len(os.sched_getaffinity(0)))
+    assert exports["PYTHONPATH"].split(":")[0] == str(REPO)
+    # the trainer's flight-recorder settings, shown with this run's dump path, from training/presets.py
+    for name, value in TRAINER_NCCL_ENV.items():
+        assert f"trainer sets {name}={value or f'{out}/nccl_traces/rank_'}" in stderr
 
 
 def test_preset_flags_come_first_and_user_flags_win(tmp_path):
     out = tmp_path / "run"
     r = launch("conservative", *TINY, "--max_steps", "3", "--batch_size", "2", OUTPUT_DIR=out)
     assert r.returncode == 0, r.stderr[-3000:]
-    import json
-
     config = json.loads((out / "config.json").read_text())
     assert config["batch_size"] == 2  # the user's, after the preset's 16
     assert config["nccl_timeout"] == 3600 and config["pin_memory"] is False
@@ -36,17 +86,110 @@ def test_preset_flags_come_first_and_user_flags_win(tmp_path):
 
 
 def test_user_environment_wins_over_preset(tmp_path):
-    r = launch("conservative", *TINY, "--max_steps", "1", OUTPUT_DIR=tmp_path / "run", NCCL_P2P_DISABLE="0")
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "keeping NCCL_P2P_DISABLE=0 from your environment" in r.stderr
+    exports, command, stderr = dry_run("conservative", OUTPUT_DIR=tmp_path / "run", NCCL_P2P_DISABLE="0",
+                                       OMP_NUM_THREADS="3", TORCH_NCCL_TRACE_BUFFER_SIZE="64",
+                                       NCCL_SOCKET_IFNAME="eth0")
+    assert "keeping NCCL_P2P_DISABLE=0 from your environment" in stderr
+    assert exports["NCCL_P2P_DISABLE"] == "0" and exports["NCCL_IB_DISABLE"] == "1"
+    assert exports["OMP_NUM_THREADS"] == "3" and "keeping OMP_NUM_THREADS=3" in stderr
+    assert exports["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "64" and "keeping TORCH_NCCL_TRACE_BUFFER_SIZE=64" in stderr
+    assert exports["NCCL_SOCKET_IFNAME"] == "eth0" and "keeping NCCL_SOCKET_IFNAME=eth0" in stderr
+
+
+def test_nccl_timeout_from_the_environment_wins_over_the_presets_flag(tmp_path):
+    exports, command, stderr = dry_run("conservative", OUTPUT_DIR=tmp_path / "run", NCCL_TIMEOUT="1200")
+    assert "--nccl_timeout" not in command  # so the trainer takes NCCL_TIMEOUT as its process-group timeout
+    assert exports["NCCL_TIMEOUT"] == "1200"
+    assert "warning: NCCL_TIMEOUT=1200: NCCL does not read NCCL_TIMEOUT" in stderr
 
 
 def test_data_dir_and_default_output_dir(tmp_path):
     from tests.helpers import write_fairseq
 
     write_fairseq(tmp_path / "data", "train", [100] * 20)
-    r = subprocess.run(["bash", str(REPO / "run_nccl_optimized.sh"), "basic", *TINY, "--max_steps", "2"],
-                       capture_output=True, text=True, timeout=200, cwd=tmp_path,
-                       env=env(DATA_DIR=tmp_path / "data"))
+    r = launch("basic", *TINY, "--max_steps", "2", timeout=200, cwd=tmp_path, DATA_DIR=tmp_path / "data")
     assert r.returncode == 0, r.stderr[-3000:]
     assert events(tmp_path / "runs" / "basic", "stop")[-1]["step"] == 2
+
+
+def test_ranks_on_one_node_use_torchrun_and_share_the_cores(tmp_path):
+    exports, command, stderr = dry_run("prefetch", OUTPUT_DIR=tmp_path / "run", NPROC_PER_NODE=2)
+    assert command[1:3] == ["-m", "torch.distributed.run"]
+    assert value_after(command, "--nproc_per_node") == "2" and value_after(command, "--nnodes") == "1"
+    assert value_after(command, "--master_addr") == "127.0.0.1"
+    assert 1024 <= int(value_after(command, "--master_port")) <= 65535
+    assert int(exports["OMP_NUM_THREADS"]) == max(1, len(os.sched_getaffinity(0)) // 2)
+    assert "no GPU visible: 2 ranks on the CPU, with gloo" in stderr
+
+
+@pytest.mark.parametrize("node_rank", [0, 1])
+def test_two_nodes_with_a_static_master_as_in_the_readme(node_rank, tmp_path):
+    exports, command, stderr = dry_run("gpu_cache", "--multi_length_training", NNODES=2, NODE_RANK=node_rank,
+                                       NPROC_PER_NODE=8, MASTER_ADDR="10.0.0.1", MASTER_PORT=29500,
+                                       DATA_DIR="/shared/feats", OUTPUT_DIR="/shared/runs/rvq")
+    assert command[1:3] == ["-m", "torch.distributed.run"]
+    assert [value_after(command, f) for f in ("--nproc_per_node", "--nnodes", "--node_rank", "--master_addr",
+                                              "--master_port")] == ["8", "2", str(node_rank), "10.0.0.1", "29500"]
+    assert "--rdzv_backend" not in command
+    assert command[command.index("--output_dir"):] == ["--output_dir", "/shared/runs/rvq", "--data_dir",
+                                                       "/shared/feats", "--use_gpu_cache", "--multi_length_training"]
+
+
+def test_rdzv_endpoint_gives_a_c10d_rendezvous_with_one_id_for_every_node(tmp_path):
+    exports, command, stderr = dry_run("basic", NNODES="2", NPROC_PER_NODE=8, RDZV_ENDPOINT="10.0.0.1:29400",
+                                       OUTPUT_DIR="/shared/runs/rvq")
+    assert [value_after(command, f) for f in ("--rdzv_backend", "--rdzv_endpoint", "--nnodes")] == [
+        "c10d", "10.0.0.1:29400", "2"]
+    assert value_after(command, "--rdzv_id") == "rvq--shared-runs-rvq"  # the same on every node
+    assert "--master_addr" not in command and "--node_rank" not in command
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"NNODES": "2", "MASTER_ADDR": "10.0.0.1"}, "NNODES=2 needs NODE_RANK"),
+    ({"NNODES": "2", "NODE_RANK": "0"}, "NNODES=2 needs MASTER_ADDR"),
+    ({"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "10.0.0.1"}, "node ranks run from 0 to 1"),
+    ({"NPROC_PER_NODE": "two"}, "NPROC_PER_NODE=two: expected a whole number >= 1"),
+    ({"MAX_RESTARTS": "-1"}, "MAX_RESTARTS=-1: expected a whole number >= 0"),
+])
+def test_a_launch_that_cannot_work_exits_2_before_starting(bad, message, tmp_path):
+    r = launch("basic", timeout=60, OUTPUT_DIR=tmp_path / "run", **bad)
+    assert r.returncode == 2, r.stderr
+    assert any(line.startswith("[run_nccl_optimized] ") and message in line for line in r.stderr.splitlines())
+    assert not (tmp_path / "run").exists()
+
+
+def test_max_restarts_uses_torchrun_even_for_one_process_and_resumes(tmp_path):
+    exports, command, stderr = dry_run("basic", "--lr", "1e-3", OUTPUT_DIR=tmp_path / "run", MAX_RESTARTS=2)
+    assert command[1:3] == ["-m", "torch.distributed.run"]
+    assert value_after(command, "--max-restarts") == "2" and value_after(command, "--nproc_per_node") == "1"
+    # a restart must not read the first attempt's store: c10d rendezvous, a store per attempt
+    assert value_after(command, "--rdzv_backend") == "c10d"
+    assert value_after(command, "--rdzv_endpoint").startswith("127.0.0.1:")
+    assert exports["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert command[-4:] == ["--resume", "auto", "--lr", "1e-3"]  # before the user's flags, which win
+
+
+def test_two_gloo_ranks_on_this_cpu(tmp_path):
+    """NPROC_PER_NODE=2 bash run_nccl_optimized.sh basic --max_steps 20, on the demo corpus."""
+    out = tmp_path / "run"
+    r = launch("basic", *TINY, "--max_steps", "20", timeout=240, OUTPUT_DIR=out, NPROC_PER_NODE=2)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "torch.distributed.run --nproc_per_node 2" in r.stderr
+    assert "process group up: gloo, world size 2" in r.stderr
+    assert events(out, "stop")[-1]["step"] == 20
+
+
+def test_max_restarts_restarts_a_killed_rank_and_resumes_from_the_checkpoint(tmp_path):
+    """Rank 1 is SIGKILLed at step 12; torchrun restarts both ranks, which resume from step 10 and finish."""
+    out = tmp_path / "run"
+    start = time.monotonic()
+    r = launch("basic", *TINY, "--max_steps", "20", "--save_every", "5", "--sync_check_every", "2",
+               "--nccl_timeout", "60", "--sync_timeout", "30", timeout=280, OUTPUT_DIR=out, NPROC_PER_NODE=2,
+               MAX_RESTARTS=1, RVQ_FAULT="kill:rank=1:step=12")
+    seconds = time.monotonic() - start
+    assert r.returncode == 0, r.stderr[-6000:]
+    assert re.search(r"exitcode\s*: -9|exitcode: -9", r.stderr), "rank 1 was not killed"
+    assert re.search(r"resumed from \S+step_00000010\.pt at step 10", r.stderr), r.stderr[-6000:]
+    assert [e["step"] for e in events(out, "checkpoint")] == [5, 10, 15, 20]
+    assert events(out, "stop")[-1]["step"] == 20
+    print(f"kill, restart and resume took {seconds:.1f} s")

@@ -1,0 +1,496 @@
+"""Doctor: would a launch work on this host? Run it before a long job, and after a failed one.
+
+    python -m training.doctor              # or: bash run_nccl_optimized.sh doctor
+    python -m training.doctor --env        # only the warnings about NCCL_*/TORCH_* variables
+
+Prints torch, CUDA and NCCL versions; the GPUs and their topology; the network
+interfaces and the one NCCL would pick; variables NCCL does not read or that
+PyTorch renamed; whether MASTER_ADDR:MASTER_PORT (or RDZV_ENDPOINT) can be used.
+Reads the launcher's environment: NPROC_PER_NODE, NNODES, NODE_RANK,
+MASTER_ADDR, MASTER_PORT, RDZV_ENDPOINT, MAX_RESTARTS, CUDA_VISIBLE_DEVICES,
+DATA_DIR, OUTPUT_DIR. Exit 0: nothing found that would stop a launch (warnings
+may be printed); 1: a launch would fail, with the reasons.
+
+It only looks: it binds a port for a moment to see whether it is free, and
+tries one TCP connection to a remote master; it never scans.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+
+DEFAULT_MULTI_NODE_PORT = 29500  # torchrun's; the launcher uses it when several nodes must agree on one
+DEFAULT_RDZV_PORT = 29400  # torchrun's default port for --rdzv_endpoint without one
+RESOLVE_TIMEOUT_S = 10
+CONNECT_TIMEOUT_S = 3
+
+# Renamed by PyTorch 2.2 (pytorch/pytorch#114077): the old names still work, with a deprecation warning.
+# None of them was ever read by NCCL itself.
+RENAMED = {
+    "NCCL_ASYNC_ERROR_HANDLING": "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "NCCL_BLOCKING_WAIT": "TORCH_NCCL_BLOCKING_WAIT",
+    "NCCL_DESYNC_DEBUG": "TORCH_NCCL_DESYNC_DEBUG",
+    "NCCL_ENABLE_TIMING": "TORCH_NCCL_ENABLE_TIMING",
+    "ENABLE_NCCL_HEALTH_CHECK": "TORCH_ENABLE_NCCL_HEALTH_CHECK",
+    "NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK": "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK",
+}
+NOT_READ = {
+    "NCCL_TIMEOUT": "NCCL does not read NCCL_TIMEOUT; the trainer uses it as the process-group timeout "
+                    "(the default of --nccl_timeout, in seconds), and --nccl_timeout on the command line wins",
+    "NCCL_RINGS": "NCCL_RINGS is not an NCCL setting any more: NCCL documented it up to 2.3, and since 2.4 "
+                  "builds its rings and trees from the detected topology; remove it",
+}
+# Settings NCCL's troubleshooting guide offers as workarounds; they cost speed when left on.
+WORKAROUNDS = ("NCCL_IB_DISABLE", "NCCL_P2P_DISABLE", "NCCL_BUFFSIZE", "NCCL_NTHREADS")
+
+NCCL_DEFAULT_RULE = ("NCCL_SOCKET_IFNAME unset: NCCL skips lo and docker*, prefers ib*, else takes the first "
+                     "other interface with an address (lo or docker* only when nothing else has one)")
+
+
+@dataclass
+class Report:
+    problems: list = field(default_factory=list)  # a launch would fail
+    warnings: list = field(default_factory=list)
+
+    def fail(self, text: str) -> None:
+        self.problems.append(text)
+        print(f"  FAIL: {text}")
+
+    def warn(self, text: str) -> None:
+        self.warnings.append(text)
+        print(f"  warning: {text}")
+
+
+def env_warnings(environ) -> list[str]:
+    """Variables NCCL does not read, PyTorch's renamed ones, and workarounds left on."""
+    out = []
+    for name, why in NOT_READ.items():
+        if name in environ:
+            out.append(f"{name}={environ[name]}: {why}")
+    for old, new in RENAMED.items():
+        if old not in environ:
+            continue
+        text = (f"{old}={environ[old]}: PyTorch renamed it to {new} (PyTorch 2.2; the old name still works, with "
+                f"a deprecation warning, and NCCL itself never read it): set {new} instead")
+        if new in environ and environ[new] != environ[old]:
+            text += f"; both are set, to different values ({new}={environ[new]}): remove {old}"
+        out.append(text)
+    for name in WORKAROUNDS:
+        if environ.get(name, "0") != "0" and not (name.endswith("_DISABLE") and environ[name] == ""):
+            out.append(f"{name}={environ[name]} is a workaround from NCCL's troubleshooting guide, not a tuning: it "
+                       "costs bandwidth; unset it once the problem it worked around is solved")
+    return out
+
+
+# ---- network interfaces
+
+
+def interface_addresses() -> dict[str, list[str]]:
+    """Interface name -> addresses (CIDR), in the kernel's order; from `ip -o addr` when there is one."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        names = sorted(os.listdir("/sys/class/net")) if os.path.isdir("/sys/class/net") else []
+    addrs = {name: [] for name in names}
+    if shutil.which("ip"):
+        try:
+            text = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True, timeout=5).stdout
+        except (OSError, subprocess.SubprocessError):
+            text = ""
+        for line in text.splitlines():
+            parts = line.split()
+            if len(parts) >= 4 and parts[2] in ("inet", "inet6"):
+                addrs.setdefault(parts[1].split("@")[0], []).append(parts[3])
+        return addrs
+    for name in names:  # no `ip`: IPv4 addresses through the SIOCGIFADDR ioctl
+        address = _ipv4_by_ioctl(name)
+        if address:
+            addrs[name].append(address)
+    return addrs
+
+
+def _ipv4_by_ioctl(name: str) -> str | None:
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def usable(addresses: list[str]) -> list[str]:
+    """Addresses NCCL could bind: not IPv6 link-local."""
+    return [a for a in addresses if not ipaddress.ip_interface(a).ip.is_link_local]
+
+
+def _matches(name: str, token: str) -> bool:
+    return name == token[1:] if token.startswith("=") else name.startswith(token)
+
+
+def nccl_interfaces(addrs: dict[str, list[str]], ifname: str | None) -> list[str]:
+    """The interfaces NCCL would use, following its documented selection (NCCL_SOCKET_IFNAME or the default)."""
+    candidates = [name for name, a in addrs.items() if usable(a)]
+    if ifname:
+        exclude = ifname.startswith("^")
+        tokens = [t for t in ifname.lstrip("^").split(",") if t]
+        return [n for n in candidates if any(_matches(n, t) for t in tokens) != exclude]
+    for pick in (lambda n: n.startswith("ib"), lambda n: not (n == "lo" or n.startswith("docker")),
+                 lambda n: n.startswith("docker"), lambda n: n == "lo"):
+        chosen = [n for n in candidates if pick(n)]
+        if chosen:
+            return chosen[:1]
+    return []
+
+
+def operstate(name: str) -> str:
+    try:
+        with open(f"/sys/class/net/{name}/operstate") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+# ---- addresses and ports
+
+
+def resolve(host: str, timeout: float = RESOLVE_TIMEOUT_S) -> tuple[list[str], str | None]:
+    """(addresses, error): getaddrinfo in a thread, so that a dead resolver cannot hang the doctor."""
+    result: dict = {}
+
+    def lookup():
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+            result["addrs"] = list(dict.fromkeys(info[4][0] for info in infos))
+        except OSError as e:
+            result["error"] = str(e)
+
+    thread = threading.Thread(target=lookup, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        return [], f"no answer from the resolver within {timeout:.0f} s"
+    return result.get("addrs", []), result.get("error")
+
+
+def _family(address: str) -> int:
+    return socket.AF_INET6 if ":" in address else socket.AF_INET
+
+
+def is_local(address: str) -> bool:
+    """An address of this host: binding to it works only here."""
+    with socket.socket(_family(address), socket.SOCK_STREAM) as s:
+        try:
+            s.bind((address, 0))
+            return True
+        except OSError:
+            return False
+
+
+def port_in_use(address: str, port: int) -> str | None:
+    """Why the port cannot be listened on at this local address, or None when it is free."""
+    with socket.socket(_family(address), socket.SOCK_STREAM) as s:
+        # as TCPStore does: a port left in TIME_WAIT by an earlier run is free to reuse
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((address, port))
+            s.listen(1)
+            return None
+        except OSError as e:
+            return e.strerror or str(e)
+
+
+def try_connect(address: str, port: int, timeout: float = CONNECT_TIMEOUT_S) -> str:
+    """One TCP connection attempt: 'open', 'refused', 'timeout' or the error."""
+    try:
+        with socket.create_connection((address, port), timeout=timeout):
+            return "open"
+    except ConnectionRefusedError:
+        return "refused"
+    except (socket.timeout, TimeoutError):
+        return "timeout"
+    except OSError as e:
+        return e.strerror or str(e)
+
+
+def route_source(address: str) -> str | None:
+    """The local address the kernel would send from to reach `address` (a UDP connect sends nothing)."""
+    with socket.socket(_family(address), socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((address, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return None
+
+
+# ---- the launch as the launcher would run it
+
+
+def _int(environ, name, report: Report, minimum: int, default=None):
+    text = environ.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        report.fail(f"{name}={text!r}: expected a whole number >= {minimum}")
+        return default
+    return value
+
+
+def check_launch(environ, report: Report, *, cuda: bool, gpus: int) -> None:
+    """What run_nccl_optimized.sh would do with this environment, and whether it can work here."""
+    nproc = _int(environ, "NPROC_PER_NODE", report, 1)
+    rdzv = environ.get("RDZV_ENDPOINT") or None
+    nnodes_text = environ.get("NNODES", "1")
+    max_nodes = 1
+    if rdzv and ":" in nnodes_text:
+        low, _, high = nnodes_text.partition(":")
+        max_nodes = int(high) if high.isdigit() and low.isdigit() and 1 <= int(low) <= int(high) else 0
+        if not max_nodes:
+            report.fail(f"NNODES={nnodes_text!r}: expected N or MIN:MAX with MIN <= MAX")
+    else:
+        max_nodes = _int(environ, "NNODES", report, 1, default=1)
+    node_rank = _int(environ, "NODE_RANK", report, 0)
+    max_restarts = _int(environ, "MAX_RESTARTS", report, 0, default=0)
+    port = _int(environ, "MASTER_PORT", report, 1)
+    if port is not None and port > 65535:
+        report.fail(f"MASTER_PORT={port}: a port is at most 65535")
+        port = None
+
+    if nproc is None:
+        nproc = max(gpus, 1)
+        print(f"  NPROC_PER_NODE unset: {nproc} rank(s) on this node (the visible GPUs; one process without)")
+    if cuda and nproc > gpus:
+        visible = environ.get("CUDA_VISIBLE_DEVICES")
+        report.fail(f"NPROC_PER_NODE={nproc} but only {gpus} GPU(s) are visible"
+                    + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
+                    + ": each rank needs its own GPU; lower NPROC_PER_NODE or unset it")
+    elif not cuda and nproc > 1:
+        print(f"  no GPU visible: {nproc} ranks would run on the CPU with gloo")
+    multi_node = max_nodes > 1
+    # the host whose address the endpoint names hosts the store; on one node that is this one
+    c10d_host_here = None if multi_node else True
+
+    if rdzv:
+        host, _, port_text = rdzv.rpartition(":") if ":" in rdzv else (rdzv, "", str(DEFAULT_RDZV_PORT))
+        host = host.strip("[]")
+        rdzv_port = int(port_text) if port_text.isdigit() else None
+        if rdzv_port is None:
+            report.fail(f"RDZV_ENDPOINT={rdzv!r}: expected HOST:PORT")
+            return
+        print(f"  c10d rendezvous at {host}:{rdzv_port} (RDZV_ENDPOINT), up to {max_nodes} node(s); "
+              "node ranks are assigned by the rendezvous")
+        check_endpoint("RDZV_ENDPOINT", host, rdzv_port, report, multi_node=multi_node, hosts_here=c10d_host_here)
+        return
+
+    if multi_node and not environ.get("MASTER_ADDR"):
+        report.fail(f"NNODES={max_nodes} needs MASTER_ADDR: node 0's address, reachable from every node "
+                    "(or RDZV_ENDPOINT for a c10d rendezvous)")
+        return
+    if multi_node and not max_restarts:
+        if node_rank is None:
+            report.fail(f"NNODES={max_nodes} needs NODE_RANK: 0 on the master node, 1..{max_nodes - 1} on the others")
+            return
+        if node_rank >= max_nodes:
+            report.fail(f"NODE_RANK={node_rank} but NNODES={max_nodes}: node ranks run from 0 to {max_nodes - 1}")
+            return
+    elif not multi_node and nproc <= 1 and not max_restarts:
+        print("  one process, no torchrun: MASTER_ADDR and MASTER_PORT are not used")
+        if environ.get("MASTER_ADDR"):  # checked anyway, for the launch you are preparing; not fatal here
+            check_endpoint("MASTER_ADDR", environ["MASTER_ADDR"], port, report, multi_node=False, hosts_here=True,
+                           fatal=False)
+        return
+    host = environ.get("MASTER_ADDR") or "127.0.0.1"
+    if port is None and not multi_node:
+        print(f"  master {host}, MASTER_PORT unset: the launcher picks a free port")
+        check_endpoint("MASTER_ADDR", host, None, report, multi_node=False, hosts_here=True)
+        return
+    port = port or DEFAULT_MULTI_NODE_PORT
+    if max_restarts:
+        print(f"  MAX_RESTARTS={max_restarts}: c10d rendezvous at {host}:{port} (MASTER_ADDR:MASTER_PORT)")
+        check_endpoint("MASTER_ADDR", host, port, report, multi_node=multi_node, hosts_here=c10d_host_here)
+        return
+    hosts_here = (node_rank or 0) == 0
+    print(f"  master {host}:{port}, node rank {node_rank or 0} of {max_nodes}"
+          + (" (this node hosts the rendezvous store)" if hosts_here else ""))
+    check_endpoint("MASTER_ADDR", host, port, report, multi_node=multi_node, hosts_here=hosts_here)
+
+
+def check_endpoint(name: str, host: str, port: int | None, report: Report, *, multi_node: bool,
+                   hosts_here: bool | None, fatal: bool = True) -> None:
+    """Resolve; when the address is this host's, see that the port is free; else try one connection."""
+    fail = report.fail if fatal else report.warn
+    addrs, error = resolve(host)
+    if not addrs:
+        fail(f"{name}={host} does not resolve ({error}): use the master's IP address, or a name every node "
+             "resolves")
+        return
+    address = addrs[0]
+    local = is_local(address)
+    loopback = ipaddress.ip_address(address.split("%")[0]).is_loopback
+    print(f"  {name}={host} resolves to {', '.join(addrs)}; {'an address of this host' if local else 'another host'}")
+    if multi_node and loopback:
+        fail(f"{name}={host} is a loopback address ({address}): the other nodes cannot reach it; use this "
+             "node's address on the network the nodes share")
+        return
+    if local:
+        if port is None:
+            return
+        why = port_in_use(address, port)
+        if why is None:
+            print(f"  port {port} is free on {address}")
+        elif hosts_here is False:
+            report.warn(f"port {port} is taken on {address} ({why}): fine if the master runs on this host too")
+        elif hosts_here is None:
+            report.warn(f"port {port} is taken on {address} ({why}): fine if another node's agent on this host "
+                        "already hosts the rendezvous; else pick another port")
+        else:
+            fail(f"port {port} is in use on {address} ({why}): an earlier run may still hold it; pick another "
+                        "MASTER_PORT" + ("" if multi_node else ", or unset it for a free one"))
+        return
+    if hosts_here:
+        report.warn(f"NODE_RANK 0 hosts the rendezvous store, but {name}={host} ({address}) is not an address of "
+                    "this host: run node rank 0 on the master, or point MASTER_ADDR at this node")
+    source = route_source(address)
+    if source:
+        print(f"  this host reaches {address} from {source}")
+    if port is None:
+        return
+    state = try_connect(address, port)
+    if state == "open":
+        print(f"  {address}:{port} accepts connections (the master's torchrun, if it has started)")
+    elif state == "refused":
+        report.warn(f"nothing listens at {address}:{port} yet: fine if the master has not started; else check "
+                    "the port and the master's firewall")
+    elif state == "timeout":
+        report.warn(f"no answer from {address}:{port} within {CONNECT_TIMEOUT_S} s: a firewall may drop traffic to "
+                    "this port")
+    else:
+        report.warn(f"cannot connect to {address}:{port}: {state}")
+
+
+def check_paths(environ, report: Report) -> None:
+    data_dir = environ.get("DATA_DIR")
+    if data_dir:
+        if os.path.isdir(data_dir):
+            print(f"  DATA_DIR={data_dir} exists")
+        else:
+            report.fail(f"DATA_DIR={data_dir} is not a directory")
+    output_dir = environ.get("OUTPUT_DIR")
+    if output_dir:
+        existing = os.path.abspath(output_dir)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK):
+            print(f"  OUTPUT_DIR={output_dir} is writable")
+        else:
+            report.fail(f"OUTPUT_DIR={output_dir} cannot be written ({existing} is not a writable directory)")
+
+
+# ---- the report
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    environ = os.environ
+    if argv == ["--env"]:
+        for line in env_warnings(environ):
+            print(line)
+        return 0
+    if argv:
+        print("usage: python -m training.doctor [--env]", file=sys.stderr)
+        return 2
+    report = Report()
+
+    print("== versions")
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    try:
+        nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None
+    except Exception:  # noqa: BLE001 - a build without NCCL
+        nccl = None
+    cuda_version = torch.version.cuda or "none (a CPU build)"
+    print(f"  python {platform.python_version()}, torch {torch.__version__}, CUDA {cuda_version}, "
+          f"NCCL {nccl or 'none'}; host {socket.gethostname()}")
+    print(f"  backends: nccl {'yes' if dist.is_available() and dist.is_nccl_available() else 'no'}, "
+          f"gloo {'yes' if dist.is_available() and dist.is_gloo_available() else 'no'}")
+
+    print("== GPUs")
+    gpus = torch.cuda.device_count() if cuda else 0
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        print(f"  CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']}")
+    if not gpus:
+        print("  none visible: ranks run on the CPU, with gloo")
+    for i in range(gpus):
+        props = torch.cuda.get_device_properties(i)
+        print(f"  cuda:{i} {props.name}, {props.total_memory / 2**30:.0f} GiB, compute capability "
+              f"{props.major}.{props.minor}")
+    if gpus and shutil.which("nvidia-smi"):
+        try:
+            topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30).stdout
+            print("  nvidia-smi topo -m:")
+            print("\n".join("    " + line for line in topo.rstrip().splitlines()))
+        except (OSError, subprocess.SubprocessError) as e:
+            report.warn(f"nvidia-smi topo -m failed: {e}")
+
+    print("== network interfaces")
+    addrs = interface_addresses()
+    for name, a in addrs.items():
+        print(f"  {name:<12} {operstate(name):<8} {' '.join(a) or '(no address)'}")
+    ifname = environ.get("NCCL_SOCKET_IFNAME")
+    chosen = nccl_interfaces(addrs, ifname)
+    rule = f"NCCL_SOCKET_IFNAME={ifname}" if ifname else NCCL_DEFAULT_RULE
+    if chosen:
+        print(f"  NCCL would use: {', '.join(chosen)} ({rule})")
+    elif cuda:
+        report.fail(f"no interface with an address matches ({rule}): NCCL cannot bootstrap; fix NCCL_SOCKET_IFNAME")
+    else:
+        report.warn(f"no interface with an address matches ({rule}); NCCL is not used on this CPU-only host")
+    if not cuda:
+        host_addrs, _ = resolve(socket.gethostname())
+        print("  gloo (CPU runs) uses GLOO_SOCKET_IFNAME when set, else the address this host's name resolves to: "
+              f"{socket.gethostname()} -> {', '.join(host_addrs) or 'nothing'}")
+
+    print("== NCCL and TORCH variables")
+    shown = sorted(k for k in environ if k.startswith(("NCCL_", "TORCH_NCCL_", "TORCH_FR_", "TORCH_DISTRIBUTED_"))
+                   or k in RENAMED)
+    for name in shown:
+        print(f"  {name}={environ[name]}")
+    warnings = env_warnings(environ)
+    for text in warnings:
+        report.warn(text)
+    if not shown:
+        print("  none set")
+    elif not warnings:
+        print("  none that NCCL ignores or that PyTorch renamed")
+
+    print("== launch")
+    check_launch(environ, report, cuda=cuda, gpus=gpus)
+    check_paths(environ, report)
+
+    print("== verdict")
+    if report.problems:
+        print(f"  a launch would fail ({len(report.problems)} problem(s)):")
+        for text in report.problems:
+            print(f"  - {text}")
+        return 1
+    print(f"  ok: nothing found that would stop a launch ({len(report.warnings)} warning(s) above)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
