@@ -1,0 +1,164 @@
+"""Export a trained codec as safetensors + JSON, usable without this repo.
+
+    python -m models.export RUN_DIR_OR_CKPT OUT_DIR [--feature fbank|w2v-bert|...]
+
+Writes OUT_DIR/codec.safetensors (float32 tensors) and OUT_DIR/codec.json, which
+names the tensors and says how to use them:
+
+- codes -> quantized latent: `latent[t] = project_out(sum_q codebooks[q, codes[t, q]])`,
+  `codebooks` is [levels, codebook_size, codebook_dim]; `project_out(v) = v @ W.T + b`,
+  the identity when codebook_dim equals latent_dim (then "project_out" is null);
+  a code of -1 (a level left out) adds nothing;
+- latent -> features: the "decoder" ops in order on [batch, channels, time], then
+  `x * feature_std + feature_mean` (features are [time, feature_dim], at
+  frame_rate_hz / downsample code frames per second);
+- features -> latent -> codes: `(x - feature_mean) / feature_std`, the "encoder" ops,
+  then `project_in`, then per level the nearest codebook row (euclidean) of the
+  residual, which is subtracted before the next level.
+
+Ops: `conv1d` / `conv_transpose1d` (weight, bias, stride, padding), `gelu`
+(exact, erf), `residual` (x + body(x)). The same JSON is stored in the
+safetensors metadata under "codec_json".
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from torch import nn
+
+from models.codec import ResidualBlock, RVQCodec
+from models.encode import code_dtype, load_codec
+from training.errors import EXIT_BAD_INPUT, EXIT_OK, BadInputError
+
+log = logging.getLogger("export")
+
+FORMAT = "rvq-seamless-codec"
+VERSION = 1
+
+
+def _conv(module: nn.Module, name: str, op: str) -> dict:
+    if module.groups != 1 or module.dilation != (1,) or module.padding_mode != "zeros" or (
+            op == "conv_transpose1d" and module.output_padding != (0,)):
+        raise TypeError(f"{name}: only plain convolutions are exported (groups 1, dilation 1, zero padding)")
+    return {"op": op, "weight": f"{name}.weight", "bias": f"{name}.bias" if module.bias is not None else None,
+            "stride": module.stride[0], "padding": module.padding[0]}
+
+
+def _op(module: nn.Module, name: str) -> dict:
+    if isinstance(module, nn.ConvTranspose1d):
+        return _conv(module, name, "conv_transpose1d")
+    if isinstance(module, nn.Conv1d):
+        return _conv(module, name, "conv1d")
+    if isinstance(module, nn.GELU):
+        if module.approximate != "none":
+            raise TypeError(f"{name}: only the exact GELU is exported")
+        return {"op": "gelu"}
+    if isinstance(module, ResidualBlock):  # x + conv2(gelu(conv1(gelu(x))))
+        body = [{"op": "gelu"}, _op(module.conv1, f"{name}.conv1"), {"op": "gelu"}, _op(module.conv2, f"{name}.conv2")]
+        return {"op": "residual", "body": body}
+    raise TypeError(f"{name}: {type(module).__name__} has no exported form; extend models/export.py")
+
+
+def describe_ops(sequence: nn.Sequential, prefix: str) -> list[dict]:
+    return [_op(module, f"{prefix}.{name}") for name, module in sequence.named_children()]
+
+
+def feature_kind(state: dict) -> dict:
+    """What the codec was trained on, from data.extract's notes beside the training data when there are any."""
+    config = state.get("config") or {}
+    data_dir = config.get("data_dir")
+    if data_dir is None:
+        return {"kind": "demo", "note": "the trainer's synthetic demo corpus (160-d, like the Seamless fbank)"}
+    for path in sorted(Path(data_dir).glob(f"{config.get('train_split', 'train')}_*_*.json")):
+        try:
+            note = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(note, dict) and "feature" in note:
+            keep = ("checkpoint", "layer", "frame_rate_hz", "sample_rate")
+            return {"kind": note["feature"], **{k: note[k] for k in keep if k in note}}
+    return {"kind": "unknown", "note": f"trained on {data_dir}; no data.extract notes found there"}
+
+
+def export_tensors(model: RVQCodec) -> dict:
+    """Every tensor the JSON names, float32 and contiguous, keyed by its name."""
+    state = model.state_dict()
+    keep = ("encoder", "decoder", "feature_mean", "feature_std")
+    tensors = {k: v for k, v in state.items() if k.split(".")[0] in keep}
+    tensors.update({k: v for k, v in state.items() if k.startswith(("rvq.project_in.", "rvq.project_out."))})
+    tensors["rvq.codebooks"] = model.rvq.codebooks  # [levels, codebook_size, codebook_dim]
+    return {k: v.detach().float().cpu().contiguous().clone() for k, v in tensors.items()}
+
+
+def describe(model: RVQCodec, state: dict, ckpt_path: Path, kind: dict) -> dict:
+    c = model.config
+    def linear(name):  # the RVQ's own projections, present only when codebook_dim differs from latent_dim
+        return {"weight": f"rvq.{name}.weight", "bias": f"rvq.{name}.bias"} if model.rvq.has_projections else None
+
+    return {
+        "format": FORMAT, "version": VERSION,
+        "feature": {**kind, "dim": c.feature_dim},
+        "levels": c.num_quantizers, "codebook_size": c.codebook_size,
+        "codebook_dim": int(model.rvq.codebook_dim), "latent_dim": c.latent_dim, "downsample": c.downsample,
+        "code_dtype": code_dtype(c.codebook_size).name,
+        "tensors": {"codebooks": "rvq.codebooks", "project_in": linear("project_in"),
+                    "project_out": linear("project_out"), "feature_mean": "feature_mean",
+                    "feature_std": "feature_std"},
+        "codes_to_latent": "latent[t] = project_out(sum over levels q of codebooks[q, codes[t, q]]); code -1 adds 0",
+        "latent_to_features": "decoder ops on [batch, latent_dim, time], then x * feature_std + feature_mean",
+        "features_to_latent": "(x - feature_mean) / feature_std, then encoder ops on [batch, feature_dim, time]",
+        "latent_to_codes": "project_in, then per level: nearest codebook row (euclidean), subtract it, next level",
+        "layout": "ops act on [batch, channels, time]; features and codes are [time, ...]",
+        "encoder": describe_ops(model.encoder, "encoder"),
+        "decoder": describe_ops(model.decoder, "decoder"),
+        "checkpoint": {"path": str(ckpt_path.resolve()), "step": state.get("step"), "codec": c.to_dict()},
+    }
+
+
+def export(checkpoint: Path, out_dir: Path, feature: str | None = None) -> tuple[Path, Path]:
+    from safetensors.torch import save_file
+
+    model, state, ckpt_path = load_codec(checkpoint)
+    kind = {"kind": feature} if feature else feature_kind(state)
+    meta = describe(model, state, ckpt_path, kind)
+    tensors = export_tensors(model)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weights, note = out_dir / "codec.safetensors", out_dir / "codec.json"
+    text = json.dumps(meta, indent=1) + "\n"
+    save_file(tensors, str(weights) + ".tmp", metadata={"codec_json": json.dumps(meta)})
+    os.chmod(str(weights) + ".tmp", 0o644)  # safetensors creates it owner-only; it is meant to be shared
+    note.with_name(note.name + ".tmp").write_text(text)
+    os.replace(str(weights) + ".tmp", weights)
+    os.replace(note.with_name(note.name + ".tmp"), note)
+    log.info("exported %s (step %s): %d levels x %d codes of dim %d, latent %d, downsample %d, %s features -> %s",
+             ckpt_path, state.get("step"), meta["levels"], meta["codebook_size"], meta["codebook_dim"],
+             meta["latent_dim"], meta["downsample"], kind["kind"], out_dir)
+    return weights, note
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m models.export",
+                                description="Export a trained codec as codec.safetensors + codec.json.")
+    p.add_argument("checkpoint", type=Path, help="a checkpoint file, or a run's --output_dir (its newest checkpoint)")
+    p.add_argument("out_dir", type=Path)
+    p.add_argument("--feature", help="the feature kind to record (default: read from data.extract's notes "
+                                     "beside the training data)")
+    args = p.parse_args(None if argv is None else [str(a) for a in argv])
+    try:
+        export(args.checkpoint, args.out_dir, args.feature)
+    except BadInputError as e:
+        log.error("%s", e)
+        return EXIT_BAD_INPUT
+    log.info("finished successfully")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [export] %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stderr)
+    sys.exit(main())

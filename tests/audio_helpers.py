@@ -1,0 +1,58 @@
+"""Small audio corpora made on the spot (tones, chirps, noise), and the CLI runner for the pipeline steps."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from tests.helpers import REPO, env
+
+
+def voice_like(seconds: float, rate: int, seed: int) -> np.ndarray:
+    """A gliding harmonic tone with a syllable-rate envelope and a little noise, in [-1, 1]."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * rate)) / rate
+    f0 = 110 + 60 * rng.random() + 30 * np.sin(2 * np.pi * (0.5 + rng.random()) * t)
+    phase = 2 * np.pi * np.cumsum(f0) / rate
+    voiced = sum(np.sin(k * phase) / k for k in range(1, 8))
+    envelope = 0.5 + 0.5 * np.sin(2 * np.pi * (3 + 2 * rng.random()) * t) ** 2
+    x = 0.25 * envelope * voiced + 0.02 * rng.standard_normal(len(t))
+    return (x / max(1.0, np.abs(x).max() * 1.05)).astype(np.float32)
+
+
+def chirp(seconds: float, rate: int, f_start=200.0, f_end=3000.0) -> np.ndarray:
+    t = np.arange(int(seconds * rate)) / rate
+    f = f_start + (f_end - f_start) * t / seconds
+    return (0.3 * np.sin(2 * np.pi * np.cumsum(f) / rate)).astype(np.float32)
+
+
+# (relpath, seconds, sample rate, channels): 16 kHz wav, resampled flac and ogg, stereo, a sub-folder
+CORPUS = [
+    ("a00.wav", 1.2, 16000, 1), ("a01.flac", 2.1, 22050, 1), ("a02.ogg", 1.6, 44100, 2),
+    ("a03.wav", 2.8, 16000, 1), ("a04.flac", 1.0, 16000, 2), ("a05.wav", 1.9, 48000, 1),
+    ("sub/a06.wav", 2.4, 16000, 1), ("sub/a07.flac", 1.4, 8000, 1), ("a08.wav", 3.0, 16000, 1),
+    ("a09.ogg", 2.2, 16000, 1),
+]
+
+
+def write_corpus(folder: Path, corpus=CORPUS) -> list[str]:
+    """Write the corpus under `folder`; returns the relpaths in the order data.extract lists a folder."""
+    import soundfile as sf
+
+    for k, (rel, seconds, rate, channels) in enumerate(corpus):
+        path = folder / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        x = chirp(seconds, rate) if k % 4 == 3 else voice_like(seconds, rate, seed=k)
+        if channels == 2:
+            x = np.stack([x, 0.6 * x[::-1]], axis=1)
+        subtype = "PCM_16" if path.suffix == ".wav" else None
+        sf.write(path, x, rate, subtype=subtype)
+    return sorted(rel for rel, *_ in corpus)
+
+
+def run_module(module: str, *args, timeout=120) -> subprocess.CompletedProcess:
+    """`python -m module args...` from the repo root, as a user runs a pipeline step."""
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env(), cwd=REPO)

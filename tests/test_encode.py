@@ -1,0 +1,201 @@
+"""From audio to codes: extract -> train -> encode -> decode -> export -> report, as a user runs them."""
+import json
+import logging
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("soundfile")
+pytest.importorskip("soxr")
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from data.stores import find_split  # noqa: E402
+from models import encode, export  # noqa: E402
+from tests.audio_helpers import run_module, write_corpus  # noqa: E402
+from tests.helpers import TINY, run_trainer  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(autouse=True)
+def info_logs(caplog):
+    caplog.set_level(logging.INFO)
+
+
+def read_codes(folder: Path, name: str):
+    codes = np.load(folder / f"{name}.codes.npy")
+    lengths = [int(n) for n in (folder / f"{name}.codes.len").read_text().split()]
+    meta = json.loads((folder / f"{name}.codes.json").read_text())
+    return codes, lengths, meta
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    """Ten files of generated audio taken through every step by its command line."""
+    root = tmp_path_factory.mktemp("pipeline")
+    p = SimpleNamespace(audio=root / "audio", feats=root / "feats", run=root / "run", codes=root / "codes",
+                        recon=root / "recon")
+    p.relpaths = write_corpus(p.audio)
+    steps = [
+        ("data.extract", p.audio, "train", 1, 0, p.feats, "--feature", "fbank"),
+        None,  # the trainer
+        ("models.encode", "--checkpoint", p.run, "--data_dir", p.feats, "--split", "train", "--output_dir", p.codes),
+        ("models.encode", "decode", "--checkpoint", p.run, "--codes_dir", p.codes, "--split", "train",
+         "--output_dir", p.recon),
+    ]
+    for step in steps:
+        if step is None:
+            # downsample 2 and a codebook projection: the paths where tails are padded and project_out exists
+            r = run_trainer(["--data_dir", p.feats, "--output_dir", p.run, "--max_steps", 6, *TINY,
+                             "--downsample", 2, "--codebook_dim", 8], timeout=150)
+            assert r.returncode == 0, r.stderr[-3000:]
+        else:
+            r = run_module(*step)
+            assert r.returncode == 0, r.stderr[-3000:]
+            assert "finished successfully" in r.stderr
+    p.model, p.state, p.checkpoint = encode.load_codec(p.run)
+    p.store = find_split(p.feats, "train")
+    return p
+
+
+def test_every_step_writes_its_documented_files(pipeline):
+    p = pipeline
+    assert len(p.store) == len(p.relpaths) == 10 and p.store.dim == 160
+    codes, lengths, meta = read_codes(p.codes, "train_0_1")
+    assert codes.dtype == np.int16 and codes.ndim == 2 and codes.shape == (sum(lengths), 2)
+    assert 0 <= codes.min() and codes.max() < 32
+    assert lengths == [math.ceil(n / 2) for n in p.store.lengths]  # downsample 2, tails padded
+    assert meta["feature_frames"] == list(p.store.lengths) and meta["levels"] == 2 and meta["dtype"] == "int16"
+    assert meta["step"] == 6 and meta["downsample"] == 2
+    # codes map back to the audio files, in order
+    lines = (p.codes / "train_0_1.codes.tsv").read_text().splitlines()
+    assert lines[0] == str(p.audio.resolve()) and [line.split("\t")[0] for line in lines[1:]] == p.relpaths
+    recon = find_split(p.recon, "train")  # decode writes a fairseq dump, cut back to each utterance's length
+    assert list(recon.lengths) == list(p.store.lengths) and recon.dim == 160
+    for folder in (p.feats, p.codes, p.recon):
+        assert not list(folder.glob("*.tmp"))
+
+
+def test_decode_of_encode_is_the_models_own_eval_reconstruction(pipeline):
+    p = pipeline
+    recon = find_split(p.recon, "train")
+    odd = 0
+    with torch.no_grad():
+        for i in range(len(p.store)):
+            x = torch.from_numpy(np.array(p.store.utterance(i)))
+            odd += len(x) % 2
+            want = p.model(encode.pad_to_multiple(x, 2)[None]).reconstruction[0, : len(x)].numpy()
+            np.testing.assert_array_equal(recon.utterance(i), want, err_msg=p.store.name(i))
+    assert odd  # at least one utterance went through the padded tail
+
+
+def test_fewer_levels_and_shards_are_slices_of_the_whole(pipeline, tmp_path):
+    p = pipeline
+    whole, whole_lengths, _ = read_codes(p.codes, "train_0_1")
+    assert encode.main(["--checkpoint", p.checkpoint, "--data_dir", p.feats, "--output_dir", tmp_path,
+                        "--num_quantizers", 1]) == 0
+    one, lengths, meta = read_codes(tmp_path, "train_0_1")
+    assert one.shape == (whole.shape[0], 1) and meta["levels"] == 1 and lengths == whole_lengths
+    np.testing.assert_array_equal(one[:, 0], whole[:, 0])
+    # one level decodes as the codec decodes it (the missing level adds nothing)
+    assert encode.main(["decode", "--checkpoint", p.checkpoint, "--codes_dir", tmp_path, "--output_dir",
+                        tmp_path / "recon"]) == 0
+    first = torch.from_numpy(one[: lengths[0]].astype(np.int64))
+    np.testing.assert_array_equal(find_split(tmp_path / "recon", "train").utterance(0),
+                                  p.model.decode(first)[: p.store.lengths[0]].numpy())
+    for rank in (0, 1):
+        assert encode.main(["--checkpoint", p.run, "--data_dir", p.feats, "--output_dir", tmp_path / "shards",
+                            "--nshard", 2, "--rank", rank]) == 0
+    parts = [read_codes(tmp_path / "shards", f"train_{r}_2") for r in (0, 1)]
+    np.testing.assert_array_equal(np.concatenate([c for c, _, _ in parts]), whole)
+    assert parts[0][1] + parts[1][1] == whole_lengths and parts[1][2]["first_utterance"] == 5
+
+
+def test_encode_bad_input_exits_2_and_writes_nothing(pipeline, tmp_path, caplog):
+    p = pipeline
+    out = tmp_path / "out"
+    cases = [
+        (["--checkpoint", tmp_path / "nope.pt", "--data_dir", p.feats], "does not exist"),
+        (["--checkpoint", p.run, "--data_dir", p.feats, "--num_quantizers", 3], "levels 1 to 2"),
+        (["--checkpoint", p.run, "--data_dir", p.feats, "--split", "valid"], "no split 'valid'"),
+        (["--checkpoint", p.run, "--data_dir", p.audio], "no split 'train'"),
+    ]
+    for args, message in cases:
+        caplog.clear()
+        assert encode.main([*args, "--output_dir", out]) == 2, args
+        assert message in caplog.text, args
+    assert not out.exists()
+
+
+def run_ops(ops: list, x: torch.Tensor, tensors: dict) -> torch.Tensor:
+    """The exported op list in plain torch, on [batch, channels, time]."""
+    for op in ops:
+        if op["op"] in ("conv1d", "conv_transpose1d"):
+            conv = F.conv1d if op["op"] == "conv1d" else F.conv_transpose1d
+            bias = tensors[op["bias"]] if op["bias"] else None
+            x = conv(x, tensors[op["weight"]], bias, stride=op["stride"], padding=op["padding"])
+        elif op["op"] == "gelu":
+            x = F.gelu(x)
+        elif op["op"] == "residual":
+            x = x + run_ops(op["body"], x, tensors)
+        else:
+            raise AssertionError(f"unknown op {op}")
+    return x
+
+
+def test_export_turns_codes_into_latents_and_features_with_plain_torch(pipeline, tmp_path):
+    from safetensors.torch import load_file
+
+    p = pipeline
+    assert export.main([p.run, tmp_path]) == 0
+    tensors = load_file(str(tmp_path / "codec.safetensors"))
+    meta = json.loads((tmp_path / "codec.json").read_text())
+    assert meta["feature"] == {"kind": "fbank", "dim": 160, "frame_rate_hz": 50, "sample_rate": 16000}
+    assert (meta["levels"], meta["codebook_size"], meta["codebook_dim"], meta["downsample"]) == (2, 32, 8, 2)
+    names = meta["tensors"]
+    codebooks = tensors[names["codebooks"]]
+    assert codebooks.shape == (2, 32, 8)
+
+    codes = torch.from_numpy(np.load(p.codes / "train_0_1.codes.npy").astype(np.int64))
+    summed = sum(codebooks[q][codes[:, q]] for q in range(meta["levels"]))
+    out = names["project_out"]
+    latent = F.linear(summed, tensors[out["weight"]], tensors[out["bias"]])
+    with torch.no_grad():
+        want = p.model.rvq.get_output_from_indices(codes[None])[0]
+    torch.testing.assert_close(latent, want, rtol=1e-6, atol=1e-6)
+
+    # latent -> features with the exported decoder, as models.encode decode does it
+    n = int((p.codes / "train_0_1.codes.len").read_text().split()[0])
+    x = run_ops(meta["decoder"], latent[:n].T[None], tensors)[0].T
+    features = x * tensors[names["feature_std"]] + tensors[names["feature_mean"]]
+    torch.testing.assert_close(features, p.model.decode(codes[:n]), rtol=1e-5, atol=1e-5)
+
+    # features -> codes with the exported encoder and nearest codebook rows
+    utterance = torch.from_numpy(np.array(p.store.utterance(0)))
+    utterance = encode.pad_to_multiple(utterance, 2)
+    standard = (utterance - tensors[names["feature_mean"]]) / tensors[names["feature_std"]]
+    residual = F.linear(run_ops(meta["encoder"], standard.T[None], tensors)[0].T,
+                        tensors[names["project_in"]["weight"]], tensors[names["project_in"]["bias"]])
+    found = []
+    for q in range(meta["levels"]):
+        index = torch.cdist(residual, codebooks[q]).argmin(-1)
+        found.append(index)
+        residual = residual - codebooks[q][index]
+    agree = (torch.stack(found, -1) == p.model.encode(utterance)).float().mean()
+    assert agree >= 0.95  # nearest-row ties may fall either way between two float implementations
+
+
+def test_report_of_the_run(pipeline):
+    pytest.importorskip("matplotlib")
+    from training import report
+
+    assert report.main([pipeline.run]) == 0
+    for name in (*report.PLOTS, "report.md"):
+        assert (pipeline.run / "report" / name).stat().st_size > 0
+    assert "eval rel_mse" in (pipeline.run / "report" / "report.md").read_text()

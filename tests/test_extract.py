@@ -1,0 +1,204 @@
+"""data.extract: audio -> a fairseq dump of Seamless features that the trainer reads."""
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("soundfile")
+pytest.importorskip("soxr")
+pytest.importorskip("transformers")
+
+import soundfile as sf  # noqa: E402
+import soxr  # noqa: E402
+from transformers import SeamlessM4TFeatureExtractor  # noqa: E402
+
+from data import extract  # noqa: E402
+from data.stores import find_split  # noqa: E402
+from tests.audio_helpers import CORPUS, voice_like, write_corpus  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def info_logs(caplog):
+    caplog.set_level(logging.INFO)
+
+
+def utterances(out_dir: Path, name: str) -> list[np.ndarray]:
+    array = np.load(out_dir / f"{name}.npy")
+    lengths = [int(n) for n in (out_dir / f"{name}.len").read_text().split()]
+    assert sum(lengths) == array.shape[0]
+    return np.split(array, np.cumsum(lengths)[:-1])
+
+
+def manifest_entries(path: Path) -> list[str]:
+    return [line.split("\t")[0] for line in path.read_text().splitlines()[1:]]
+
+
+def seamless_reference(path: Path) -> np.ndarray:
+    """What SeamlessM4TFeatureExtractor gives for a file: mono average, soxr to 16 kHz, valid frames only."""
+    data, rate = sf.read(str(path), dtype="float32", always_2d=True)
+    wave = data.mean(axis=1) if data.shape[1] > 1 else data[:, 0]
+    if rate != 16000:
+        wave = soxr.resample(wave, rate, 16000).astype(np.float32)
+    out = SeamlessM4TFeatureExtractor()(wave, sampling_rate=16000, return_tensors="np")
+    return out["input_features"][0, : int(out["attention_mask"][0].sum())]
+
+
+def test_fbank_dump_equals_the_seamless_feature_extractor(tmp_path):
+    audio = tmp_path / "audio"
+    relpaths = write_corpus(audio)
+    assert extract.main([audio, "train", 1, 0, tmp_path / "feats", "--feature", "fbank"]) == 0
+    feats = tmp_path / "feats"
+    got = utterances(feats, "train_0_1")
+    assert manifest_entries(feats / "train_0_1.tsv") == relpaths
+    assert (feats / "train_0_1.tsv").read_text().splitlines()[0] == str(audio.resolve())
+    for rel, features in zip(relpaths, got, strict=True):
+        assert features.dtype == np.float32 and features.shape[1] == 160
+        np.testing.assert_array_equal(features, seamless_reference(audio / rel), err_msg=rel)
+    # 16 kHz PCM: the same numbers as the extractor on the file's own samples, frame count floor(raw frames / 2)
+    wave, _ = sf.read(str(audio / "a00.wav"), dtype="float32")
+    assert len(got[0]) == (1 + (len(wave) - 400) // 160) // 2
+    note = json.loads((feats / "train_0_1.json").read_text())
+    assert note["feature"] == "fbank" and note["dim"] == 160 and note["utterances"] == len(relpaths)
+    assert (feats / "train_0_1.skipped").read_text() == ""
+    assert not list(feats.glob("*.tmp"))
+    store = find_split(feats, "train")  # what the trainer reads
+    assert store.dim == 160 and list(store.lengths) == [len(f) for f in got]
+
+
+def test_manifest_shards_are_contiguous_and_cover_every_file(tmp_path):
+    audio = tmp_path / "audio"
+    relpaths = write_corpus(audio)[:5]
+    manifest = tmp_path / "train.tsv"
+    manifest.write_text(f"{audio}\n" + "".join(f"{rel}\t{sf.info(str(audio / rel)).frames}\n" for rel in relpaths))
+    assert extract.main([manifest, "train", 1, 0, tmp_path / "whole"]) == 0
+    for rank in (0, 1):
+        assert extract.main([manifest, "train", 2, rank, tmp_path / "sharded"]) == 0
+    assert manifest_entries(tmp_path / "sharded" / "train_0_2.tsv") == relpaths[:2]  # round(5 / 2 * 1) = 2
+    assert manifest_entries(tmp_path / "sharded" / "train_1_2.tsv") == relpaths[2:]
+    whole, sharded = find_split(tmp_path / "whole", "train"), find_split(tmp_path / "sharded", "train")
+    assert len(sharded) == len(whole) == 5
+    for i in range(5):
+        np.testing.assert_array_equal(sharded.utterance(i), whole.utterance(i))
+
+
+def test_bad_files_are_skipped_named_and_counted(tmp_path, caplog):
+    audio = tmp_path / "audio"
+    write_corpus(audio, [("good1.wav", 1.0, 16000, 1), ("good2.flac", 1.5, 22050, 1)])
+    good = (audio / "good1.wav").read_bytes()
+    (audio / "text.wav").write_text("this is a text file, not audio\n" * 20)
+    (audio / "empty.wav").write_bytes(b"")
+    (audio / "header_cut.wav").write_bytes(good[:30])
+    (audio / "data_cut.wav").write_bytes(good[: len(good) // 2])
+    sf.write(audio / "no_samples.wav", np.zeros(0, np.float32), 16000)
+    sf.write(audio / "too_short.wav", voice_like(0.02, 16000, 0), 16000)
+    out = tmp_path / "feats"
+    assert extract.main([audio, "train", 1, 0, out]) == 0
+    skipped = dict(line.split("\t") for line in (out / "train_0_1.skipped").read_text().splitlines())
+    assert set(skipped) == {"text.wav", "empty.wav", "header_cut.wav", "data_cut.wav", "no_samples.wav",
+                            "too_short.wav"}
+    assert "unreadable" in skipped["text.wav"] and "empty" in skipped["empty.wav"]
+    assert "truncated" in skipped["data_cut.wav"] and "too short" in skipped["too_short.wav"]
+    assert manifest_entries(out / "train_0_1.tsv") == ["good1.wav", "good2.flac"]
+    assert len(utterances(out, "train_0_1")) == 2
+    assert json.loads((out / "train_0_1.json").read_text())["skipped"] == 6
+    assert "skipped header_cut.wav" in caplog.text and "skipped 6 file(s)" in caplog.text
+    assert "finished successfully" in caplog.text
+
+    # nothing extractable: exit 1, nothing written
+    only_bad = tmp_path / "only_bad"
+    only_bad.mkdir()
+    (only_bad / "x.wav").write_text("not audio")
+    assert extract.main([only_bad, "train", 1, 0, tmp_path / "none"]) == 1
+    assert not (tmp_path / "none" / "train_0_1.npy").exists() and not list((tmp_path / "none").glob("*"))
+
+
+def test_empty_or_missing_input_exits_2(tmp_path, caplog):
+    (tmp_path / "empty.tsv").write_text("")
+    (tmp_path / "root_only.tsv").write_text(f"{tmp_path}\n")
+    (tmp_path / "no_audio").mkdir()
+    cases = {"empty.tsv": "is empty", "root_only.tsv": "lists no files", "no_audio": "no audio files",
+             "missing.tsv": "does not exist"}
+    for name, message in cases.items():
+        caplog.clear()
+        assert extract.main([tmp_path / name, "train", 1, 0, tmp_path / "out"]) == 2, name
+        assert message in caplog.text, name
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit) as e:
+        extract.main([tmp_path / "empty.tsv", "train", 2, 2, tmp_path / "out"])  # rank out of range
+    assert e.value.code == 2
+
+
+def test_a_crash_midway_leaves_no_file_the_trainer_could_read(tmp_path, monkeypatch):
+    audio = tmp_path / "audio"
+    write_corpus(audio)
+    real, calls = extract.SeamlessFbank.__call__, []
+
+    def failing(self, wave):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("simulated crash")
+        return real(self, wave)
+
+    monkeypatch.setattr(extract.SeamlessFbank, "__call__", failing)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        extract.main([audio, "train", 1, 0, tmp_path / "feats"])
+    assert list((tmp_path / "feats").iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def tiny_w2v_bert(tmp_path_factory):
+    """A random Wav2Vec2BertModel small enough for a CPU test, saved with save_pretrained."""
+    import torch
+    from transformers import Wav2Vec2BertConfig, Wav2Vec2BertModel
+
+    torch.manual_seed(0)
+    config = Wav2Vec2BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                output_hidden_size=32, feature_projection_input_dim=160, conv_depthwise_kernel_size=5)
+    folder = tmp_path_factory.mktemp("w2v_bert")
+    Wav2Vec2BertModel(config).eval().save_pretrained(folder)
+    return folder
+
+
+def test_w2v_bert_layer_matches_the_model_chunk_by_chunk(tmp_path, tiny_w2v_bert):
+    import torch
+    from transformers import Wav2Vec2BertModel
+
+    audio = tmp_path / "audio"
+    relpaths = write_corpus(audio, CORPUS[:4])  # 1 to 3 s: one to three chunks each
+    out = tmp_path / "feats"
+    assert extract.main([audio, "train", 1, 0, out, "--feature", "w2v-bert", "--checkpoint", tiny_w2v_bert,
+                         "--layer", 1, "--max_chunk_seconds", 1.0, "--batch_size", 3, "--device", "cpu"]) == 0
+    got = utterances(out, "train_0_1")
+    model = Wav2Vec2BertModel.from_pretrained(str(tiny_w2v_bert), local_files_only=True).eval()
+    for rel, features in zip(relpaths, got, strict=True):
+        fbank = seamless_reference(audio / rel)
+        assert features.shape == (len(fbank), 32)
+        pieces = np.array_split(fbank, int(np.ceil(len(fbank) / 50)))  # 1 s chunks of at most 50 frames, equal
+        with torch.no_grad():
+            want = np.concatenate([model(input_features=torch.from_numpy(p)[None], output_hidden_states=True)
+                                   .hidden_states[1][0].numpy() for p in pieces])
+        np.testing.assert_allclose(features, want, rtol=1e-4, atol=1e-4, err_msg=rel)
+    note = json.loads((out / "train_0_1.json").read_text())
+    assert note["feature"] == "w2v-bert" and note["dim"] == 32 and note["layer"] == 1
+
+
+def test_w2v_bert_bad_checkpoint_or_layer_exits_2(tmp_path, tiny_w2v_bert, caplog):
+    audio = tmp_path / "audio"
+    write_corpus(audio, [("a.wav", 1.0, 16000, 1)])
+    assert extract.main([audio, "train", 1, 0, tmp_path / "o", "--feature", "w2v-bert", "--checkpoint",
+                         tiny_w2v_bert, "--layer", 3]) == 2
+    assert "--layer 3 is out of range" in caplog.text
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "seamless_m4t_v2"}))
+    assert extract.main([audio, "train", 1, 0, tmp_path / "o", "--feature", "w2v-bert", "--checkpoint", other,
+                         "--layer", 1]) == 2
+    assert "not 'wav2vec2-bert'" in caplog.text
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(SystemExit) as e:
+        extract.main([audio, "train", 1, 0, tmp_path / "o", "--feature", "w2v-bert"])  # no --checkpoint/--layer
+    assert e.value.code == 2

@@ -1,0 +1,119 @@
+"""training.report (plots and report.md from metrics.jsonl) and MetricsLog's optional TensorBoard scalars."""
+import json
+import logging
+import math
+import sys
+
+import pytest
+
+from training.errors import BadInputError
+from training.metrics_log import MetricsLog
+
+pytestmark = pytest.mark.timeout(120)
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def write_run(run_dir, steps=40, levels=3):
+    """A metrics.jsonl as the trainer writes it, with a resume (steps 21-25 logged twice) and a cut last line."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = MetricsLog(run_dir / "metrics.jsonl")
+    for step in [*range(1, 26), *range(21, steps + 1)]:
+        log.write("train", step, loss=1 / step, recon=0.8 / step, commit=0.1 / math.sqrt(step), lr=1e-3,
+                  frames_per_sec=1000.0 + step, segment_length=32, bad_steps=0)
+        if step % 10 == 0:
+            log.write("eval", step, rel_mse=1 / step, cosine=1 - 1 / step,
+                      code_usage=[0.5 + q / 10 for q in range(levels)],
+                      perplexity=[10.0 + q + step / 10 for q in range(levels)], bits_per_frame=15.0, frames=512)
+            log.write("checkpoint", step, path=str(run_dir / "checkpoints" / f"step_{step:08d}.pt"))
+    log.write("skipped_step", 13, reason="non-finite loss or gradient", bad_steps=1)
+    log.write("train", 14, loss=float("nan"), recon=float("nan"), commit=0.1, lr=1e-3, frames_per_sec=900.0)
+    log.write("eval_failed", 30, ranks=[1])
+    log.write("stop", steps, reason="max_steps")
+    log.close()
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"event": "train", "step": 41, "lo')  # killed mid-write
+    (run_dir / "config.json").write_text(json.dumps({"codebook_size": 32, "num_quantizers": levels, "lr": 1e-3}))
+
+
+def test_report_writes_png_plots_and_a_summary(tmp_path):
+    pytest.importorskip("matplotlib")
+    from training import report
+
+    write_run(tmp_path / "run")
+    assert report.main([tmp_path / "run"]) == 0
+    out = tmp_path / "run" / "report"
+    for name in report.PLOTS:
+        data = (out / name).read_bytes()
+        assert data.startswith(PNG_SIGNATURE) and len(data) > 5000, name
+    text = (out / "report.md").read_text()
+    assert "| last step | 40 (stopped: max_steps) |" in text
+    assert "0.1 at step 10 -> 0.025 at step 40" in text  # eval rel_mse, first and last
+    assert "| failed evals | 1 at steps [30] |" in text and "| skipped steps (non-finite) | 1 |" in text
+    assert "| unreadable lines in metrics.jsonl | 1 |" in text
+    assert "0.5, 0.6, 0.7" in text  # code usage per level at the last eval
+    for name in report.PLOTS:
+        assert f"({name})" in text
+    assert report.main([tmp_path / "run", "--out", tmp_path / "elsewhere"]) == 0
+    assert (tmp_path / "elsewhere" / "codes.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_report_keeps_the_last_record_of_a_step_logged_twice(tmp_path):
+    from training.report import read_events
+
+    write_run(tmp_path / "run")
+    events, bad = read_events(tmp_path / "run" / "metrics.jsonl")
+    steps = [r["step"] for r in events["train"]]
+    assert steps == list(range(1, 41)) and bad == 1
+    assert events["train"][13]["loss"] is None  # step 14 logged again with a NaN loss: the later line wins
+
+
+def test_report_without_metrics_exits_2(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    from training import report
+
+    assert report.main([tmp_path]) == 2
+    assert "metrics.jsonl does not exist" in caplog.text
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert report.main([tmp_path]) == 2
+    assert "holds no events" in caplog.text
+    assert not (tmp_path / "report").exists()
+
+
+def test_metrics_log_without_tensorboard_is_unchanged(tmp_path):
+    MetricsLog(None).write("train", 1, loss=1.0)  # other ranks: writes nothing, needs nothing
+    log = MetricsLog(tmp_path / "m.jsonl")
+    log.write("train", 3, loss=float("inf"), code_usage=[0.5])
+    log.close()
+    record = json.loads((tmp_path / "m.jsonl").read_text())
+    assert record["event"] == "train" and record["step"] == 3 and record["loss"] is None
+    assert record["code_usage"] == [0.5] and "time" in record
+
+
+def test_tensorboard_needs_its_package(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
+    with pytest.raises(BadInputError, match="pip install tensorboard"):
+        MetricsLog(tmp_path / "m.jsonl", tensorboard_dir=tmp_path / "tb")
+    assert not (tmp_path / "m.jsonl").exists() and not (tmp_path / "tb").exists()
+
+
+def test_tensorboard_scalars_per_event_field_and_level(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = MetricsLog(tmp_path / "m.jsonl", tensorboard_dir=tmp_path / "tb")
+    log.write("train", 1, loss=0.5, lr=1e-3, frames_per_sec=1200.0, segment_length=32)
+    log.write("train", 2, loss=0.25, lr=1e-3, frames_per_sec=1300.0, segment_length=64)
+    log.write("eval", 2, rel_mse=0.1, code_usage=[0.75, 0.5], perplexity=[20.0, 12.5], bits_per_frame=10.0)
+    log.write("stop", 2, reason="max_steps")
+    log.close()
+    scalars = EventAccumulator(str(tmp_path / "tb"))
+    scalars.Reload()
+    tags = set(scalars.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/frames_per_sec", "train/segment_length", "eval/rel_mse",
+            "eval/code_usage/level_0", "eval/code_usage/level_1", "eval/perplexity/level_1",
+            "eval/bits_per_frame"} <= tags
+    assert not any(t.startswith("stop/") for t in tags)
+    assert [(e.step, e.value) for e in scalars.Scalars("train/loss")] == [(1, 0.5), (2, 0.25)]
+    assert [(e.step, e.value) for e in scalars.Scalars("eval/code_usage/level_1")] == [(2, 0.5)]
+    assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 4  # the JSON log is still written

@@ -1,0 +1,294 @@
+"""A training run's report: plots and a markdown summary from its metrics.jsonl.
+
+    python -m training.report RUN_DIR [--out DIR]
+
+Reads RUN_DIR/metrics.jsonl (and config.json when present) and writes, into
+RUN_DIR/report/ unless --out says otherwise:
+
+- loss.png: train loss, reconstruction and commitment terms, and the learning rate, over steps;
+- eval.png: held-out relative MSE and cosine similarity over steps;
+- codes.png: code usage and perplexity of each level over steps;
+- speed.png: training frames per second (all ranks) over steps;
+- report.md: the numbers that matter, and the plots.
+
+A resumed run logs the steps after its last checkpoint twice; the later line
+wins. Lines that are not JSON (a run killed mid-write) are counted and skipped.
+Needs matplotlib (`pip install matplotlib`). Exit codes: 0 done, 2 no
+metrics.jsonl or nothing in it, or matplotlib missing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import statistics
+import sys
+from pathlib import Path
+
+from training.errors import EXIT_BAD_INPUT, EXIT_OK, BadInputError
+
+log = logging.getLogger("report")
+
+PLOTS = ("loss.png", "eval.png", "codes.png", "speed.png")
+
+
+def read_events(path: Path) -> tuple[dict[str, list[dict]], int]:
+    """Events by kind, each sorted by step with one record per step (the last written); and the bad line count."""
+    by_kind: dict[str, dict[int, dict]] = {}
+    bad = 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            step = int(record["step"])
+            kind = str(record["event"])
+        except (ValueError, KeyError, TypeError):
+            bad += 1
+            continue
+        by_kind.setdefault(kind, {})[step] = record  # a resumed run re-logs steps: the later line wins
+    return {k: [v[s] for s in sorted(v)] for k, v in by_kind.items()}, bad
+
+
+def number(value) -> float:
+    """A plottable float; None (how metrics.jsonl writes NaN and Inf) and non-numbers become NaN."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+
+
+def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    rows = [r for r in rows if key in r]
+    return [r["step"] for r in rows], [number(r[key]) for r in rows]
+
+
+def per_level(rows: list[dict], key: str) -> tuple[list[int], list[list[float]]]:
+    """Steps and, for each level, its value at each step (NaN where a record lacks that level)."""
+    rows = [r for r in rows if isinstance(r.get(key), list)]
+    levels = max((len(r[key]) for r in rows), default=0)
+    values = [[number(r[key][q]) if q < len(r[key]) else math.nan for r in rows] for q in range(levels)]
+    return [r["step"] for r in rows], values
+
+
+def _finite(values) -> list[float]:
+    return [v for v in values if math.isfinite(v)]
+
+
+def _fmt(value, digits: int = 4) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
+
+
+def _empty(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.4")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _mark_events(ax, events: dict) -> None:
+    """Skipped steps and failed evals as thin vertical lines, so a spike can be read against them."""
+    for kind, color in (("skipped_step", "tab:red"), ("eval_failed", "tab:orange")):
+        for k, r in enumerate(events.get(kind, [])):
+            ax.axvline(r["step"], color=color, lw=0.8, ls=":", label=kind.replace("_", " ") if k == 0 else None)
+
+
+def plot_loss(plt, events: dict, path: Path, title: str) -> None:
+    train = events.get("train", [])
+    fig, (ax, ax_lr) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=(3, 1))
+    if train:
+        for key, style in (("loss", "-"), ("recon", "--"), ("commit", ":")):  # commit before its --commitment_weight
+            steps, values = series(train, key)
+            if _finite(values):
+                ax.plot(steps, values, style, lw=1.4, label=key)
+        if all(v > 0 for v in _finite(series(train, "loss")[1] + series(train, "recon")[1])):
+            ax.set_yscale("log")
+        _mark_events(ax, events)
+        ax.legend(loc="upper right")
+        steps, lr = series(train, "lr")
+        ax_lr.plot(steps, lr, color="tab:gray", lw=1.2)
+        ax_lr.set_ylabel("learning rate")
+        ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    else:
+        _empty(ax, "no train events")
+    ax.set_ylabel("train loss (standardised features)")
+    ax.set_title(f"{title}: training loss")
+    ax.grid(alpha=0.3)
+    ax_lr.grid(alpha=0.3)
+    ax_lr.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_eval(plt, events: dict, path: Path, title: str) -> None:
+    evals = events.get("eval", [])
+    fig, (ax, ax_cos) = plt.subplots(1, 2, figsize=(11, 4.2))
+    if evals:
+        steps, rel = series(evals, "rel_mse")
+        ax.plot(steps, rel, "o-", color="tab:blue", ms=4)
+        if all(v > 0 for v in _finite(rel)):
+            ax.set_yscale("log")
+        _mark_events(ax, events)
+        steps, cos = series(evals, "cosine")
+        ax_cos.plot(steps, cos, "o-", color="tab:green", ms=4)
+    else:
+        _empty(ax, "no eval events")
+        _empty(ax_cos, "no eval events")
+    ax.set(title="held-out relative MSE (lower is better)", xlabel="step", ylabel="sum|x - x̂|² / sum|x - mean|²")
+    ax_cos.set(title="held-out cosine similarity", xlabel="step", ylabel="mean cosine(x, x̂)")
+    for a in (ax, ax_cos):
+        a.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_codes(plt, events: dict, path: Path, title: str, codebook_size: int | None) -> None:
+    evals = events.get("eval", [])
+    fig, (ax_use, ax_ppl) = plt.subplots(1, 2, figsize=(11, 4.2))
+    steps, usage = per_level(evals, "code_usage")
+    _, perplexity = per_level(evals, "perplexity")
+    if usage:
+        colors = plt.get_cmap("viridis")([q / max(1, len(usage) - 1) * 0.9 for q in range(len(usage))])
+        for q, values in enumerate(usage):
+            ax_use.plot(steps, values, "o-", ms=3, color=colors[q], label=f"level {q}")
+        for q, values in enumerate(perplexity):
+            ax_ppl.plot(steps, values, "o-", ms=3, color=colors[q], label=f"level {q}")
+        if codebook_size:
+            ax_ppl.axhline(codebook_size, color="0.5", ls="--", lw=1, label=f"codebook size {codebook_size}")
+        ax_use.set_ylim(0, 1.02)
+        ax_ppl.set_ylim(bottom=0)
+        ax_ppl.legend(fontsize=8, ncol=2 if len(usage) > 4 else 1, loc="lower right")
+    else:
+        _empty(ax_use, "no eval events")
+        _empty(ax_ppl, "no eval events")
+    ax_use.set(title="code usage per level (share of codes used)", xlabel="step", ylabel="share of codebook")
+    ax_ppl.set(title="perplexity per level (uniform use = codebook size)", xlabel="step", ylabel="perplexity")
+    for a in (ax_use, ax_ppl):
+        a.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_speed(plt, events: dict, path: Path, title: str) -> None:
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    steps, fps = series(events.get("train", []), "frames_per_sec")
+    if _finite(fps):
+        ax.plot(steps, fps, color="tab:purple", lw=1.2)
+        ax.axhline(statistics.median(_finite(fps)), color="0.5", ls="--", lw=1,
+                   label=f"median {statistics.median(_finite(fps)):,.0f}")
+        ax.set_ylim(bottom=0)
+        ax.legend(loc="lower right")
+    else:
+        _empty(ax, "no frames_per_sec in train events")
+    ax.set(title=f"{title}: training speed", xlabel="step", ylabel="frames / s (all ranks)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summary(run_dir: Path, events: dict, bad_lines: int, config: dict) -> str:
+    train, evals = events.get("train", []), events.get("eval", [])
+    stops, ckpts = events.get("stop", []), events.get("checkpoint", [])
+    last_step = max((records[-1]["step"] for records in events.values() if records), default=0)
+    ending = f"stopped: {stops[-1].get('reason')}" if stops else "no stop event: running, or killed"
+    rows = [("last step", f"{last_step} ({ending})")]
+    if train:
+        losses = _finite(series(train, "loss")[1])
+        if losses:
+            rows.append(("train loss", f"{_fmt(losses[0])} at first log, {_fmt(losses[-1])} at last, "
+                                       f"min {_fmt(min(losses))}"))
+        fps = _finite(series(train, "frames_per_sec")[1])
+        if fps:
+            rows.append(("frames / s (all ranks)", f"median {statistics.median(fps):,.0f}, last {fps[-1]:,.0f}"))
+    if evals:
+        first, last = evals[0], evals[-1]
+        rel = [(number(r.get("rel_mse")), r["step"]) for r in evals if math.isfinite(number(r.get("rel_mse")))]
+        best = min(rel) if rel else (math.nan, None)
+        rows += [
+            ("eval rel_mse", f"{_fmt(number(first.get('rel_mse')))} at step {first['step']} -> "
+                             f"{_fmt(number(last.get('rel_mse')))} at step {last['step']} (best {_fmt(best[0])} at "
+                             f"step {best[1]})"),
+            ("eval cosine (last)", _fmt(number(last.get("cosine")))),
+            ("bits per frame", _fmt(last.get("bits_per_frame"))),
+            ("code usage per level (last)", ", ".join(_fmt(number(v), 3) for v in last.get("code_usage", []))),
+            ("perplexity per level (last)", ", ".join(_fmt(number(v), 4) for v in last.get("perplexity", []))),
+        ]
+    else:
+        rows.append(("eval", "no eval events yet"))
+    rows.append(("checkpoints", f"{len(ckpts)}" + (f", last {ckpts[-1].get('path')}" if ckpts else "")))
+    rows.append(("skipped steps (non-finite)", str(len(events.get("skipped_step", [])))))
+    failed = events.get("eval_failed", [])
+    rows.append(("failed evals", f"{len(failed)}" + (f" at steps {[r['step'] for r in failed]}" if failed else "")))
+    if bad_lines:
+        rows.append(("unreadable lines in metrics.jsonl", str(bad_lines)))
+    keys = ("data_dir", "num_quantizers", "codebook_size", "codebook_dim", "latent_dim", "downsample", "batch_size",
+            "segment_length", "multi_length_training", "lr", "max_steps", "precision", "device")
+    flags = ", ".join(f"`--{k} {config[k]}`" for k in keys if k in config and config[k] is not None)
+    lines = [f"# Training report: {run_dir}", "", "| | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in rows]
+    if flags:
+        lines += ["", f"Flags: {flags}"]
+    lines += ["", "![training loss](loss.png)", "", "![held-out error](eval.png)", "",
+              "![code usage and perplexity per level](codes.png)", "", "![training speed](speed.png)", ""]
+    return "\n".join(lines)
+
+
+def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
+    """Write the plots and report.md; returns report.md's path."""
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise BadInputError(f"{metrics} does not exist: give the --output_dir of a training run")
+    events, bad = read_events(metrics)
+    if not events:
+        raise BadInputError(f"{metrics} holds no events ({bad} unreadable line(s)): nothing to report yet")
+    try:
+        import matplotlib
+    except ImportError:
+        raise BadInputError("the report needs matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    config = {}
+    if (run_dir / "config.json").is_file():
+        try:
+            config = json.loads((run_dir / "config.json").read_text())
+        except ValueError:
+            log.warning("%s/config.json is not JSON; the report leaves the flags out", run_dir)
+    out_dir = out_dir or run_dir / "report"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    title = run_dir.resolve().name
+    plot_loss(plt, events, out_dir / "loss.png", title)
+    plot_eval(plt, events, out_dir / "eval.png", title)
+    plot_codes(plt, events, out_dir / "codes.png", title, config.get("codebook_size"))
+    plot_speed(plt, events, out_dir / "speed.png", title)
+    report = out_dir / "report.md"
+    report.write_text(summary(run_dir, events, bad, config))
+    if bad:
+        log.warning("%d unreadable line(s) in %s were skipped", bad, metrics)
+    return report
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m training.report",
+                                description="Plots and a markdown summary of a training run's metrics.jsonl.")
+    p.add_argument("run_dir", type=Path, help="the trainer's --output_dir")
+    p.add_argument("--out", type=Path, help="where to write (default: RUN_DIR/report)")
+    args = p.parse_args(None if argv is None else [str(a) for a in argv])
+    try:
+        report = write_report(args.run_dir, args.out)
+    except BadInputError as e:
+        log.error("%s", e)
+        return EXIT_BAD_INPUT
+    log.info("wrote %s and %s in %s", report.name, ", ".join(PLOTS), report.parent)
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [report] %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stderr)
+    sys.exit(main())
