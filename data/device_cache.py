@@ -38,7 +38,9 @@ class DeviceFeatureCache:
         for i in tqdm(range(self.num_cached), desc="building feature cache", disable=not show_progress,
                       leave=False, mininterval=1.0):
             n = int(lengths[i])
-            self.features[row : row + n] = torch.from_numpy(np.ascontiguousarray(store.utterance(i))).to(device, dtype)
+            # memory-mapped utterances are read-only: np.require copies them into a writable array
+            rows = np.require(store.utterance(i), np.float32, requirements=["C", "W"])
+            self.features[row : row + n] = torch.from_numpy(rows).to(device, dtype)
             row += n
         seconds = max(time.perf_counter() - start, 1e-9)
         self.cached_bytes = frames * bytes_per_frame
