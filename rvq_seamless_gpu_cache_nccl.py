@@ -16,6 +16,7 @@ import logging
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ from data.crops import HostBatches, assemble_crops
 from data.demo_corpus import ensure_demo_corpus
 from data.device_cache import DeviceFeatureCache
 from data.prefetcher import Prefetcher
-from data.stores import check_finite, open_stores
+from data.stores import FeatureStore, check_finite, open_stores
 from models.codec import CodecConfig, RVQCodec, codebook_tensors
 from models.metrics import EvalSums
 from training import checkpoint as ckpt
@@ -174,16 +175,16 @@ def find_resume(args, out_dir: Path):
     return Path(args.resume), ckpt.load_checkpoint(Path(args.resume))
 
 
-def train(args, stop: StopRequest) -> int:
-    launch = detect_launch(args.local_rank)
-    setup_logging(launch.rank)
-    main_rank = launch.rank == 0
-    out_dir = Path(args.output_dir)
-    faults = FaultInjector(launch.rank)
+@dataclass
+class TrainingData:
+    train_store: FeatureStore  # every training utterance (each rank reads its shard through the plan)
+    plan: BatchPlan
+    valid_shard: FeatureStore  # this rank's held-out utterances
+    windows: tuple  # (utterance, start, length) of this rank's eval windows
 
-    # ---- data: opened and validated before anything is written
-    if args.tensorboard:
-        require_tensorboard()  # on every rank: a missing package is bad input, exit 2
+
+def open_data(args, launch) -> TrainingData:
+    """Find, validate and shard the features; every problem is a BadInputError (exit 2)."""
     data_dir = args.data_dir
     if data_dir is None:
         data_dir = ensure_demo_corpus()
@@ -192,8 +193,8 @@ def train(args, stop: StopRequest) -> int:
     train_store, valid_store, holdout_note = open_stores(data_dir, args.train_split, args.valid_split, seed=args.seed)
     if holdout_note:
         log.info("%s", holdout_note)
-    check_finite(train_store, show_progress=main_rank)
-    check_finite(valid_store, show_progress=main_rank)
+    check_finite(train_store, show_progress=launch.rank == 0)
+    check_finite(valid_store, show_progress=launch.rank == 0)
     plan = BatchPlan(train_store.lengths, segment_lengths=train_lengths(args),
                      frames_per_step=args.batch_size * args.segment_length, seed=args.seed, rank=launch.rank,
                      world_size=launch.world_size, multiple_of=args.downsample)
@@ -207,10 +208,25 @@ def train(args, stop: StopRequest) -> int:
                     plan.dropped_lengths, plan.segment_lengths)
     eval_length = min(plan.segment_lengths)
     valid_shard = valid_store.subset(shard_indices(len(valid_store), launch.rank, launch.world_size), "held out")
-    win_utts, win_starts, eval_skipped = eval_windows(valid_shard.lengths, eval_length)
-    if eval_skipped:
+    utterances, starts, skipped = eval_windows(valid_shard.lengths, eval_length)
+    if skipped:
         log.warning("%d held-out utterances on this rank are shorter than %d frames and are not evaluated",
-                    eval_skipped, eval_length)
+                    skipped, eval_length)
+    return TrainingData(train_store, plan, valid_shard, (utterances, starts, eval_length))
+
+
+def train(args, stop: StopRequest) -> int:
+    launch = detect_launch(args.local_rank)
+    setup_logging(launch.rank)
+    main_rank = launch.rank == 0
+    out_dir = Path(args.output_dir)
+    faults = FaultInjector(launch.rank)
+
+    # ---- data: opened and validated before anything is written
+    if args.tensorboard:
+        require_tensorboard()  # on every rank: a missing package is bad input, exit 2
+    data = open_data(args, launch)
+    train_store, plan = data.train_store, data.plan
     steps_per_epoch = max(1, plan.steps_per_epoch // args.grad_accum)
     total_steps = args.max_steps or args.epochs * steps_per_epoch
     config = codec_config(args, train_store.dim)
@@ -347,7 +363,7 @@ def train(args, stop: StopRequest) -> int:
             # a stop on request skips the final eval: a preempted job may have seconds left
             if step % args.eval_every == 0 or stop_reason in ("max_steps", "epochs"):
                 with phase_timeout(ctx, slow_phase, args.nccl_timeout):
-                    result, failed = evaluate(model, valid_shard, (win_utts, win_starts, eval_length), ctx, args,
+                    result, failed = evaluate(model, data.valid_shard, data.windows, ctx, args,
                                               amp_dtype, faults, step)
                 if failed:
                     metrics.write("eval_failed", step, ranks=failed)
