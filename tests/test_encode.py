@@ -10,15 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("soundfile")
-pytest.importorskip("soxr")
-pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
 
-from data.stores import find_split  # noqa: E402
-from models import encode, export  # noqa: E402
-from tests.audio_helpers import run_module, write_corpus  # noqa: E402
-from tests.helpers import TINY, run_trainer  # noqa: E402
+from data.stores import find_split
+from models import encode, export
+from tests.audio_helpers import run_module, write_corpus
+from tests.helpers import TINY, run_trainer
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -192,7 +188,6 @@ def test_export_turns_codes_into_latents_and_features_with_plain_torch(pipeline,
 
 
 def test_report_of_the_run(pipeline):
-    pytest.importorskip("matplotlib")
     from training import report
 
     assert report.main([pipeline.run]) == 0

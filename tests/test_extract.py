@@ -6,17 +6,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("soundfile")
-pytest.importorskip("soxr")
-pytest.importorskip("transformers")
 
-import soundfile as sf  # noqa: E402
-import soxr  # noqa: E402
-from transformers import SeamlessM4TFeatureExtractor  # noqa: E402
+import soundfile as sf
+import soxr
+from transformers import SeamlessM4TFeatureExtractor
 
-from data import extract  # noqa: E402
-from data.stores import find_split  # noqa: E402
-from tests.audio_helpers import CORPUS, voice_like, write_corpus  # noqa: E402
+from data import extract
+from data.stores import find_split
+from tests.audio_helpers import CORPUS, voice_like, write_corpus
 
 pytestmark = pytest.mark.timeout(120)
 
