@@ -74,7 +74,9 @@ class BatchPlan:
         for L in self.segment_lengths:
             idx = np.flatnonzero(mine >= L)
             weight = (mine[idx] - L + 1).astype(np.float64)
-            self._candidates[L] = (idx, mine[idx], weight / weight.sum())
+            cdf = (weight / weight.sum()).cumsum()
+            cdf /= cdf[-1]
+            self._candidates[L] = (idx, mine[idx], cdf)
 
     def batch_size(self, segment_length: int) -> int:
         return max(1, self.frames_per_step // segment_length)
@@ -91,8 +93,9 @@ class BatchPlan:
         L = self.segment_length(step)
         epoch = step // self.steps_per_epoch
         rng = np.random.default_rng([self.seed, epoch, step, self.rank, self.world_size, 1])
-        idx, lens, prob = self._candidates[L]
-        pick = rng.choice(len(idx), size=self.batch_size(L), p=prob)
+        idx, lens, cdf = self._candidates[L]
+        # what rng.choice(len(idx), p=...) draws, without rebuilding the cumulative sum at every step
+        pick = cdf.searchsorted(rng.random(self.batch_size(L)), side="right")
         starts = (rng.random(len(pick)) * (lens[pick] - L + 1)).astype(np.int64)
         return StepBatch(step, L, idx[pick], starts)
 

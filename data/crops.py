@@ -8,13 +8,60 @@ from data.batch_plan import StepBatch
 from data.stores import FeatureStore
 
 
+class CropReader:
+    """Crops of a store copied into one float32 array `[B, length, D]`.
+
+    For a fairseq dump (utterances are row ranges of a few memory-mapped arrays) the
+    crops are read with one `np.take` per shard on a row index built by arithmetic,
+    instead of a Python loop over crops; a directory of files is read file by file.
+    """
+
+    def __init__(self, store: FeatureStore):
+        self.store = store
+        # a store's layout is private to data/stores.py; only read here, never changed
+        shards, where = getattr(store, "_shards", None), getattr(store, "_where", None)
+        self._arrays = shards is not None and all(
+            isinstance(s, np.ndarray) and s.dtype == np.float32 for s in shards)
+        if self._arrays:
+            self._shard = np.asarray([w[0] for w in where], dtype=np.int64)
+            self._first = np.asarray([w[1] for w in where], dtype=np.int64)
+            self._shards = shards
+
+    def read_whole(self, utterances) -> np.ndarray:
+        """Whole utterances, concatenated: `[sum of their lengths, D]` float32."""
+        utterances = np.asarray(utterances, dtype=np.int64)
+        if self._arrays and len(np.unique(self._shard[utterances])) == 1:
+            lengths = self.store.lengths[utterances]
+            within = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            rows = np.repeat(self._first[utterances], lengths) + within
+            return np.take(self._shards[self._shard[utterances[0]]], rows, axis=0)
+        return np.concatenate([np.asarray(self.store.utterance(int(i)), dtype=np.float32) for i in utterances])
+
+    def read(self, utterances, starts, length: int, out: np.ndarray | None = None) -> np.ndarray:
+        utterances = np.asarray(utterances, dtype=np.int64)
+        starts = np.asarray(starts, dtype=np.int64)
+        if out is None:
+            out = np.empty((len(utterances), length, self.store.dim), dtype=np.float32)
+        if not self._arrays:
+            for k, (u, s) in enumerate(zip(utterances, starts)):
+                out[k] = self.store.utterance(int(u))[int(s) : int(s) + length]
+            return out
+        first = self._first[utterances] + starts
+        shard = self._shard[utterances]
+        span = np.arange(length, dtype=np.int64)
+        for k in np.unique(shard):
+            mine = np.flatnonzero(shard == k)
+            rows = (first[mine, None] + span[None, :]).ravel()
+            if len(mine) == len(utterances):  # the usual case: one shard, written in place
+                np.take(self._shards[k], rows, axis=0, out=out.reshape(-1, self.store.dim), mode="clip")
+            else:
+                out[mine] = np.take(self._shards[k], rows, axis=0).reshape(len(mine), length, -1)
+        return out
+
+
 def assemble_crops(store: FeatureStore, utterances, starts, length: int, out: np.ndarray | None = None) -> np.ndarray:
-    """Copy `length`-frame crops into one float32 array `[B, length, D]`."""
-    if out is None:
-        out = np.empty((len(utterances), length, store.dim), dtype=np.float32)
-    for k, (u, s) in enumerate(zip(utterances, starts)):
-        out[k] = store.utterance(int(u))[int(s) : int(s) + length]
-    return out
+    """Copy `length`-frame crops into one float32 array `[B, length, D]` (builds a CropReader each call)."""
+    return CropReader(store).read(utterances, starts, length, out)
 
 
 class HostBatches:
@@ -22,11 +69,12 @@ class HostBatches:
 
     def __init__(self, store: FeatureStore, plan, device: torch.device, pin_memory: bool = False):
         self.store, self.plan, self.device = store, plan, device
+        self.reader = CropReader(store)
         self.pin_memory = pin_memory and device.type == "cuda"
 
     def get(self, step: int) -> tuple[StepBatch, torch.Tensor]:
         batch = self.plan.batch(step)
-        host = torch.from_numpy(assemble_crops(self.store, batch.utterances, batch.starts, batch.segment_length))
+        host = torch.from_numpy(self.reader.read(batch.utterances, batch.starts, batch.segment_length))
         if self.pin_memory:
             host = host.pin_memory()
         return batch, host.to(self.device, non_blocking=self.pin_memory)

@@ -1,28 +1,72 @@
 """The prefetcher: worker threads assemble the next batches on the host while the step runs.
 
-Up to `depth` batches are in flight (pinned memory when asked for, on CUDA).
+Up to `depth` batches are in flight. Each is assembled into a host buffer taken
+from a small pool per batch shape (pinned when asked for, on CUDA) and reused,
+not allocated per batch. On CUDA the worker copies it to the device on a side
+stream and records an event; the main stream waits on that event, so the step
+never blocks the host, and the host buffer returns to the pool once the event
+has completed. On CPU the buffer itself is the batch: it returns to the pool at
+the next `get`, so a batch is valid until then.
+
 An exception in a worker is raised in the main loop at that step's `get`, and
 `close` stops the workers. Without persistent workers the pool is rebuilt at
 each epoch boundary, as a DataLoader without `persistent_workers` does.
 """
 from __future__ import annotations
 
+import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from data.batch_plan import StepBatch
-from data.crops import assemble_crops
+from data.crops import CropReader
 from data.stores import FeatureStore
+
+
+class HostBufferPool:
+    """Reusable float32 host buffers keyed by shape; one goes back when the copy reading it is done."""
+
+    def __init__(self, pin: bool, per_shape: int):
+        self.pin, self.per_shape = pin, per_shape
+        self.allocated = self.reused = 0
+        self._free: dict[tuple, list] = {}
+        self._lock = threading.Lock()
+
+    def acquire(self, shape: tuple) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get(shape, [])
+            for k, (buffer, copied) in enumerate(free):
+                if copied is None or copied.query():
+                    del free[k]
+                    self.reused += 1
+                    return buffer
+            self.allocated += 1
+        return torch.empty(shape, dtype=torch.float32, pin_memory=self.pin)
+
+    def release(self, buffer: torch.Tensor, copied=None) -> None:
+        """`copied`: the CUDA event after the copy that reads `buffer` (None: free now)."""
+        with self._lock:
+            free = self._free.setdefault(tuple(buffer.shape), [])
+            if len(free) < self.per_shape:
+                free.append((buffer, copied))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
 
 
 class Prefetcher:
     def __init__(self, store: FeatureStore, plan, device: torch.device, *, start_step: int, depth: int = 4,
                  workers: int = 1, pin_memory: bool = False, persistent_workers: bool = True):
         self.store, self.plan, self.device = store, plan, device
-        self.pin_memory = pin_memory and device.type == "cuda"
+        self.reader = CropReader(store)
+        self.cuda = device.type == "cuda"
         self.depth, self.workers, self.persistent = max(1, depth), max(1, workers), persistent_workers
+        self.buffers = HostBufferPool(pin=pin_memory and self.cuda, per_shape=self.depth + self.workers + 1)
+        self._copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self._lent = None  # on CPU: the host buffer of the batch handed out last
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="prefetch")
         self._pending: deque = deque()
         self._next = start_step
@@ -30,8 +74,16 @@ class Prefetcher:
 
     def _build(self, step: int):
         batch = self.plan.batch(step)
-        host = torch.from_numpy(assemble_crops(self.store, batch.utterances, batch.starts, batch.segment_length))
-        return batch, host.pin_memory() if self.pin_memory else host
+        host = self.buffers.acquire((len(batch.utterances), batch.segment_length, self.store.dim))
+        self.reader.read(batch.utterances, batch.starts, batch.segment_length, out=host.numpy())
+        if not self.cuda:
+            return batch, host, None
+        with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream):
+            on_device = host.to(self.device, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self._copy_stream)
+        self.buffers.release(host, copied)
+        return batch, on_device, copied
 
     def _fill(self) -> None:
         while len(self._pending) < self.depth:
@@ -42,14 +94,23 @@ class Prefetcher:
         queued, future = self._pending.popleft()
         if queued != step:
             raise RuntimeError(f"the prefetcher is out of step: expected {step}, queued {queued}")
+        if self._lent is not None:  # the previous batch's step is over: its buffer can be refilled
+            self.buffers.release(self._lent)
+            self._lent = None
         try:
-            batch, host = future.result()
+            batch, x, copied = future.result()
         except Exception as e:
             raise RuntimeError(f"the prefetcher failed while building step {step}: {e!r}") from e
+        if copied is not None:
+            main = torch.cuda.current_stream(self.device)
+            main.wait_event(copied)  # the device waits for the copy, the host does not
+            x.record_stream(main)  # allocated on the side stream, used and freed on the main one
+        else:
+            self._lent = x
         if not self.persistent and (step + 1) % self.plan.steps_per_epoch == 0:
             self._restart_pool()
         self._fill()
-        return batch, host.to(self.device, non_blocking=self.pin_memory)
+        return batch, x
 
     def _restart_pool(self) -> None:
         old = self._pool
@@ -61,3 +122,5 @@ class Prefetcher:
             future.cancel()
         self._pending.clear()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self.buffers.clear()
+        self._lent = None

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from data.batch_plan import BatchPlan
-from data.crops import HostBatches
+from data.crops import CropReader, HostBatches
 from data.device_cache import DeviceFeatureCache
 from data.prefetcher import Prefetcher
 from data.stores import open_stores
@@ -26,13 +26,18 @@ def expected(store, plan, steps):
     return [host.get(s)[1] for s in steps]
 
 
-@pytest.mark.parametrize("budget_fraction", [1.0, 0.3])
-def test_cache_gathers_the_same_crops(store_and_plan, budget_fraction):
+@pytest.mark.parametrize("budget_fraction,stream", [(1.0, None), (0.3, None), (0.3, {"start_step": 0, "depth": 3}),
+                                                    (0.9, {"start_step": 0, "depth": 2})])
+def test_cache_gathers_the_same_crops(store_and_plan, budget_fraction, stream):
+    """Cached crops are gathered, the others read on the spot or streamed by a prefetcher: the same batches."""
     store, plan = store_and_plan
     full_bytes = store.total_frames * store.dim * 4
     cache = DeviceFeatureCache(store, plan, torch.device("cpu"), max_bytes=budget_fraction * full_bytes,
-                               dtype=torch.float32, show_progress=False)
+                               dtype=torch.float32, show_progress=False, stream=stream)
     assert (cache.num_cached == len(store)) == (budget_fraction == 1.0)
+    all_cached = [s for s in range(20) if (plan.batch(s).utterances < cache.num_cached).all()]
+    if budget_fraction == 0.9:
+        assert 0 < len(all_cached) < 20  # the stream must also step through steps it has nothing for
     for step, want in zip(range(20), expected(store, plan, range(20))):
         batch, got = cache.get(step)
         assert got.shape == (len(batch.utterances), batch.segment_length, store.dim)
@@ -76,3 +81,63 @@ def test_prefetcher_hands_a_worker_error_to_the_main_loop(store_and_plan):
     with pytest.raises(RuntimeError, match="building step 0: OSError\\('disk went away'\\)"):
         pre.get(0)
     pre.close()
+
+
+def loop_crops(store, utterances, starts, length):
+    """The obvious per-crop loop, the reference for the vectorised reader."""
+    return np.stack([store.utterance(int(u))[int(s) : int(s) + length] for u, s in zip(utterances, starts)])
+
+
+@pytest.mark.parametrize("layout", ["fairseq, 3 shards", "directory"])
+def test_crop_reader_and_cache_match_the_per_crop_loop(tmp_path, layout):
+    lengths = np.random.default_rng(1).integers(40, 200, size=30).tolist()
+    if layout == "directory":
+        (tmp_path / "train").mkdir()
+        rng = np.random.default_rng(2)
+        for i, n in enumerate(lengths):
+            np.save(tmp_path / "train" / f"u{i:03d}.npy", rng.standard_normal((n, 8)).astype(np.float32))
+    else:
+        write_fairseq(tmp_path, "train", lengths, dim=8, nshard=3)
+    write_fairseq(tmp_path, "valid", [64], dim=8)
+    store, _, _ = open_stores(tmp_path, "train", "valid", seed=0)
+    plan = BatchPlan(store.lengths, segment_lengths=[32, 64], frames_per_step=256, seed=3)
+    reader = CropReader(store)
+    cache = DeviceFeatureCache(store, plan, torch.device("cpu"), max_bytes=1e9, dtype=torch.float32,
+                               show_progress=False)
+    for step in range(10):
+        batch = plan.batch(step)
+        want = loop_crops(store, batch.utterances, batch.starts, batch.segment_length)
+        np.testing.assert_array_equal(reader.read(batch.utterances, batch.starts, batch.segment_length), want)
+        torch.testing.assert_close(cache.get(step)[1], torch.from_numpy(want), rtol=0, atol=0)
+
+
+def test_prefetcher_reuses_its_host_buffers(store_and_plan):
+    store, plan = store_and_plan
+    depth, steps = 3, 40
+    pre = Prefetcher(store, plan, torch.device("cpu"), start_step=0, depth=depth, workers=1)
+    try:
+        for step, want in zip(range(steps), expected(store, plan, range(steps))):
+            torch.testing.assert_close(pre.get(step)[1], want, rtol=0, atol=0)
+        shapes = len(plan.segment_lengths)
+        # at most depth + 1 buffers in use at once per shape (queued, building, lent to the step)
+        assert pre.buffers.allocated <= shapes * (depth + 2)
+        assert pre.buffers.reused >= steps - pre.buffers.allocated - depth
+    finally:
+        pre.close()
+
+
+def test_cache_get_sends_only_crop_positions_to_the_device(store_and_plan, monkeypatch):
+    """The features never cross per step: the only host->device transfer is one int64 per crop.
+
+    (bf16 on a CPU takes the device code path; fp32 and fp16 caches on a CPU are gathered by numpy.)"""
+    import data.device_cache as device_cache
+
+    store, plan = store_and_plan
+    cache = DeviceFeatureCache(store, plan, torch.device("cpu"), max_bytes=1e9, dtype=torch.bfloat16,
+                               show_progress=False)
+    sent = []
+    real = device_cache.to_device
+    monkeypatch.setattr(device_cache, "to_device", lambda a, d: sent.append(a) or real(a, d))
+    batch, got = cache.get(3)
+    torch.testing.assert_close(got, expected(store, plan, [3])[0].bfloat16().float(), rtol=0, atol=0)
+    assert len(sent) == 1 and sent[0].dtype == np.int64 and sent[0].shape == (len(batch.utterances),)
