@@ -29,7 +29,7 @@ from data.demo_corpus import ensure_demo_corpus
 from data.device_cache import DeviceFeatureCache
 from data.prefetcher import Prefetcher
 from data.stores import FeatureStore, check_finite, open_stores
-from models.codec import CodecConfig, RVQCodec, codebook_tensors
+from models.codec import CodecConfig, RVQCodec, codebook_tensors, dead_code_counts
 from models.metrics import EvalSums
 from training import checkpoint as ckpt
 from training.config import parse_args, save_config, train_lengths
@@ -40,9 +40,11 @@ from training.metrics_log import MetricsLog, require_tensorboard
 from training.signals import StopRequest
 from training.faults import FaultInjector
 from training.sync_check import exchange, sync_check
+from training.throughput import start_step_timer
 from training.watchdog import PeerWatchdog
 
 log = logging.getLogger("rvq")
+LOW_USAGE = 0.2  # an eval warns when a level uses less than this share of its codes on held-out data
 
 
 def setup_logging(rank: int) -> None:
@@ -66,6 +68,15 @@ def feature_stats(store, max_utterances: int = 256) -> tuple[torch.Tensor, torch
     return frames.mean(0).float(), frames.std(0).float()
 
 
+def kmeans_sample(store, frames: int, length: int, seed: int) -> torch.Tensor:
+    """Random crops of `length` frames from this rank's utterances, about `frames` frames in all."""
+    rng = torch.Generator().manual_seed(seed)
+    long_enough = [i for i, n in enumerate(store.lengths) if n >= length]
+    picks = [long_enough[int(j)] for j in torch.randint(len(long_enough), (max(1, frames // length),), generator=rng)]
+    starts = [int(torch.randint(int(store.lengths[i]) - length + 1, (1,), generator=rng)) for i in picks]
+    return torch.from_numpy(assemble_crops(store, picks, starts, length))
+
+
 def learning_rate(step: int, args, total_steps: int) -> float:
     """Linear warmup, then cosine decay to lr x min_lr_ratio."""
     if step < args.warmup_steps:
@@ -81,14 +92,17 @@ def autocast_dtype(precision: str, device: torch.device):
 
 
 def make_batches(args, store, plan, device, start_step: int, show_progress: bool):
-    if args.use_gpu_cache:
-        cache_dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float16
+    prefetch = dict(start_step=start_step, depth=args.prefetch_depth, workers=args.num_workers,
+                    pin_memory=args.pin_memory, persistent_workers=args.persistent_workers)
+    streaming = args.prefetch or args.num_workers > 0
+    if args.use_gpu_cache:  # with --prefetch, what does not fit under --gpu_cache_gb is prefetched
+        # on a CPU the cache is RAM, and converting half precision would cost 4x the gather itself
+        cache_dtype = (torch.float32 if device.type == "cpu" else
+                       torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
         return DeviceFeatureCache(store, plan, device, max_bytes=args.gpu_cache_gb * 1e9, dtype=cache_dtype,
-                                  show_progress=show_progress)
-    if args.prefetch or args.num_workers > 0:
-        return Prefetcher(store, plan, device, start_step=start_step, depth=args.prefetch_depth,
-                          workers=args.num_workers, pin_memory=args.pin_memory,
-                          persistent_workers=args.persistent_workers)
+                                  show_progress=show_progress, stream=prefetch if streaming else None)
+    if streaming:
+        return Prefetcher(store, plan, device, **prefetch)
     return HostBatches(store, plan, device, pin_memory=args.pin_memory)
 
 
@@ -143,6 +157,7 @@ def codec_config(args, feature_dim: int) -> CodecConfig:
         dead_code_threshold=args.dead_code_threshold,
         quantize_dropout=args.quantize_dropout,
         commitment_weight=args.commitment_weight,
+        recon_space=args.recon_space,
     )
 
 
@@ -283,6 +298,13 @@ def train(args, stop: StopRequest) -> int:
 
         my_shard = train_store.subset(shard_indices(len(train_store), ctx.rank, ctx.world_size), "this rank's shard")
         batches = make_batches(args, my_shard, plan, device, step * args.grad_accum, main_rank)
+        if step == 0 and config.kmeans_init and args.kmeans_init_frames:
+            # k-means on more frames than one batch holds (2048 frames are thin for 1024 codes);
+            # the library syncs it across ranks, so every rank runs it, under the slow-phase timeout
+            sample = kmeans_sample(my_shard, args.kmeans_init_frames, min(plan.segment_lengths), args.seed + ctx.rank)
+            with phase_timeout(ctx, slow_phase, args.nccl_timeout):
+                model.init_codebooks(sample.to(device), batch_frames=args.batch_size * args.segment_length)
+            log.info("codebooks: k-means init on %d frames per rank", sample.shape[0] * sample.shape[1])
 
         def save(at_step: int) -> None:
             rng = gather_rng_states(ctx)
@@ -299,7 +321,8 @@ def train(args, stop: StopRequest) -> int:
         stop_reason = None if step < total_steps else "max_steps"
         bar = tqdm(total=total_steps, initial=step, disable=not main_rank, desc="train", unit="step",
                    dynamic_ncols=True, mininterval=1.0)
-        window_start, window_frames = time.perf_counter(), 0
+        throughput = start_step_timer(model, device, amp_dtype, ctx.world_size, log)  # frames/s, data wait, MFU
+        loop_start = time.perf_counter()  # --max_minutes counts from here
         while stop_reason is None:
             faults.before_step(step, model)
             for group in optimizer.param_groups:
@@ -308,7 +331,8 @@ def train(args, stop: StopRequest) -> int:
             # the first step runs k-means init across ranks: it gets the slow-phase timeout
             with phase_timeout(ctx, slow_phase, args.nccl_timeout) if step == 0 else contextlib.nullcontext():
                 for micro in range(args.grad_accum):
-                    batch, x = batches.get(step * args.grad_accum + micro)
+                    with throughput.waiting_for_data():
+                        batch, x = batches.get(step * args.grad_accum + micro)
                     last = micro == args.grad_accum - 1
                     # gradients are all-reduced once per step, on the last micro-batch
                     with ddp_model.no_sync() if ctx.is_distributed and not last else contextlib.nullcontext():
@@ -316,7 +340,7 @@ def train(args, stop: StopRequest) -> int:
                             out = ddp_model(x)
                         scaler.scale(faults.loss(step, out.loss) / args.grad_accum).backward()
                     samples_seen += len(batch.utterances)
-                    window_frames += batch.frames * ctx.world_size
+                    throughput.add_frames(batch.frames * ctx.world_size)
             scaler.unscale_(optimizer)
             # The gradients are all-reduced, so this norm is the same on every rank: a NaN on any
             # rank skips the step on all of them, with no extra collective.
@@ -342,26 +366,33 @@ def train(args, stop: StopRequest) -> int:
                 return EXIT_FAILURE
 
             if step % args.log_every == 0:
-                seconds = time.perf_counter() - window_start
-                loss, fps = out.loss.item(), window_frames / max(seconds, 1e-9)
+                speed = throughput.report()  # frames_per_sec, data_wait_frac, mfu
+                loss = out.loss.item()
                 metrics.write("train", step, loss=loss, recon=out.recon_loss.item(), commit=out.commit_loss.item(),
-                              lr=optimizer.param_groups[0]["lr"], frames_per_sec=round(fps, 1),
+                              lr=optimizer.param_groups[0]["lr"], **speed,
                               segment_length=batch.segment_length, bad_steps=bad_steps)
-                bar.set_postfix(loss=f"{loss:.4f}", fps=f"{fps:,.0f}")
-                window_start, window_frames = time.perf_counter(), 0
+                bar.set_postfix(loss=f"{loss:.4f}", fps=f"{speed['frames_per_sec']:,.0f}",
+                                wait=f"{speed['data_wait_frac']:.1%}", mfu=f"{speed['mfu']:.1%}")
 
             if step >= total_steps:
                 stop_reason = "max_steps" if args.max_steps else "epochs"
+            out_of_time = args.max_minutes is not None and time.perf_counter() - loop_start >= 60 * args.max_minutes
             if ctx.is_distributed and (step % args.sync_check_every == 0 or stop_reason):
                 result = sync_check(ctx, step=step, epoch=step // steps_per_epoch, samples_seen=samples_seen,
                                     stop=bool(stop), codebooks=codebook_tensors(model))
                 if result.stop and stop_reason is None:
                     stop_reason = f"signal on rank(s) {result.stop_ranks}"
+                if args.max_minutes is not None:  # rank 0's clock decides, so every rank stops at this step
+                    rank0_out_of_time = exchange(ctx, [out_of_time])[0, 0] > 0
+                    if rank0_out_of_time and stop_reason is None:
+                        stop_reason = "max_minutes"
             elif not ctx.is_distributed and stop and stop_reason is None:
                 stop_reason = f"signal {stop.reason}"
+            elif not ctx.is_distributed and out_of_time and stop_reason is None:
+                stop_reason = "max_minutes"
 
             # a stop on request skips the final eval: a preempted job may have seconds left
-            if step % args.eval_every == 0 or stop_reason in ("max_steps", "epochs"):
+            if step % args.eval_every == 0 or stop_reason in ("max_steps", "epochs", "max_minutes"):
                 with phase_timeout(ctx, slow_phase, args.nccl_timeout):
                     result, failed = evaluate(model, data.valid_shard, data.windows, ctx, args,
                                               amp_dtype, faults, step)
@@ -369,9 +400,16 @@ def train(args, stop: StopRequest) -> int:
                     metrics.write("eval_failed", step, ranks=failed)
                     log.warning("eval at step %d skipped on every rank: it failed on rank(s) %s", step, failed)
                 else:
+                    result["dead_codes"] = dead_code_counts(model)
                     metrics.write("eval", step, **result)
-                    log.info("eval at step %d: rel_mse %.4f, cosine %.4f, code usage %s, %.0f bits/frame", step,
-                             result["rel_mse"], result["cosine"], result["code_usage"], result["bits_per_frame"])
+                    log.info("eval at step %d: rel_mse %.4f, cosine %.4f, code usage %s, dead codes %s, "
+                             "%.0f bits/frame", step, result["rel_mse"], result["cosine"], result["code_usage"],
+                             result["dead_codes"], result["bits_per_frame"])
+                    low = [level for level, u in enumerate(result["code_usage"]) if u < LOW_USAGE]
+                    if low:
+                        log.warning("eval at step %d: level(s) %s use less than %.0f%% of their codes on held-out "
+                                    "data (usage %s): codebook collapse", step, low, 100 * LOW_USAGE,
+                                    [result["code_usage"][level] for level in low])
             if step % args.save_every == 0 or stop_reason:
                 save(step)
         bar.close()

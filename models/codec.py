@@ -19,7 +19,7 @@ from vector_quantize_pytorch import ResidualVQ
 @dataclass
 class CodecConfig:
     feature_dim: int
-    latent_dim: int = 256
+    latent_dim: int = 128
     codebook_dim: int | None = None  # None: the latent dim, no projection
     num_quantizers: int = 8
     codebook_size: int = 1024
@@ -31,6 +31,7 @@ class CodecConfig:
     dead_code_threshold: float = 2.0
     quantize_dropout: bool = False
     commitment_weight: float = 0.25
+    recon_space: str = "feature"  # "feature": MSE weighted by each dim's variance, as rel_mse counts it; "standardised"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -39,7 +40,7 @@ class CodecConfig:
 class CodecOutput(NamedTuple):
     reconstruction: torch.Tensor  # [B, T, D], in feature space
     codes: torch.Tensor  # [B, T / downsample, Q], -1 where dropped out
-    recon_loss: torch.Tensor  # MSE in standardised feature space
+    recon_loss: torch.Tensor  # MSE, standardised, each dim weighted by its variance when recon_space="feature"
     commit_loss: torch.Tensor  # summed over levels
     loss: torch.Tensor
 
@@ -57,6 +58,8 @@ class ResidualBlock(nn.Module):
 class RVQCodec(nn.Module):
     def __init__(self, config: CodecConfig):
         super().__init__()
+        if config.recon_space not in ("feature", "standardised"):
+            raise ValueError(f"recon_space must be 'feature' or 'standardised', not {config.recon_space!r}")
         if config.downsample not in (1, 2, 4):
             raise ValueError(f"downsample must be 1, 2 or 4, not {config.downsample}")
         self.config = config
@@ -65,18 +68,18 @@ class RVQCodec(nn.Module):
         self.register_buffer("feature_std", torch.ones(d))
         down = [nn.Conv1d(c, c, 2 * s, stride=s, padding=s // 2)] if s > 1 else []
         up = [nn.ConvTranspose1d(c, c, 2 * s, stride=s, padding=s // 2)] if s > 1 else []
+        # no activation outside the residual blocks: a linear path runs from input to output, so the
+        # autoencoder starts near a linear map and the quantizer, not the convs, sets the error
         self.encoder = nn.Sequential(
             nn.Conv1d(d, c, 3, padding=1),
             *[ResidualBlock(c) for _ in range(config.encoder_blocks)],
             *down,
-            nn.GELU(),
             nn.Conv1d(c, c, 1),
         )
         self.decoder = nn.Sequential(
             nn.Conv1d(c, c, 3, padding=1),
             *up,
             *[ResidualBlock(c) for _ in range(config.encoder_blocks)],
-            nn.GELU(),
             nn.Conv1d(c, d, 3, padding=1),
         )
         self.rvq = ResidualVQ(
@@ -112,11 +115,35 @@ class RVQCodec(nn.Module):
         quantized, codes, commit = self.rvq(latent)
         recon_std = self.decoder(quantized.transpose(1, 2)).transpose(1, 2)
         target_std = (features - self.feature_mean) / self.feature_std
-        recon_loss = F.mse_loss(recon_std.float(), target_std.float())
+        sq_error = (recon_std.float() - target_std.float()) ** 2
+        if self.config.recon_space == "feature":  # the error rel_mse measures, over the mean variance
+            weight = self.feature_std.float() ** 2
+            sq_error = sq_error * (weight / weight.mean())
+        recon_loss = sq_error.mean()
         commit_loss = commit.float().sum()
         loss = recon_loss + self.config.commitment_weight * commit_loss
         reconstruction = recon_std * self.feature_std + self.feature_mean
         return CodecOutput(reconstruction, codes, recon_loss, commit_loss, loss)
+
+    @torch.no_grad()
+    def init_codebooks(self, features: torch.Tensor, batch_frames: int) -> None:
+        """k-means init of every level on a sample of features [B, T, D], larger than one batch.
+
+        A training-mode forward of the quantizer: every rank must call it together (the library's
+        k-means and EMA statistics are all-reduced across ranks). The EMA cluster sizes are then
+        scaled to what one batch of `batch_frames` gives, so that dead-code expiry works from step one.
+        """
+        if not self.training:
+            raise RuntimeError("init_codebooks() runs the quantizer in training mode; call model.train() first")
+        dropout, self.rvq.quantize_dropout = self.rvq.quantize_dropout, False  # every level sees the sample
+        try:
+            self.rvq(self._encode_latent(features))
+        finally:
+            self.rvq.quantize_dropout = dropout
+        scale = batch_frames / (features.shape[0] * features.shape[1])
+        for layer in self.rvq.layers:
+            layer._codebook.cluster_size.mul_(scale)
+            layer._codebook.embed_avg.mul_(scale)
 
     @torch.no_grad()
     def encode(self, features: torch.Tensor, num_quantizers: int | None = None) -> torch.Tensor:
@@ -141,6 +168,14 @@ class RVQCodec(nn.Module):
         latent = self.rvq.get_output_from_indices(c)
         out = self._decode_latent(latent)
         return out[0] if single else out
+
+
+def dead_code_counts(model: RVQCodec) -> list[int]:
+    """Per level, the codes whose EMA cluster size is at or below the dead-code threshold: the library
+    re-seeds a code whose size falls below it (with size = threshold), so these are the codes expired at
+    the last steps that have not won frames since. The EMA is synced across ranks: every rank agrees."""
+    threshold = model.config.dead_code_threshold
+    return [int((layer._codebook.cluster_size[0] <= threshold).sum()) for layer in model.rvq.layers]
 
 
 def codebook_tensors(model: RVQCodec) -> list[torch.Tensor]:

@@ -40,3 +40,22 @@ def test_eval_sums_give_known_metrics():
     sums2 = EvalSums(2, 2, 4, "cpu")
     sums2.load_vector(sums.vector() * 1)
     assert sums2.result(1) == r
+
+
+def test_init_codebooks_on_a_large_sample_uses_every_code_and_scales_cluster_sizes():
+    from models.codec import dead_code_counts
+
+    torch.manual_seed(0)
+    model = RVQCodec(CodecConfig(feature_dim=6, latent_dim=8, num_quantizers=2, codebook_size=32,
+                                 dead_code_threshold=0.5))
+    sample = torch.randn(64, 32, 6)  # 2048 frames, far more than one batch of 64
+    model.init_codebooks(sample, batch_frames=64)
+    assert all(bool(layer._codebook.initted) for layer in model.rvq.layers)
+    for layer in model.rvq.layers:  # cluster sizes on the scale of one batch: 64 frames over 32 codes
+        assert float(layer._codebook.cluster_size.sum()) == pytest.approx(64, rel=0.05)
+    model.eval()
+    codes = model.encode(sample.flatten(0, 1))
+    assert all(len(codes[:, q].unique()) >= 28 for q in range(2))
+    assert len(dead_code_counts(model)) == 2
+    with pytest.raises(RuntimeError, match="training mode"):
+        model.init_codebooks(sample, batch_frames=64)

@@ -90,16 +90,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num_quantizers", type=positive_int, default=8)
     g.add_argument("--codebook_size", type=positive_int, default=1024)
     g.add_argument("--codebook_dim", type=positive_int, default=None, help="none: the latent dim (no projection)")
-    g.add_argument("--latent_dim", type=positive_int, default=256)
+    g.add_argument("--latent_dim", type=positive_int, default=128)
     g.add_argument("--downsample", type=int, choices=(1, 2, 4), default=1)
     g.add_argument("--kmeans_init", nargs="?", const=True, default=True, type=on_off)
+    g.add_argument("--kmeans_init_frames", type=nonnegative_int, default=0,
+                   help="frames per rank for the k-means init of the codebooks, before the first step "
+                        "(0: k-means on the first training batch)")
     g.add_argument("--dead_code_threshold", type=float, default=2.0)
     g.add_argument("--ema_decay", type=float, default=0.99)
     g.add_argument("--quantize_dropout", action="store_true", help="train for variable bitrate (fewer levels)")
     g.add_argument("--commitment_weight", type=float, default=0.25)
+    g.add_argument("--recon_space", choices=("feature", "standardised"), default="feature",
+                   help="reconstruction MSE in feature space (each dim weighted by its variance, as rel_mse "
+                        "counts errors) or on the standardised features (every dim alike)")
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--max_steps", type=positive_int, default=None, help="none: --epochs decides")
+    g.add_argument("--max_minutes", type=positive_float, default=None,
+                   help="stop after this many minutes of training, with the final eval and checkpoint "
+                        "(on several ranks rank 0's clock decides, at a sync check)")
     g.add_argument("--epochs", type=positive_int, default=10)
     g.add_argument("--grad_accum", type=positive_int, default=1,
                    help="micro-batches per step; gradients are all-reduced on the last one only")

@@ -1,0 +1,62 @@
+"""--max_minutes (a clean stop with the final eval and checkpoint, agreed across ranks) and codebook health in evals."""
+import numpy as np
+import pytest
+
+from tests.helpers import TINY, Ranks, events, run_trainer, write_fairseq
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    write_fairseq(d, "train", np.random.default_rng(5).integers(40, 200, size=41).tolist(), seed=5)
+    write_fairseq(d, "valid", [64] * 6, seed=6)
+    return d
+
+
+def assert_stopped_on_time(out):
+    stop = events(out, "stop")
+    assert [s["reason"] for s in stop] == ["max_minutes"]
+    last = stop[0]["step"]
+    assert 0 < last < 100_000
+    assert events(out, "eval")[-1]["step"] == last  # the final eval, at the stopping step
+    assert events(out, "checkpoint")[-1]["step"] == last
+    assert (out / "checkpoints" / f"step_{last:08d}.pt").is_file()
+    return last
+
+
+def test_max_minutes_stops_cleanly_with_final_eval_and_checkpoint(tmp_path, data):
+    out = tmp_path / "run"
+    r = run_trainer(["--data_dir", data, "--output_dir", out, *TINY, "--max_steps", "100000", "--max_minutes", "0.05",
+                     "--eval_every", "100000", "--save_every", "100000"], timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert_stopped_on_time(out)
+    assert "finished at step" in r.stderr and "max_minutes" in r.stderr
+
+
+def test_max_minutes_on_two_ranks_stops_every_rank_at_the_same_step(tmp_path, data):
+    out = tmp_path / "run"
+    job = Ranks(["--data_dir", data, "--output_dir", out, *TINY, "--max_steps", "100000", "--max_minutes", "0.05",
+                 "--eval_every", "100000", "--save_every", "100000", "--sync_check_every", "3",
+                 "--sync_timeout", "20"], log_dir=tmp_path / "logs")
+    try:
+        codes = job.wait(timeout=200)
+        assert codes == [0, 0], job.output(0)[-2000:] + job.output(1)[-2000:]
+        last = assert_stopped_on_time(out)
+        assert last % 3 == 0  # decided at a sync check, from rank 0's clock
+        assert f"finished at step {last}: max_minutes" in job.output(0)
+    finally:
+        job.close()
+
+
+def test_eval_reports_dead_codes_and_warns_on_low_usage(tmp_path, data):
+    out = tmp_path / "run"
+    # 2048 codes and at most 384 held-out frames: every level uses less than 20% of its codes
+    r = run_trainer(["--data_dir", data, "--output_dir", out, *TINY, "--codebook_size", "2048", "--max_steps", "4",
+                     "--eval_every", "2", "--dead_code_threshold", "0", "--kmeans_init_frames", "0"], timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    evals = events(out, "eval")
+    assert [e["step"] for e in evals] == [2, 4]
+    for e in evals:
+        assert len(e["dead_codes"]) == 2 and all(0 <= d <= 2048 for d in e["dead_codes"])
+        assert len(e["code_usage"]) == 2
+    assert "use less than 20% of their codes" in r.stderr
