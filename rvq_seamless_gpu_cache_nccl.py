@@ -265,7 +265,8 @@ def train(args, stop: StopRequest) -> int:
         # ---- model (after the process group: the quantizer syncs its codebooks when it exists)
         torch.manual_seed(args.seed)
         model = RVQCodec(config).to(device)
-        model.set_feature_stats(*(t.to(device) for t in feature_stats(train_store)))
+        if resume is None:  # a resumed model brings its statistics in its state dict
+            model.set_feature_stats(*(t.to(device) for t in feature_stats(train_store)))
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99),
                                       weight_decay=args.weight_decay)
         amp_dtype = autocast_dtype(args.precision, device)
