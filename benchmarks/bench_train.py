@@ -48,7 +48,8 @@ def run_ours(data_dir: Path, steps: int, log_every: int, flags: list[str]) -> di
         cmd = [sys.executable, str(REPO / "rvq_seamless_gpu_cache_nccl.py"), "--data_dir", str(data_dir),
                "--output_dir", out, "--resume", "none", "--max_steps", str(steps), "--log_every", str(log_every),
                "--eval_every", str(10 * steps), "--save_every", str(10 * steps), "--device", "cpu",
-               *[f"--{k}={v}" for k, v in CONFIG.items()], *flags]
+               # k-means on the first batch, as the plain loop's codec does
+               "--kmeans_init_frames", "0", *[f"--{k}={v}" for k, v in CONFIG.items()], *flags]
         run = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
         if run.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{run.stderr[-3000:]}")

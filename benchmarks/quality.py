@@ -50,7 +50,7 @@ from training.config import parse_args  # noqa: E402
 TRAINER = REPO / "rvq_seamless_gpu_cache_nccl.py"
 # the codec's training budget: the trainer's default codec flags, the conservative preset's batch, a step
 # budget that fits in 10 minutes on 2 CPU cores; flags given after -- come later and win
-CODEC_BUDGET = ["--batch_size", "16", "--max_steps", "800", "--eval_every", "200"]
+CODEC_BUDGET = ["--batch_size", "16", "--max_steps", "2000", "--eval_every", "500"]
 
 
 def stats(store, max_utterances: int = 256):
@@ -236,7 +236,7 @@ def main() -> int:
 
     f_mean, f_std = (mean, std) if args.faiss_space == "standardised" else (0 * mean, 0 * std + 1)
     codec = CodecConfig(train.dim).to_dict()
-    steps = 400
+    steps = trainer_args.max_steps  # the bare ResidualVQ gets the codec's step budget (or the steps it ran)
     with tempfile.TemporaryDirectory() as tmp:
         for method in methods:
             if method == "codec":

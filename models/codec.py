@@ -19,7 +19,7 @@ from vector_quantize_pytorch import ResidualVQ
 @dataclass
 class CodecConfig:
     feature_dim: int
-    latent_dim: int = 128
+    latent_dim: int = 160
     codebook_dim: int | None = None  # None: the latent dim, no projection
     num_quantizers: int = 8
     codebook_size: int = 1024
@@ -28,7 +28,7 @@ class CodecConfig:
     kmeans_init: bool = True
     kmeans_iters: int = 10
     ema_decay: float = 0.99
-    dead_code_threshold: float = 2.0
+    dead_code_threshold: float = 0.5
     quantize_dropout: bool = False
     commitment_weight: float = 0.25
     recon_space: str = "feature"  # "feature": MSE weighted by each dim's variance, as rel_mse counts it; "standardised"

@@ -90,13 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num_quantizers", type=positive_int, default=8)
     g.add_argument("--codebook_size", type=positive_int, default=1024)
     g.add_argument("--codebook_dim", type=positive_int, default=None, help="none: the latent dim (no projection)")
-    g.add_argument("--latent_dim", type=positive_int, default=128)
+    g.add_argument("--latent_dim", type=positive_int, default=160)
     g.add_argument("--downsample", type=int, choices=(1, 2, 4), default=1)
     g.add_argument("--kmeans_init", nargs="?", const=True, default=True, type=on_off)
-    g.add_argument("--kmeans_init_frames", type=nonnegative_int, default=0,
+    g.add_argument("--kmeans_init_frames", type=nonnegative_int, default=16384,
                    help="frames per rank for the k-means init of the codebooks, before the first step "
                         "(0: k-means on the first training batch)")
-    g.add_argument("--dead_code_threshold", type=float, default=2.0)
+    g.add_argument("--dead_code_threshold", type=float, default=0.5,
+                   help="re-seed a code whose EMA count of frames per step falls below this")
     g.add_argument("--ema_decay", type=float, default=0.99)
     g.add_argument("--quantize_dropout", action="store_true", help="train for variable bitrate (fewer levels)")
     g.add_argument("--commitment_weight", type=float, default=0.25)
