@@ -1,4 +1,5 @@
-"""The trainer's flags: each default lives here and only here.
+"""The trainer's flags: each default lives here and only here, but the codec's, which are
+CodecConfig's (models/codec.py) so that the trainer and code that builds a codec directly agree.
 
 A bad flag or value ends in argparse's message and exit code 2.
 `--local_rank` and `--local-rank` are both accepted, for the older
@@ -7,8 +8,13 @@ A bad flag or value ends in argparse's message and exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+
+from models.codec import CodecConfig
+
+CODEC = {f.name: f.default for f in dataclasses.fields(CodecConfig) if f.default is not dataclasses.MISSING}
 
 
 def int_list(text: str) -> list[int]:
@@ -87,21 +93,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefetch_depth", type=positive_int, default=4)
 
     g = p.add_argument_group("codec")
-    g.add_argument("--num_quantizers", type=positive_int, default=8)
-    g.add_argument("--codebook_size", type=positive_int, default=1024)
-    g.add_argument("--codebook_dim", type=positive_int, default=None, help="none: the latent dim (no projection)")
-    g.add_argument("--latent_dim", type=positive_int, default=160)
-    g.add_argument("--downsample", type=int, choices=(1, 2, 4), default=1)
-    g.add_argument("--kmeans_init", nargs="?", const=True, default=True, type=on_off)
+    g.add_argument("--num_quantizers", type=positive_int, default=CODEC["num_quantizers"])
+    g.add_argument("--codebook_size", type=positive_int, default=CODEC["codebook_size"])
+    g.add_argument("--codebook_dim", type=positive_int, default=CODEC["codebook_dim"], help="none: the latent dim (no projection)")
+    g.add_argument("--latent_dim", type=positive_int, default=CODEC["latent_dim"])
+    g.add_argument("--downsample", type=int, choices=(1, 2, 4), default=CODEC["downsample"])
+    g.add_argument("--kmeans_init", nargs="?", const=True, default=CODEC["kmeans_init"], type=on_off)
     g.add_argument("--kmeans_init_frames", type=nonnegative_int, default=16384,
                    help="frames per rank for the k-means init of the codebooks, before the first step "
                         "(0: k-means on the first training batch)")
-    g.add_argument("--dead_code_threshold", type=float, default=0.5,
+    g.add_argument("--dead_code_threshold", type=float, default=CODEC["dead_code_threshold"],
                    help="re-seed a code whose EMA count of frames per step falls below this")
-    g.add_argument("--ema_decay", type=float, default=0.99)
+    g.add_argument("--ema_decay", type=float, default=CODEC["ema_decay"])
     g.add_argument("--quantize_dropout", action="store_true", help="train for variable bitrate (fewer levels)")
-    g.add_argument("--commitment_weight", type=float, default=0.25)
-    g.add_argument("--recon_space", choices=("feature", "standardised"), default="feature",
+    g.add_argument("--commitment_weight", type=float, default=CODEC["commitment_weight"])
+    g.add_argument("--recon_space", choices=("feature", "standardised"), default=CODEC["recon_space"],
                    help="reconstruction MSE in feature space (each dim weighted by its variance, as rel_mse "
                         "counts errors) or on the standardised features (every dim alike)")
 
