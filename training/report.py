@@ -85,6 +85,17 @@ def _empty(ax, text: str) -> None:
     ax.set_yticks([])
 
 
+def _save(plt, fig, path: Path, title: str | None = None) -> None:
+    """Grid every panel, title the figure when asked, write the PNG and free the figure."""
+    for ax in fig.axes:
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _mark_events(ax, events: dict) -> None:
     """Skipped steps and failed evals as thin vertical lines, so a spike can be read against them."""
     for kind, color in (("skipped_step", "tab:red"), ("eval_failed", "tab:orange")):
@@ -112,12 +123,8 @@ def plot_loss(plt, events: dict, path: Path, title: str) -> None:
         _empty(ax, "no train events")
     ax.set_ylabel("train loss (standardised features)")
     ax.set_title(f"{title}: training loss")
-    ax.grid(alpha=0.3)
-    ax_lr.grid(alpha=0.3)
     ax_lr.set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_eval(plt, events: dict, path: Path, title: str) -> None:
@@ -136,12 +143,7 @@ def plot_eval(plt, events: dict, path: Path, title: str) -> None:
         _empty(ax_cos, "no eval events")
     ax.set(title="held-out relative MSE (lower is better)", xlabel="step", ylabel="sum|x - x̂|² / sum|x - mean|²")
     ax_cos.set(title="held-out cosine similarity", xlabel="step", ylabel="mean cosine(x, x̂)")
-    for a in (ax, ax_cos):
-        a.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path, title)
 
 
 def plot_codes(plt, events: dict, path: Path, title: str, codebook_size: int | None) -> None:
@@ -165,12 +167,7 @@ def plot_codes(plt, events: dict, path: Path, title: str, codebook_size: int | N
         _empty(ax_ppl, "no eval events")
     ax_use.set(title="code usage per level (share of codes used)", xlabel="step", ylabel="share of codebook")
     ax_ppl.set(title="perplexity per level (uniform use = codebook size)", xlabel="step", ylabel="perplexity")
-    for a in (ax_use, ax_ppl):
-        a.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path, title)
 
 
 def plot_speed(plt, events: dict, path: Path, title: str) -> None:
@@ -185,10 +182,7 @@ def plot_speed(plt, events: dict, path: Path, title: str) -> None:
     else:
         _empty(ax, "no frames_per_sec in train events")
     ax.set(title=f"{title}: training speed", xlabel="step", ylabel="frames / s (all ranks)")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def summary(run_dir: Path, events: dict, bad_lines: int, config: dict) -> str:
