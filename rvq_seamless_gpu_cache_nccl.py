@@ -77,6 +77,36 @@ def kmeans_sample(store, frames: int, length: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(assemble_crops(store, picks, starts, length))
 
 
+def refit_utterances(store, frames: int, seed: int) -> list[torch.Tensor]:
+    """Whole utterances of this rank's shard in a random order, up to about `frames` frames."""
+    order = torch.randperm(len(store), generator=torch.Generator().manual_seed(seed)).tolist()
+    picked, total = [], 0
+    for i in order:
+        if total >= frames:
+            break
+        picked.append(torch.from_numpy(store.utterance(i).astype("float32")))
+        total += len(picked[-1])
+    return picked
+
+
+def refit(model: RVQCodec, store, ctx: DistContext, args, metrics, step: int, device) -> None:
+    """The codebooks' last pass: Lloyd's k-means over whole utterances of every rank (all ranks together)."""
+    start = time.perf_counter()
+    utterances = [u.to(device) for u in refit_utterances(store, args.refit_frames, args.seed + 7919 + ctx.rank)]
+    model.eval()  # no EMA update in the passes the refit makes
+    try:
+        errors = model.refit_codebooks(utterances, args.refit_iters, batch_frames=args.batch_size * args.segment_length,
+                                       all_reduce=lambda t: all_reduce_sum(ctx, t), seed=args.seed)
+    finally:
+        model.train()
+    seconds = time.perf_counter() - start
+    frames = sum(len(u) for u in utterances)
+    metrics.write("refit", step, frames_per_rank=frames, iters=args.refit_iters, residual_mse=errors,
+                  seconds=round(seconds, 1))
+    log.info("codebooks: refit with %d k-means iteration(s) per level on %d frames per rank in %.1f s; residual "
+             "MSE after each level %s", args.refit_iters, frames, seconds, [f"{e:.3g}" for e in errors])
+
+
 def learning_rate(step: int, args, total_steps: int) -> float:
     """Linear warmup, then cosine decay to lr x min_lr_ratio."""
     if step < args.warmup_steps:
@@ -152,6 +182,7 @@ def codec_config(args, feature_dim: int) -> CodecConfig:
         num_quantizers=args.num_quantizers,
         codebook_size=args.codebook_size,
         downsample=args.downsample,
+        encoder_blocks=args.encoder_blocks,
         kmeans_init=args.kmeans_init,
         ema_decay=args.ema_decay,
         dead_code_threshold=args.dead_code_threshold,
@@ -392,7 +423,10 @@ def train(args, stop: StopRequest) -> int:
             elif not ctx.is_distributed and out_of_time and stop_reason is None:
                 stop_reason = "max_minutes"
 
-            # a stop on request skips the final eval: a preempted job may have seconds left
+            # a stop on request skips the refit and the final eval: a preempted job may have seconds left
+            if stop_reason in ("max_steps", "epochs", "max_minutes") and args.refit_iters:
+                with phase_timeout(ctx, slow_phase, args.nccl_timeout):
+                    refit(model, my_shard, ctx, args, metrics, step, device)
             if step % args.eval_every == 0 or stop_reason in ("max_steps", "epochs", "max_minutes"):
                 with phase_timeout(ctx, slow_phase, args.nccl_timeout):
                     result, failed = evaluate(model, data.valid_shard, data.windows, ctx, args,

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from vector_quantize_pytorch import ResidualVQ
+from vector_quantize_pytorch.vector_quantize_pytorch import kmeans
 
 
 @dataclass
@@ -146,6 +147,55 @@ class RVQCodec(nn.Module):
             layer._codebook.embed_avg.mul_(scale)
 
     @torch.no_grad()
+    def refit_codebooks(self, utterances: list[torch.Tensor], iters: int, batch_frames: int, all_reduce=None,
+                        seed: int = 0) -> list[float]:
+        """Lloyd's k-means on every level in turn over the latents of whole training utterances.
+
+        The EMA codebooks are online k-means on one batch at a time, on residuals that moved while the
+        encoder learned; this pass fits each level to the residuals the final encoder and the levels before
+        it leave, over many batches' worth of frames, as residual k-means does. Each level starts from its
+        trained codebook (so the decoder keeps the codes it learned) and runs `iters` steps of the library's
+        `kmeans`; a code that wins no frame takes half of a populous code's frames (faiss's rule), so no code
+        is left empty. A few iterations gain most of it: more fit the training frames closer and use fewer
+        codes on held-out ones (benchmarks/README.md).
+
+        utterances: this rank's, [T, D] each. `all_reduce` sums a tensor over ranks in place: every rank must
+        call this together, and every rank ends with the same codebooks (the splits draw from `seed`, the
+        same on every rank). Eval mode (no EMA update in the passes it makes); the EMA statistics are set to
+        what one batch of `batch_frames` gives. Returns the mean squared residual per latent dimension after
+        each level, over the frames of all ranks.
+        """
+        if self.training:
+            raise RuntimeError("refit_codebooks() runs the quantizer in eval mode; call model.eval() first")
+        reduce = all_reduce or (lambda t: t)
+        s = self.config.downsample
+        whole = [u[: len(u) // s * s] for u in utterances if len(u) >= s]
+        latent = torch.cat([self._encode_latent(u[None])[0] for u in whole]).float()
+        total = reduce(torch.tensor([float(len(latent))], device=latent.device)).item()
+        generator = torch.Generator().manual_seed(seed)
+        residual = self.rvq.project_in(latent)
+        errors = []
+        for layer in self.rvq.layers:
+            codebook = layer._codebook
+            samples = layer.project_in(residual)[None]  # [1, N, codebook_dim]
+            means, bins = codebook.embed.detach().clone(), None
+            for _ in range(iters):
+                start = means
+                means, bins = kmeans(samples, codebook.codebook_size, 1, sample_fn=lambda x, n: start,
+                                     all_reduce_fn=reduce)
+                split_empty_codes(means[0], bins[0], generator)
+            codebook.embed.copy_(means)
+            if bins is not None:
+                size = bins.float() * (batch_frames / total)
+                codebook.cluster_size.copy_(size)
+                codebook.embed_avg.copy_(means * size[..., None])
+            quantized, _, _ = layer(residual[None])
+            residual = residual - quantized[0]
+            error = reduce((residual.double() ** 2).sum().reshape(1))
+            errors.append(error.item() / total / residual.shape[-1])
+        return errors
+
+    @torch.no_grad()
     def encode(self, features: torch.Tensor, num_quantizers: int | None = None) -> torch.Tensor:
         """Features [T, D] or [B, T, D] -> codes [T', Q] or [B, T', Q] (int64). Eval mode only."""
         if self.training:
@@ -168,6 +218,31 @@ class RVQCodec(nn.Module):
         latent = self.rvq.get_output_from_indices(c)
         out = self._decode_latent(latent)
         return out[0] if single else out
+
+
+def split_empty_codes(means: torch.Tensor, counts: torch.Tensor, generator: torch.Generator) -> int:
+    """In place: each code with no frame [K, d] / [K] moves next to a code drawn in proportion to its frames
+    beyond the first, the two a symmetric hair apart (as faiss's k-means splits clusters), and takes half of
+    its count; the next Lloyd step parts them. Returns how many codes were moved."""
+    empty = (counts == 0).nonzero().flatten().tolist()
+    if not empty:
+        return 0
+    weight = (counts.double() - 1).clamp_min(0)
+    sign = torch.ones(means.shape[-1], dtype=means.dtype, device=means.device)
+    sign[1::2] = -1
+    moved = 0
+    for code in empty:
+        if weight.sum() <= 0:
+            break
+        donor = int(torch.multinomial(weight.cpu(), 1, generator=generator))
+        centre = means[donor].clone()
+        means[code] = centre * (1 + sign / 1024)
+        means[donor] = centre * (1 - sign / 1024)
+        half = counts[donor] // 2
+        counts[code], counts[donor] = half, counts[donor] - half
+        weight[code], weight[donor] = (half - 1).clamp_min(0), (counts[donor] - 1).clamp_min(0)
+        moved += 1
+    return moved
 
 
 def dead_code_counts(model: RVQCodec) -> list[int]:

@@ -45,6 +45,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_gloo_ranks(script: str, world_size: int = 2, timeout: int = 120) -> list[str]:
+    """Run a Python script as `world_size` ranks (RANK/WORLD_SIZE/MASTER_* set for init_process_group("gloo")
+    over 127.0.0.1); assert every rank exits 0 and return each rank's output."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env=env(RANK=r, WORLD_SIZE=world_size, MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for r in range(world_size)]
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0] * world_size, outs
+    return outs
+
+
 def events(run_dir: Path, kind: str | None = None) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -59,3 +59,52 @@ def test_init_codebooks_on_a_large_sample_uses_every_code_and_scales_cluster_siz
     assert len(dead_code_counts(model)) == 2
     with pytest.raises(RuntimeError, match="training mode"):
         model.init_codebooks(sample, batch_frames=64)
+
+
+def _trained_with_dead_codes(seed=0):
+    """A codec whose codebooks were initialised on a narrow sample: on wider data many codes win nothing."""
+    torch.manual_seed(seed)
+    model = RVQCodec(CodecConfig(feature_dim=6, latent_dim=8, num_quantizers=2, codebook_size=32))
+    model.init_codebooks(torch.randn(8, 16, 6) * 0.05, batch_frames=64)
+    model.eval()
+    return model
+
+
+def test_refit_lowers_the_error_and_leaves_no_code_empty():
+    model = _trained_with_dead_codes()
+    utterances = [torch.randn(n, 6) for n in (300, 200, 500, 250)]
+    frames = torch.cat(utterances)
+
+    @torch.no_grad()
+    def error():  # the quantizer's error on the latents it is fitted to
+        latent = torch.cat([model._encode_latent(u[None]) for u in utterances], dim=1)
+        return float(((model.rvq(latent)[0] - latent) ** 2).mean())
+
+    before, codes_before = error(), model.encode(frames)
+    encoder = [p.clone() for p in model.encoder.parameters()]
+    errors = model.refit_codebooks(utterances, iters=3, batch_frames=64)
+    assert len(errors) == 2 and errors[1] < errors[0]
+    assert error() < 0.9 * before
+    codes = model.encode(frames)
+    for q in range(2):  # every code wins frames of the sample it was fitted on
+        assert len(codes_before[:, q].unique()) < 32 and len(codes[:, q].unique()) == 32
+    assert all(torch.equal(a, b) for a, b in zip(encoder, model.encoder.parameters()))  # codebooks only
+    for layer in model.rvq.layers:  # EMA statistics on the scale of one batch
+        assert float(layer._codebook.cluster_size.sum()) == pytest.approx(64, rel=1e-4)
+    model.train()
+    with pytest.raises(RuntimeError, match="eval mode"):
+        model.refit_codebooks(utterances, iters=1, batch_frames=64)
+
+
+def test_split_empty_codes_moves_each_empty_code_beside_a_populous_one():
+    from models.codec import split_empty_codes
+
+    means = torch.tensor([[1.0, 2.0], [5.0, 5.0], [9.0, 9.0], [3.0, 3.0]])
+    counts = torch.tensor([10, 0, 1, 0])
+    moved = split_empty_codes(means, counts, torch.Generator().manual_seed(0))
+    assert moved == 2 and int(counts.sum()) == 11 and bool((counts > 0).all())
+    # only code 0 has frames beyond its first to give: both empty codes land beside it, a hair apart
+    for code in (1, 3):
+        torch.testing.assert_close(means[code], torch.tensor([1.0, 2.0]), atol=0.01, rtol=0)
+    assert len({tuple(m.tolist()) for m in means}) == 4
+    assert torch.equal(means[2], torch.tensor([9.0, 9.0]))

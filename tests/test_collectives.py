@@ -1,8 +1,5 @@
 """The chunked all-reduce equals a plain all-reduce, element for element, on 2 gloo ranks."""
-import subprocess
-import sys
-
-from tests.helpers import REPO, env, free_port
+from tests.helpers import run_gloo_ranks
 
 SCRIPT = r"""
 import torch, torch.distributed as dist
@@ -29,11 +26,5 @@ dist.destroy_process_group()
 
 
 def test_chunked_all_reduce_equals_plain():
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT], cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env=env(RANK=r, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
-             for r in range(2)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    outs = run_gloo_ranks(SCRIPT)
     assert all(f"rank {r} equal" in outs[r] for r in range(2))

@@ -91,6 +91,7 @@ def test_sigterm_to_one_rank_stops_both_at_one_step_and_resumes_exactly(tmp_path
     stop = events(out, "stop")[-1]
     assert stop["step"] == 8 and "signal on rank(s) [1]" in stop["reason"]
     assert [e["step"] for e in events(out, "checkpoint")] == [8]
+    assert not events(out, "refit")  # a stop on request skips the refit: the job may have seconds left
 
     again = ranks(flags(data, out, "--max_steps", 16))
     assert again.wait(timeout=200) == [0, 0], again.output(0)

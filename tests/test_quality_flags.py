@@ -19,6 +19,8 @@ def assert_stopped_on_time(out):
     last = stop[0]["step"]
     assert 0 < last < 100_000
     assert events(out, "eval")[-1]["step"] == last  # the final eval, at the stopping step
+    refits = events(out, "refit")  # the codebook refit, before that eval, on every rank
+    assert [r["step"] for r in refits] == [last] and len(refits[0]["residual_mse"]) == 2
     assert events(out, "checkpoint")[-1]["step"] == last
     assert (out / "checkpoints" / f"step_{last:08d}.pt").is_file()
     return last

@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--codebook_size", type=positive_int, default=CODEC["codebook_size"])
     g.add_argument("--codebook_dim", type=positive_int, default=CODEC["codebook_dim"], help="none: the latent dim (no projection)")
     g.add_argument("--latent_dim", type=positive_int, default=CODEC["latent_dim"])
+    g.add_argument("--encoder_blocks", type=positive_int, default=CODEC["encoder_blocks"],
+                   help="residual conv blocks in the encoder and in the decoder each")
     g.add_argument("--downsample", type=int, choices=(1, 2, 4), default=CODEC["downsample"])
     g.add_argument("--kmeans_init", nargs="?", const=True, default=CODEC["kmeans_init"], type=on_off)
     g.add_argument("--kmeans_init_frames", type=nonnegative_int, default=16384,
@@ -104,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(0: k-means on the first training batch)")
     g.add_argument("--dead_code_threshold", type=float, default=CODEC["dead_code_threshold"],
                    help="re-seed a code whose EMA count of frames per step falls below this")
+    g.add_argument("--refit_iters", type=nonnegative_int, default=2,
+                   help="when the schedule ends (steps, epochs or --max_minutes), Lloyd's k-means iterations on "
+                        "every level over whole training utterances, before the final eval (0: no refit)")
+    g.add_argument("--refit_frames", type=positive_int, default=262144,
+                   help="frames per rank for the refit: whole utterances drawn at random up to this many")
     g.add_argument("--ema_decay", type=float, default=CODEC["ema_decay"])
     g.add_argument("--quantize_dropout", action="store_true", help="train for variable bitrate (fewer levels)")
     g.add_argument("--commitment_weight", type=float, default=CODEC["commitment_weight"])
