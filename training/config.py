@@ -121,8 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("optimisation")
     g.add_argument("--max_steps", type=positive_int, default=None, help="none: --epochs decides")
     g.add_argument("--max_minutes", type=positive_float, default=None,
-                   help="stop after this many minutes of training, with the final eval and checkpoint "
-                        "(on several ranks rank 0's clock decides, at a sync check)")
+                   help="stop after this many minutes of training, with the codebook refit, the final eval and "
+                        "checkpoint (on several ranks rank 0's clock decides, at a sync check)")
     g.add_argument("--epochs", type=positive_int, default=10)
     g.add_argument("--grad_accum", type=positive_int, default=1,
                    help="micro-batches per step; gradients are all-reduced on the last one only")
