@@ -424,10 +424,11 @@ def train(args, stop: StopRequest) -> int:
                 stop_reason = "max_minutes"
 
             # a stop on request skips the refit and the final eval: a preempted job may have seconds left
-            if stop_reason in ("max_steps", "epochs", "max_minutes") and args.refit_iters:
+            schedule_done = stop_reason in ("max_steps", "epochs", "max_minutes")
+            if schedule_done and args.refit_iters:
                 with phase_timeout(ctx, slow_phase, args.nccl_timeout):
                     refit(model, my_shard, ctx, args, metrics, step, device)
-            if step % args.eval_every == 0 or stop_reason in ("max_steps", "epochs", "max_minutes"):
+            if step % args.eval_every == 0 or schedule_done:
                 with phase_timeout(ctx, slow_phase, args.nccl_timeout):
                     result, failed = evaluate(model, data.valid_shard, data.windows, ctx, args,
                                               amp_dtype, faults, step)

@@ -2,7 +2,7 @@
 from tests.helpers import run_gloo_ranks
 
 SCRIPT = r"""
-import sys, torch, torch.distributed as dist
+import torch, torch.distributed as dist
 from models.codec import CodecConfig, RVQCodec
 from training.distributed import DistContext, all_reduce_sum
 dist.init_process_group("gloo")
