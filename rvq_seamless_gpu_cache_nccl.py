@@ -34,8 +34,9 @@ from models.metrics import EvalSums
 from training import checkpoint as ckpt
 from training.config import parse_args, save_config, train_lengths
 from training.distributed import (DistContext, all_reduce_sum, destroy, detect_launch, init_distributed,
-                                  final_barrier, is_distributed_error, phase_timeout, select_device, wrap_ddp)
-from training.errors import EXIT_FAILURE, EXIT_OK, BadInputError, DistributedFailure
+                                  final_barrier, is_distributed_error, phase_timeout, wrap_ddp)
+from training.device import compute_dtype, half_dtype, select_device
+from errors import EXIT_FAILURE, EXIT_OK, BadInputError, DistributedFailure
 from training.metrics_log import MetricsLog, require_tensorboard
 from training.signals import StopRequest
 from training.faults import FaultInjector
@@ -115,20 +116,13 @@ def learning_rate(step: int, args, total_steps: int) -> float:
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def autocast_dtype(precision: str, device: torch.device):
-    if precision == "auto":
-        precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-
-
 def make_batches(args, store, plan, device, start_step: int, show_progress: bool):
     prefetch = dict(start_step=start_step, depth=args.prefetch_depth, workers=args.num_workers,
                     pin_memory=args.pin_memory, persistent_workers=args.persistent_workers)
     streaming = args.prefetch or args.num_workers > 0
     if args.use_gpu_cache:  # with --prefetch, what does not fit under --gpu_cache_gb is prefetched
         # on a CPU the cache is RAM, and converting half precision would cost 4x the gather itself
-        cache_dtype = (torch.float32 if device.type == "cpu" else
-                       torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
+        cache_dtype = torch.float32 if device.type == "cpu" else half_dtype(device)
         return DeviceFeatureCache(store, plan, device, max_bytes=args.gpu_cache_gb * 1e9, dtype=cache_dtype,
                                   show_progress=show_progress, stream=prefetch if streaming else None)
     if streaming:
@@ -283,7 +277,7 @@ def train(args, stop: StopRequest) -> int:
                             "or --resume none")
 
     # ---- device and process groups
-    device = select_device(args.device, launch)
+    device = select_device(args.device, launch.local_rank, bind_local_rank=launch.world_size > 1)
     ctx = init_distributed(launch, device, timeout_s=args.nccl_timeout, control_timeout_s=args.sync_timeout,
                            output_dir=out_dir)
     live = {"step": 0}  # read by the watchdog thread for its messages
@@ -300,7 +294,7 @@ def train(args, stop: StopRequest) -> int:
             model.set_feature_stats(*(t.to(device) for t in feature_stats(train_store)))
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99),
                                       weight_decay=args.weight_decay)
-        amp_dtype = autocast_dtype(args.precision, device)
+        amp_dtype = compute_dtype(args.precision, device)
         scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
         torch.manual_seed(args.seed + launch.rank)
         step, samples_seen, bad_steps, bad_in_a_row = 0, 0, 0, 0
@@ -469,7 +463,7 @@ def train(args, stop: StopRequest) -> int:
             watchdog.stop()
         metrics.close()
         if not failed:  # tearing down groups with a lost peer can block; the process exit frees them
-            destroy(ctx)
+            destroy()
 
 
 def main(argv=None) -> int:

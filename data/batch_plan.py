@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from training.errors import BadInputError
+from errors import BadInputError
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from training.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, BadInputError
+from errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, BadInputError
 
 log = logging.getLogger("extract")
 

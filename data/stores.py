@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from training.errors import BadInputError
+from errors import BadInputError
 
 log = logging.getLogger(__name__)
 

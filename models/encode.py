@@ -42,7 +42,7 @@ from data.extract import NpyRowWriter, publish, shard_range, write_temporary
 from data.stores import FeatureStore, find_split
 from models.codec import CodecConfig, RVQCodec
 from training.checkpoint import load_checkpoint, load_latest
-from training.errors import EXIT_BAD_INPUT, EXIT_OK, BadInputError
+from errors import EXIT_BAD_INPUT, EXIT_OK, BadInputError
 
 log = logging.getLogger("encode")
 

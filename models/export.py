@@ -33,7 +33,7 @@ from torch import nn
 
 from models.codec import ResidualBlock, RVQCodec
 from models.encode import code_dtype, load_codec
-from training.errors import EXIT_BAD_INPUT, EXIT_OK, BadInputError
+from errors import EXIT_BAD_INPUT, EXIT_OK, BadInputError
 
 log = logging.getLogger("export")
 

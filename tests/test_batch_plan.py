@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from data.batch_plan import BatchPlan, eval_windows, shard_indices
-from training.errors import BadInputError
+from errors import BadInputError
 
 LENGTHS = np.random.default_rng(0).integers(60, 700, size=101)  # not divisible by 2 or 4 ranks
 

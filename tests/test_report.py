@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from training.errors import BadInputError
+from errors import BadInputError
 from training.metrics_log import MetricsLog
 
 pytestmark = pytest.mark.timeout(120)

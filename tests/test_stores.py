@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from data.stores import check_finite, open_stores
-from training.errors import BadInputError
+from errors import BadInputError
 from tests.helpers import write_fairseq
 
 

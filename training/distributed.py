@@ -30,7 +30,6 @@ class Launch:
     rank: int
     world_size: int
     local_rank: int
-    launcher: str
 
 
 @dataclass
@@ -46,47 +45,21 @@ class DistContext:
     def is_distributed(self) -> bool:
         return self.world_size > 1
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
 
 def detect_launch(local_rank_flag: int | None = None) -> Launch:
     """Who this process is, from the launcher's environment; one process when there is none."""
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
-        launcher = "accelerate" if "ACCELERATE_MIXED_PRECISION" in env else "torchrun"
         local = int(env.get("LOCAL_RANK", local_rank_flag if local_rank_flag is not None else 0))
-        return Launch(int(env["RANK"]), int(env["WORLD_SIZE"]), local, launcher)
+        return Launch(int(env["RANK"]), int(env["WORLD_SIZE"]), local)
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
-        launch = Launch(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)), "srun")
+        launch = Launch(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)))
         # init_process_group reads these; srun does not set them
         env.setdefault("RANK", str(launch.rank))
         env.setdefault("WORLD_SIZE", str(launch.world_size))
         env.setdefault("LOCAL_RANK", str(launch.local_rank))
         return launch
-    return Launch(0, 1, local_rank_flag or 0, "none")
-
-
-def select_device(flag: str, launch: Launch) -> torch.device:
-    """The device this rank uses: its local GPU when there are GPUs, else the CPU.
-
-    Bound with torch.cuda.set_device before any CUDA work and before the process
-    group exists, so that no two ranks share cuda:0 by accident.
-    """
-    if flag == "auto":
-        flag = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(flag)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("--device cuda was asked for, but no GPU is visible")
-        if launch.world_size > 1 or device.index is None:
-            count = torch.cuda.device_count()
-            if launch.local_rank >= count:
-                raise RuntimeError(f"local rank {launch.local_rank} has no GPU: only {count} visible")
-            device = torch.device("cuda", launch.local_rank if launch.world_size > 1 else (device.index or 0))
-        torch.cuda.set_device(device)
-    return device
+    return Launch(0, 1, local_rank_flag or 0)
 
 
 def _set_default_env(name: str, value: str) -> None:
@@ -132,7 +105,7 @@ def final_barrier(ctx: DistContext, timeout_s: int) -> None:
         dist.monitored_barrier(group=ctx.control, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
 
 
-def destroy(ctx: DistContext) -> None:
+def destroy() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

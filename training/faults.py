@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from training.errors import BadInputError
+from errors import BadInputError
 
 KINDS = ("kill", "hang", "nan", "desync", "eval_error", "signal")
 

@@ -11,7 +11,7 @@ import math
 import time
 from pathlib import Path
 
-from training.errors import BadInputError
+from errors import BadInputError
 
 
 def require_tensorboard():

@@ -26,7 +26,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from training.errors import EXIT_BAD_INPUT, EXIT_OK, BadInputError
+from errors import EXIT_BAD_INPUT, EXIT_OK, BadInputError
 
 log = logging.getLogger("report")
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from training.distributed import DistContext
-from training.errors import DistributedFailure
+from errors import DistributedFailure
 
 FIELDS = ("step", "epoch", "samples_seen", "stop", "eval_failed", "codebook_sum", "codebook_sq")
 CHECKSUM_RTOL = 1e-6

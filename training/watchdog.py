@@ -20,7 +20,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from training.errors import EXIT_DISTRIBUTED
+from errors import EXIT_DISTRIBUTED
 
 log = logging.getLogger(__name__)
 

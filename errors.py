@@ -1,4 +1,7 @@
-"""Exit codes and the exceptions that map to them (DESIGN.md section 5)."""
+"""Exit codes and the exceptions that map to them: the ground floor every package imports.
+
+The README's "When a run fails" table lists the same codes for users.
+"""
 
 EXIT_OK = 0  # done, or stopped on request with a checkpoint written
 EXIT_FAILURE = 1  # anything else

@@ -1,0 +1,49 @@
+"""Which device a process computes on and in which precision: decided here once.
+
+The trainer, the feature extractor and the encoder all ask these functions, so
+that "bf16 where the GPU has it" and "this rank's own GPU" mean one thing.
+"""
+from __future__ import annotations
+
+import torch
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def select_device(flag: str, local_rank: int = 0, *, bind_local_rank: bool = False) -> torch.device:
+    """The device named by `flag` (auto, cpu, cuda, cuda:N), bound with torch.cuda.set_device.
+
+    bind_local_rank: one of several processes on a node (ranks of a launcher): a CUDA device is
+    this process's own GPU, `cuda:<local_rank>`, whatever index the flag gave, so that no two
+    ranks share cuda:0 by accident. Called before any CUDA work and before a process group exists.
+    """
+    if flag == "auto":
+        flag = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(flag)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"--device {flag} was asked for, but no GPU is visible")
+    count = torch.cuda.device_count()
+    index = local_rank if bind_local_rank else (device.index or 0)
+    if index >= count:
+        raise RuntimeError(f"{'local rank' if bind_local_rank else 'device'} {index} has no GPU: only {count} visible")
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return device
+
+
+def bf16_supported(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+
+def half_dtype(device: torch.device) -> torch.dtype:
+    """The 16-bit type for features kept on `device`: bf16 where the GPU has it, else fp16."""
+    return torch.bfloat16 if bf16_supported(device) else torch.float16
+
+
+def compute_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for --precision (auto: bf16 where the GPU has it, else fp32 = None)."""
+    if precision == "auto":
+        precision = "bf16" if bf16_supported(device) else "fp32"
+    return PRECISIONS[precision]
