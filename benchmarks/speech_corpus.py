@@ -2,7 +2,7 @@
 
 Synthesises a few hundred English utterances with espeak-ng (several voices and
 variants, speaking rates and pitches, sentences of varied text drawn from a fixed
-seed), then runs `python -m data.extract DIR SPLIT 1 0 OUT --feature fbank` on the
+seed), then runs `python -m tools.extract DIR SPLIT 1 0 OUT --feature fbank` on the
 train and valid folders. The valid utterances are other sentences than the train
 ones. Needs `apt-get install espeak-ng` and requirements-extract.txt.
 
@@ -80,7 +80,7 @@ def main() -> int:
         list(pool.map(synthesise, jobs))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for split in ("train", "valid"):
-        subprocess.run([sys.executable, "-m", "data.extract", str(wav / split), split, "1", "0", str(out),
+        subprocess.run([sys.executable, "-m", "tools.extract", str(wav / split), split, "1", "0", str(out),
                         "--feature", "fbank"], check=True, cwd=REPO, env=env)
     print(f"speech corpus in {out}: {args.utterances} utterances")
     return 0

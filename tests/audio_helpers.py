@@ -38,7 +38,7 @@ CORPUS = [
 
 
 def write_corpus(folder: Path, corpus=CORPUS) -> list[str]:
-    """Write the corpus under `folder`; returns the relpaths in the order data.extract lists a folder."""
+    """Write the corpus under `folder`; returns the relpaths in the order tools.extract lists a folder."""
     import soundfile as sf
 
     for k, (rel, seconds, rate, channels) in enumerate(corpus):

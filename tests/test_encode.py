@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 
 from data.stores import find_split
-from models import encode, export
+from models.codes import pad_to_multiple
+from tools import encode, export
 from tests.audio_helpers import run_module, write_corpus
 from tests.helpers import TINY, run_trainer
 
@@ -39,10 +40,10 @@ def pipeline(tmp_path_factory):
                         recon=root / "recon")
     p.relpaths = write_corpus(p.audio)
     steps = [
-        ("data.extract", p.audio, "train", 1, 0, p.feats, "--feature", "fbank"),
+        ("tools.extract", p.audio, "train", 1, 0, p.feats, "--feature", "fbank"),
         None,  # the trainer
-        ("models.encode", "--checkpoint", p.run, "--data_dir", p.feats, "--split", "train", "--output_dir", p.codes),
-        ("models.encode", "decode", "--checkpoint", p.run, "--codes_dir", p.codes, "--split", "train",
+        ("tools.encode", "--checkpoint", p.run, "--data_dir", p.feats, "--split", "train", "--output_dir", p.codes),
+        ("tools.encode", "decode", "--checkpoint", p.run, "--codes_dir", p.codes, "--split", "train",
          "--output_dir", p.recon),
     ]
     for step in steps:
@@ -86,7 +87,7 @@ def test_decode_of_encode_is_the_models_own_eval_reconstruction(pipeline):
         for i in range(len(p.store)):
             x = torch.from_numpy(np.array(p.store.utterance(i)))
             odd += len(x) % 2
-            want = p.model(encode.pad_to_multiple(x, 2)[None]).reconstruction[0, : len(x)].numpy()
+            want = p.model(pad_to_multiple(x, 2)[None]).reconstruction[0, : len(x)].numpy()
             np.testing.assert_array_equal(recon.utterance(i), want, err_msg=p.store.name(i))
     assert odd  # at least one utterance went through the padded tail
 
@@ -166,7 +167,7 @@ def test_export_turns_codes_into_latents_and_features_with_plain_torch(pipeline,
         want = p.model.rvq.get_output_from_indices(codes[None])[0]
     torch.testing.assert_close(latent, want, rtol=1e-6, atol=1e-6)
 
-    # latent -> features with the exported decoder, as models.encode decode does it
+    # latent -> features with the exported decoder, as tools.encode decode does it
     n = int((p.codes / "train_0_1.codes.len").read_text().split()[0])
     x = run_ops(meta["decoder"], latent[:n].T[None], tensors)[0].T
     features = x * tensors[names["feature_std"]] + tensors[names["feature_mean"]]
@@ -174,7 +175,7 @@ def test_export_turns_codes_into_latents_and_features_with_plain_torch(pipeline,
 
     # features -> codes with the exported encoder and nearest codebook rows
     utterance = torch.from_numpy(np.array(p.store.utterance(0)))
-    utterance = encode.pad_to_multiple(utterance, 2)
+    utterance = pad_to_multiple(utterance, 2)
     standard = (utterance - tensors[names["feature_mean"]]) / tensors[names["feature_std"]]
     residual = F.linear(run_ops(meta["encoder"], standard.T[None], tensors)[0].T,
                         tensors[names["project_in"]["weight"]], tensors[names["project_in"]["bias"]])
@@ -188,7 +189,7 @@ def test_export_turns_codes_into_latents_and_features_with_plain_torch(pipeline,
 
 
 def test_report_of_the_run(pipeline):
-    from training import report
+    from tools import report
 
     assert report.main([pipeline.run]) == 0
     for name in (*report.PLOTS, "report.md"):

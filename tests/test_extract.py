@@ -1,4 +1,4 @@
-"""data.extract: audio -> a fairseq dump of Seamless features that the trainer reads."""
+"""tools.extract: audio -> a fairseq dump of Seamless features that the trainer reads."""
 import json
 import logging
 from pathlib import Path
@@ -11,7 +11,7 @@ import soundfile as sf
 import soxr
 from transformers import SeamlessM4TFeatureExtractor
 
-from data import extract
+from tools import extract
 from data.stores import find_split
 from tests.audio_helpers import CORPUS, voice_like, write_corpus
 

@@ -1,4 +1,4 @@
-"""training.report (plots and report.md from metrics.jsonl) and MetricsLog's optional TensorBoard scalars."""
+"""tools.report (plots and report.md from metrics.jsonl) and MetricsLog's optional TensorBoard scalars."""
 import json
 import logging
 import math
@@ -37,7 +37,7 @@ def write_run(run_dir, steps=40, levels=3):
 
 
 def test_report_writes_png_plots_and_a_summary(tmp_path):
-    from training import report
+    from tools import report
 
     write_run(tmp_path / "run")
     assert report.main([tmp_path / "run"]) == 0
@@ -58,7 +58,7 @@ def test_report_writes_png_plots_and_a_summary(tmp_path):
 
 
 def test_report_keeps_the_last_record_of_a_step_logged_twice(tmp_path):
-    from training.report import read_events
+    from tools.report import read_events
 
     write_run(tmp_path / "run")
     events, bad = read_events(tmp_path / "run" / "metrics.jsonl")
@@ -69,7 +69,7 @@ def test_report_keeps_the_last_record_of_a_step_logged_twice(tmp_path):
 
 def test_report_without_metrics_exits_2(tmp_path, caplog):
     caplog.set_level(logging.INFO)
-    from training import report
+    from tools import report
 
     assert report.main([tmp_path]) == 2
     assert "metrics.jsonl does not exist" in caplog.text

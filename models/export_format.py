@@ -1,9 +1,7 @@
-"""Export a trained codec as safetensors + JSON, usable without this repo.
+"""The exported codec's format: tensors (safetensors) and a JSON that names them and says how to use them.
 
-    python -m models.export RUN_DIR_OR_CKPT OUT_DIR [--feature fbank|w2v-bert|...]
-
-Writes OUT_DIR/codec.safetensors (float32 tensors) and OUT_DIR/codec.json, which
-names the tensors and says how to use them:
+tools/export.py writes them as codec.safetensors (float32) and codec.json; with
+them, codes become latents and features without this repo:
 
 - codes -> quantized latent: `latent[t] = project_out(sum_q codebooks[q, codes[t, q]])`,
   `codebooks` is [levels, codebook_size, codebook_dim]; `project_out(v) = v @ W.T + b`,
@@ -17,25 +15,16 @@ names the tensors and says how to use them:
   residual, which is subtracted before the next level.
 
 Ops: `conv1d` / `conv_transpose1d` (weight, bias, stride, padding), `gelu`
-(exact, erf), `residual` (x + body(x)). The same JSON is stored in the
-safetensors metadata under "codec_json".
+(exact, erf), `residual` (x + body(x)).
 """
 from __future__ import annotations
 
-import argparse
-import json
-import logging
-import os
-import sys
 from pathlib import Path
 
 from torch import nn
 
 from models.codec import ResidualBlock, RVQCodec
-from models.encode import code_dtype, load_codec
-from errors import EXIT_BAD_INPUT, EXIT_OK, BadInputError
-
-log = logging.getLogger("export")
+from models.codes import code_dtype
 
 FORMAT = "rvq-seamless-codec"
 VERSION = 1
@@ -61,28 +50,11 @@ def _op(module: nn.Module, name: str) -> dict:
     if isinstance(module, ResidualBlock):  # x + conv2(gelu(conv1(gelu(x))))
         body = [{"op": "gelu"}, _op(module.conv1, f"{name}.conv1"), {"op": "gelu"}, _op(module.conv2, f"{name}.conv2")]
         return {"op": "residual", "body": body}
-    raise TypeError(f"{name}: {type(module).__name__} has no exported form; extend models/export.py")
+    raise TypeError(f"{name}: {type(module).__name__} has no exported form; extend models/export_format.py")
 
 
 def describe_ops(sequence: nn.Sequential, prefix: str) -> list[dict]:
     return [_op(module, f"{prefix}.{name}") for name, module in sequence.named_children()]
-
-
-def feature_kind(state: dict) -> dict:
-    """What the codec was trained on, from data.extract's notes beside the training data when there are any."""
-    config = state.get("config") or {}
-    data_dir = config.get("data_dir")
-    if data_dir is None:
-        return {"kind": "demo", "note": "the trainer's synthetic demo corpus (160-d, like the Seamless fbank)"}
-    for path in sorted(Path(data_dir).glob(f"{config.get('train_split', 'train')}_*_*.json")):
-        try:
-            note = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(note, dict) and "feature" in note:
-            keep = ("checkpoint", "layer", "frame_rate_hz", "sample_rate")
-            return {"kind": note["feature"], **{k: note[k] for k in keep if k in note}}
-    return {"kind": "unknown", "note": f"trained on {data_dir}; no data.extract notes found there"}
 
 
 def export_tensors(model: RVQCodec) -> dict:
@@ -96,6 +68,7 @@ def export_tensors(model: RVQCodec) -> dict:
 
 
 def describe(model: RVQCodec, state: dict, ckpt_path: Path, kind: dict) -> dict:
+    """codec.json: the codec's shape, the tensors' names, the encoder and decoder ops, and where it came from."""
     c = model.config
     def linear(name):  # the RVQ's own projections, present only when codebook_dim differs from latent_dim
         return {"weight": f"rvq.{name}.weight", "bias": f"rvq.{name}.bias"} if model.rvq.has_projections else None
@@ -118,47 +91,3 @@ def describe(model: RVQCodec, state: dict, ckpt_path: Path, kind: dict) -> dict:
         "decoder": describe_ops(model.decoder, "decoder"),
         "checkpoint": {"path": str(ckpt_path.resolve()), "step": state.get("step"), "codec": c.to_dict()},
     }
-
-
-def export(checkpoint: Path, out_dir: Path, feature: str | None = None) -> tuple[Path, Path]:
-    from safetensors.torch import save_file
-
-    model, state, ckpt_path = load_codec(checkpoint)
-    kind = {"kind": feature} if feature else feature_kind(state)
-    meta = describe(model, state, ckpt_path, kind)
-    tensors = export_tensors(model)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    weights, note = out_dir / "codec.safetensors", out_dir / "codec.json"
-    text = json.dumps(meta, indent=1) + "\n"
-    save_file(tensors, str(weights) + ".tmp", metadata={"codec_json": json.dumps(meta)})
-    os.chmod(str(weights) + ".tmp", 0o644)  # safetensors creates it owner-only; it is meant to be shared
-    note.with_name(note.name + ".tmp").write_text(text)
-    os.replace(str(weights) + ".tmp", weights)
-    os.replace(note.with_name(note.name + ".tmp"), note)
-    log.info("exported %s (step %s): %d levels x %d codes of dim %d, latent %d, downsample %d, %s features -> %s",
-             ckpt_path, state.get("step"), meta["levels"], meta["codebook_size"], meta["codebook_dim"],
-             meta["latent_dim"], meta["downsample"], kind["kind"], out_dir)
-    return weights, note
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m models.export",
-                                description="Export a trained codec as codec.safetensors + codec.json.")
-    p.add_argument("checkpoint", type=Path, help="a checkpoint file, or a run's --output_dir (its newest checkpoint)")
-    p.add_argument("out_dir", type=Path)
-    p.add_argument("--feature", help="the feature kind to record (default: read from data.extract's notes "
-                                     "beside the training data)")
-    args = p.parse_args(None if argv is None else [str(a) for a in argv])
-    try:
-        export(args.checkpoint, args.out_dir, args.feature)
-    except BadInputError as e:
-        log.error("%s", e)
-        return EXIT_BAD_INPUT
-    log.info("finished successfully")
-    return EXIT_OK
-
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s [export] %(levelname)s %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stderr)
-    sys.exit(main())

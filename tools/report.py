@@ -1,6 +1,6 @@
 """A training run's report: plots and a markdown summary from its metrics.jsonl.
 
-    python -m training.report RUN_DIR [--out DIR]
+    python -m tools.report RUN_DIR [--out DIR]
 
 Reads RUN_DIR/metrics.jsonl (and config.json when present) and writes, into
 RUN_DIR/report/ unless --out says otherwise:
@@ -23,10 +23,10 @@ import json
 import logging
 import math
 import statistics
-import sys
 from pathlib import Path
 
-from errors import EXIT_BAD_INPUT, EXIT_OK, BadInputError
+from errors import EXIT_OK, BadInputError
+from tools.cli import bad_input_exits_2, run
 
 log = logging.getLogger("report")
 
@@ -79,10 +79,12 @@ def _fmt(value, digits: int = 4) -> str:
     return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
 
 
-def _empty(ax, text: str) -> None:
-    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.4")
-    ax.set_xticks([])
-    ax.set_yticks([])
+def _empty(text: str, *axes) -> None:
+    """Each panel of `axes` says `text` in its middle, with no ticks."""
+    for ax in axes:
+        ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.4")
+        ax.set_xticks([])
+        ax.set_yticks([])
 
 
 def _save(plt, fig, path: Path, title: str | None = None) -> None:
@@ -120,7 +122,7 @@ def plot_loss(plt, events: dict, path: Path, title: str) -> None:
         ax_lr.set_ylabel("learning rate")
         ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
     else:
-        _empty(ax, "no train events")
+        _empty("no train events", ax)
     ax.set_ylabel("train loss (standardised features)")
     ax.set_title(f"{title}: training loss")
     ax_lr.set_xlabel("step")
@@ -139,8 +141,7 @@ def plot_eval(plt, events: dict, path: Path, title: str) -> None:
         steps, cos = series(evals, "cosine")
         ax_cos.plot(steps, cos, "o-", color="tab:green", ms=4)
     else:
-        _empty(ax, "no eval events")
-        _empty(ax_cos, "no eval events")
+        _empty("no eval events", ax, ax_cos)
     ax.set(title="held-out relative MSE (lower is better)", xlabel="step", ylabel="sum|x - x̂|² / sum|x - mean|²")
     ax_cos.set(title="held-out cosine similarity", xlabel="step", ylabel="mean cosine(x, x̂)")
     _save(plt, fig, path, title)
@@ -163,8 +164,7 @@ def plot_codes(plt, events: dict, path: Path, title: str, codebook_size: int | N
         ax_ppl.set_ylim(bottom=0)
         ax_ppl.legend(fontsize=8, ncol=2 if len(usage) > 4 else 1, loc="lower right")
     else:
-        _empty(ax_use, "no eval events")
-        _empty(ax_ppl, "no eval events")
+        _empty("no eval events", ax_use, ax_ppl)
     ax_use.set(title="code usage per level (share of codes used)", xlabel="step", ylabel="share of codebook")
     ax_ppl.set(title="perplexity per level (uniform use = codebook size)", xlabel="step", ylabel="perplexity")
     _save(plt, fig, path, title)
@@ -180,7 +180,7 @@ def plot_speed(plt, events: dict, path: Path, title: str) -> None:
         ax.set_ylim(bottom=0)
         ax.legend(loc="lower right")
     else:
-        _empty(ax, "no frames_per_sec in train events")
+        _empty("no frames_per_sec in train events", ax)
     ax.set(title=f"{title}: training speed", xlabel="step", ylabel="frames / s (all ranks)")
     _save(plt, fig, path)
 
@@ -267,22 +267,17 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     return report
 
 
+@bad_input_exits_2(log)
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.report",
+    p = argparse.ArgumentParser(prog="python -m tools.report",
                                 description="Plots and a markdown summary of a training run's metrics.jsonl.")
     p.add_argument("run_dir", type=Path, help="the trainer's --output_dir")
     p.add_argument("--out", type=Path, help="where to write (default: RUN_DIR/report)")
     args = p.parse_args(None if argv is None else [str(a) for a in argv])
-    try:
-        report = write_report(args.run_dir, args.out)
-    except BadInputError as e:
-        log.error("%s", e)
-        return EXIT_BAD_INPUT
+    report = write_report(args.run_dir, args.out)
     log.info("wrote %s and %s in %s", report.name, ", ".join(PLOTS), report.parent)
     return EXIT_OK
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s [report] %(levelname)s %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stderr)
-    sys.exit(main())
+    run(main, "report")

@@ -1,7 +1,7 @@
 """A feature store -> RVQ codes with a trained codec, and codes -> features again.
 
-    python -m models.encode --checkpoint RUN_DIR_OR_CKPT --data_dir FEATS --split train --output_dir CODES
-    python -m models.encode decode --checkpoint RUN_DIR_OR_CKPT --codes_dir CODES --split train --output_dir RECON
+    python -m tools.encode --checkpoint RUN_DIR_OR_CKPT --data_dir FEATS --split train --output_dir CODES
+    python -m tools.encode decode --checkpoint RUN_DIR_OR_CKPT --codes_dir CODES --split train --output_dir RECON
 
 Encoding takes every utterance of the split (all its shards, in order), and
 rank RANK of NSHARD encodes its contiguous share, as in fairseq's simple_kmeans.
@@ -12,7 +12,7 @@ Written into --output_dir, each under a temporary name and renamed when complete
 - `{split}_{rank}_{nshard}.codes.len`: code frames per utterance, one per line;
 - `{split}_{rank}_{nshard}.codes.json`: checkpoint, step, levels, codebook size,
   downsample, dtype, and each utterance's feature frame count (`feature_frames`);
-- `{split}_{rank}_{nshard}.codes.tsv`: when the store was written by data.extract,
+- `{split}_{rank}_{nshard}.codes.tsv`: when the store was written by tools.extract,
   the audio files of these utterances in order (a fairseq manifest).
 
 `--num_quantizers q` keeps the first q levels (a lower bitrate). An utterance of
@@ -21,8 +21,9 @@ its last frame up to a multiple of the codec's downsample. Decoding writes a
 fairseq dump (`{split}_{rank}_{nshard}.npy/.len`) of the reconstructed features,
 cut back to each utterance's T frames when the .codes.json gives them.
 
-Utterances are encoded one at a time, in eval mode and float32, so an
-utterance's codes never depend on its neighbours. Exit codes: 0 done, 2 bad
+Utterances are encoded one at a time (models/codes.py), in eval mode and
+float32, so an utterance's codes never depend on its neighbours; --device is
+resolved by training/device.py. Exit codes: 0 done, 2 bad
 arguments or data (nothing written), 1 anything else.
 """
 from __future__ import annotations
@@ -35,97 +36,18 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
-from data.extract import NpyRowWriter, publish, shard_range, write_temporary
-from data.stores import FeatureStore, find_split
-from models.codec import CodecConfig, RVQCodec
-from training.checkpoint import load_checkpoint, load_latest
-from errors import EXIT_BAD_INPUT, EXIT_OK, BadInputError
+from data.audio_manifest import manifest_text, split_manifest
+from data.dump_writer import NpyRowWriter, len_text, publish, shard_range, write_temporary
+from data.stores import find_split
+from errors import EXIT_OK, BadInputError
+from models.codes import code_dtype, decode_utterance, encode_utterance
+from tools.cli import bad_input_exits_2, run
+from tools.trained_codec import load_codec
+from training.device import select_device
 
 log = logging.getLogger("encode")
-
-
-def code_dtype(codebook_size: int) -> np.dtype:
-    """int16 when every code 0..codebook_size-1 fits, else int32."""
-    return np.dtype(np.int16) if codebook_size - 1 <= np.iinfo(np.int16).max else np.dtype(np.int32)
-
-
-def load_codec(path: str | Path, device: str | torch.device = "cpu") -> tuple[RVQCodec, dict, Path]:
-    """(model in eval mode, checkpoint dict, checkpoint file) from a checkpoint file or a run folder (its newest)."""
-    path = Path(path)
-    if path.is_dir():
-        found = load_latest(path / "checkpoints") or load_latest(path)
-        if found is None:
-            raise BadInputError(f"--checkpoint {path}: no readable step_*.pt in {path}/checkpoints or {path}")
-        path, state = found
-    elif path.is_file():
-        try:
-            state = load_checkpoint(path)
-        except Exception as e:  # noqa: BLE001 - a truncated or foreign file is the user's to fix
-            raise BadInputError(f"--checkpoint {path} could not be read: {e}") from None
-    else:
-        raise BadInputError(f"--checkpoint {path} does not exist: give a checkpoint file or a run's --output_dir")
-    if not isinstance(state, dict) or "model" not in state or "codec" not in state:
-        raise BadInputError(f"--checkpoint {path} is not a checkpoint of rvq_seamless_gpu_cache_nccl.py "
-                            "(no 'model' and 'codec' entries)")
-    model = RVQCodec(CodecConfig(**state["codec"]))
-    model.load_state_dict(state["model"])
-    return model.to(device).eval(), state, path
-
-
-def pad_to_multiple(features: torch.Tensor, multiple: int) -> torch.Tensor:
-    """[T, D] -> [ceil(T / multiple) * multiple, D], the tail padded by repeating the last frame."""
-    missing = -features.shape[0] % multiple
-    if missing == 0:
-        return features
-    return torch.cat([features, features[-1:].expand(missing, -1)])
-
-
-def encode_utterance(model: RVQCodec, features: np.ndarray, num_quantizers: int | None = None) -> np.ndarray:
-    """[T, D] features -> [ceil(T / downsample), q] int64 codes."""
-    q = num_quantizers or model.config.num_quantizers
-    if features.shape[0] == 0:
-        return np.zeros((0, q), dtype=np.int64)
-    device = model.feature_mean.device
-    x = torch.from_numpy(np.array(features, dtype=np.float32)).to(device)  # a copy: store arrays are read-only memmaps
-    codes = model.encode(pad_to_multiple(x, model.config.downsample), num_quantizers=q)
-    return codes.cpu().numpy()
-
-
-def decode_utterance(model: RVQCodec, codes: np.ndarray, frames: int | None = None) -> np.ndarray:
-    """[T', q] codes -> [T' x downsample, D] features, cut to `frames` when given."""
-    if codes.shape[0] == 0:
-        return np.zeros((0, model.config.feature_dim), dtype=np.float32)
-    device = model.feature_mean.device
-    out = model.decode(torch.from_numpy(np.asarray(codes, dtype=np.int64)).to(device))
-    return out[:frames].float().cpu().numpy()
-
-
-def audio_manifest(data_dir: Path, split: str, store: FeatureStore) -> tuple[str, list[str]] | None:
-    """(root, `relpath<TAB>samples` lines) for every utterance of `split`, from data.extract's .tsv files, or None."""
-    lens = sorted(data_dir.glob(f"{split}_*_*.len"))
-    shards = {}
-    for path in lens:
-        parts = path.stem[len(split) + 1 :].split("_")
-        if len(parts) == 2 and all(p.isdigit() for p in parts):
-            shards[(int(parts[1]), int(parts[0]))] = path
-    if not shards or len({n for n, _ in shards}) != 1:
-        return None
-    roots, lines = set(), []
-    for key in sorted(shards):
-        tsv = shards[key].with_suffix(".tsv")
-        if not tsv.is_file():
-            return None
-        rows = tsv.read_text().splitlines()
-        if len(rows) - 1 != len(shards[key].read_text().split()):
-            return None  # not the manifest of this dump
-        roots.add(rows[0])
-        lines.extend(rows[1:])
-    if len(roots) != 1 or len(lines) != len(store):
-        return None
-    return roots.pop(), lines
 
 
 def encode_store(args) -> int:
@@ -167,11 +89,11 @@ def encode_store(args) -> int:
             "nshard": args.nshard, "first_utterance": start, "utterances": end - start,
             "padding": "each utterance's tail is padded by repeating its last frame to a multiple of downsample",
             "feature_frames": feature_frames}
-    texts = {".codes.len": "".join(f"{n}\n" for n in code_lengths), ".codes.json": json.dumps(meta) + "\n"}
-    manifest = audio_manifest(args.data_dir, args.split, store)
+    texts = {".codes.len": len_text(code_lengths), ".codes.json": json.dumps(meta) + "\n"}
+    manifest = split_manifest(args.data_dir, args.split, len(store))
     if manifest is not None:
         root, lines = manifest
-        texts[".codes.tsv"] = root + "\n" + "".join(line + "\n" for line in lines[start:end])
+        texts[".codes.tsv"] = manifest_text(root, lines[start:end])
     pairs = [(write_temporary(args.output_dir / (name + ext), text), args.output_dir / (name + ext))
              for ext, text in texts.items()]
     array = args.output_dir / f"{name}.codes.npy"
@@ -190,7 +112,7 @@ def decode_codes(args) -> int:
     name = f"{args.split}_{args.rank}_{args.nshard}"
     array, lens = args.codes_dir / f"{name}.codes.npy", args.codes_dir / f"{name}.codes.len"
     if not array.is_file() or not lens.is_file():
-        raise BadInputError(f"{array} or {lens.name} is missing: run python -m models.encode first")
+        raise BadInputError(f"{array} or {lens.name} is missing: run python -m tools.encode first")
     codes = np.load(array)
     counts = [int(n) for n in lens.read_text().split()]
     if codes.ndim != 2 or sum(counts) != codes.shape[0]:
@@ -212,7 +134,7 @@ def decode_codes(args) -> int:
             lengths.append(len(out))
             row += n
         len_path = args.output_dir / f"{name}.len"
-        publish([(write_temporary(len_path, "".join(f"{n}\n" for n in lengths)), len_path)],
+        publish([(write_temporary(len_path, len_text(lengths)), len_path)],
                 (writer.finish(), writer.path))
     except BaseException:
         writer.discard()
@@ -223,17 +145,11 @@ def decode_codes(args) -> int:
     return EXIT_OK
 
 
-def select_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
     decoding = bool(argv) and argv[0] == "decode"
     p = argparse.ArgumentParser(
-        prog="python -m models.encode" + (" decode" if decoding else ""),
+        prog="python -m tools.encode" + (" decode" if decoding else ""),
         description=("Decode RVQ codes back to features (a fairseq dump)." if decoding else
                      "Encode a feature store to RVQ codes (`decode --help`: codes -> features)."),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -241,7 +157,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpoint", type=Path, required=True, help="a checkpoint file, or a run's --output_dir "
                                                                   "(its newest checkpoint)")
     if decoding:
-        p.add_argument("--codes_dir", type=Path, required=True, help="where models.encode wrote the codes")
+        p.add_argument("--codes_dir", type=Path, required=True, help="where tools.encode wrote the codes")
     else:
         p.add_argument("--data_dir", type=Path, required=True, help="the feature store (as the trainer's --data_dir)")
         p.add_argument("--num_quantizers", type=int, help="keep the first q levels (default: all)")
@@ -257,16 +173,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+@bad_input_exits_2(log)
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        return decode_codes(args) if args.decode else encode_store(args)
-    except BadInputError as e:
-        log.error("%s", e)
-        return EXIT_BAD_INPUT
+    return decode_codes(args) if args.decode else encode_store(args)
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s [encode] %(levelname)s %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stderr)
-    sys.exit(main())
+    run(main, "encode")

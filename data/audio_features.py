@@ -1,0 +1,172 @@
+"""Audio -> SeamlessM4T features: reading a file into 16 kHz mono, the Seamless fbank, a w2v-BERT layer.
+
+Audio is read with soundfile, averaged to mono and resampled to 16 kHz with soxr.
+Features, both at 50 frames per second:
+- `fbank`: the Seamless front-end, transformers' SeamlessM4TFeatureExtractor
+  (80 log-mel bins, normalised per utterance and mel bin, stride-2 stacked to 160-d);
+- `w2v-bert`: the hidden state after layer L of a Wav2Vec2BertModel
+  (w2v-BERT 2.0: 1024-d, 24 layers; layer 0 is the feature projection) loaded
+  from a local folder. Inputs longer than the chunk length go through the
+  encoder in equal chunks of at most that length, and the chunks' outputs are
+  concatenated (no context crosses a chunk boundary).
+
+soundfile, soxr and transformers (requirements-extract.txt) are imported where
+they are used, so that importing this module needs none of them.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from errors import BadInputError
+
+SAMPLE_RATE = 16_000
+FRAME_RATE = 50  # features per second: 10 ms fbank hop, stacked by 2
+MIN_SAMPLES = 400 + 160  # two 25 ms fbank windows: the fewest samples that give one stacked frame
+FEATURES = ("fbank", "w2v-bert")
+
+
+class BadAudio(Exception):
+    """This file cannot be extracted; the message is the reason shown in the skipped list."""
+
+
+def wav_truncation(path: Path) -> str | None:
+    """Why a RIFF/WAVE file is cut short, or None. libsndfile reads such a file without complaint."""
+    with open(path, "rb") as f:
+        head = f.read(12)
+        if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+            return None
+        size = os.fstat(f.fileno()).st_size
+        while True:
+            chunk = f.read(8)
+            if len(chunk) < 8:
+                return None  # no data chunk: libsndfile refuses the file itself
+            name, length = chunk[:4], struct.unpack("<I", chunk[4:])[0]
+            if name == b"data":
+                available = size - f.tell()
+                # 0 and 0xFFFFFFFF are the placeholders of writers that never went back to fill in the size
+                if 0 < length < 0xFFFFFFFF and length > available:
+                    return f"truncated: the header declares {length} bytes of audio, the file holds {available}"
+                return None
+            f.seek(length + (length & 1), os.SEEK_CUR)
+
+
+def load_audio(path: Path) -> np.ndarray:
+    """Mono float32 samples at 16 kHz; BadAudio when the file cannot serve."""
+    import soundfile as sf
+    import soxr
+
+    if not path.is_file():
+        raise BadAudio("missing: no such file")
+    if path.stat().st_size == 0:
+        raise BadAudio("empty file (0 bytes)")
+    try:
+        data, rate = sf.read(str(path), dtype="float32", always_2d=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is skipped and named
+        raise BadAudio(f"unreadable: {e}") from None
+    if data.shape[0] == 0:
+        raise BadAudio("empty: no samples")
+    if path.suffix.lower() == ".wav" and (cut := wav_truncation(path)):
+        raise BadAudio(cut)
+    wave = data.mean(axis=1) if data.shape[1] > 1 else data[:, 0]
+    if rate != SAMPLE_RATE:
+        wave = soxr.resample(wave, rate, SAMPLE_RATE).astype(np.float32, copy=False)
+    if not np.isfinite(wave).all():
+        raise BadAudio("malformed: NaN or Inf samples")
+    if len(wave) < MIN_SAMPLES:
+        raise BadAudio(f"too short: {len(wave)} samples at 16 kHz, at least {MIN_SAMPLES} give one frame")
+    return np.ascontiguousarray(wave)
+
+
+class SeamlessFbank:
+    """The Seamless front-end: [samples] at 16 kHz -> [frames, 160], exactly the valid frames."""
+
+    def __init__(self, preprocessor_dir: Path | None = None):
+        from transformers import SeamlessM4TFeatureExtractor
+
+        if preprocessor_dir is not None and (preprocessor_dir / "preprocessor_config.json").is_file():
+            self.extractor = SeamlessM4TFeatureExtractor.from_pretrained(str(preprocessor_dir), local_files_only=True)
+        else:
+            self.extractor = SeamlessM4TFeatureExtractor()
+        self.dim = self.extractor.feature_size * self.extractor.stride
+
+    def __call__(self, wave: np.ndarray) -> np.ndarray:
+        out = self.extractor(wave, sampling_rate=SAMPLE_RATE, return_tensors="np")
+        # The extractor pads to an even number of 10 ms frames before stacking pairs; the mask drops the pad.
+        valid = int(out["attention_mask"][0].sum())
+        return np.asarray(out["input_features"][0, :valid], dtype=np.float32)
+
+
+class W2vBertLayer:
+    """Hidden state after layer `layer` of a local Wav2Vec2BertModel, fed the Seamless fbank.
+
+    `device` and `dtype` are the caller's choice (training/device.py resolves the flags)."""
+
+    def __init__(self, checkpoint: Path, layer: int, *, device: torch.device, dtype: torch.dtype,
+                 max_chunk_seconds: float, batch_size: int):
+        from transformers import Wav2Vec2BertModel
+
+        config_path = checkpoint / "config.json"
+        if not config_path.is_file():
+            raise BadInputError(f"--checkpoint {checkpoint} has no config.json: give the folder of a "
+                                "Wav2Vec2BertModel saved with save_pretrained (e.g. facebook/w2v-bert-2.0)")
+        model_type = json.loads(config_path.read_text()).get("model_type")
+        if model_type != "wav2vec2-bert":
+            raise BadInputError(f"--checkpoint {checkpoint} holds a '{model_type}' model, not 'wav2vec2-bert' "
+                                "(w2v-BERT 2.0)")
+        try:
+            model, info = Wav2Vec2BertModel.from_pretrained(str(checkpoint), local_files_only=True,
+                                                            output_loading_info=True)
+        except Exception as e:  # noqa: BLE001 - a broken checkpoint folder is the user's to fix
+            raise BadInputError(f"--checkpoint {checkpoint} could not be loaded: {e}") from None
+        missing = [k for k in info.get("missing_keys", []) if "masked_spec_embed" not in k]
+        if missing:
+            raise BadInputError(f"--checkpoint {checkpoint} lacks weights ({', '.join(sorted(missing)[:5])}...): "
+                                "the encoder would be random")
+        layers = model.config.num_hidden_layers
+        if not 0 <= layer <= layers:
+            raise BadInputError(f"--layer {layer} is out of range: this model has layers 0 (feature projection) "
+                                f"to {layers}")
+        # Layers above L, the adapter and the final FFN never reach hidden_states[L]: drop them, not run them.
+        model.encoder.layers = model.encoder.layers[:layer]
+        model.adapter, model.intermediate_ffn = None, None
+        self.device, self.dtype = device, dtype
+        self.model = model.to(device, dtype).eval()
+        self.layer = layer
+        self.dim = model.config.hidden_size
+        self.max_chunk = max(1, int(max_chunk_seconds * FRAME_RATE))
+        self.batch_size = batch_size
+
+    def chunks(self, fbank: np.ndarray) -> list[np.ndarray]:
+        """Equal chunks of at most max_chunk frames (equal, so that no last chunk is left with little context)."""
+        return np.array_split(fbank, math.ceil(len(fbank) / self.max_chunk))
+
+    def __call__(self, fbanks: list[np.ndarray]) -> list[np.ndarray]:
+        pieces = [(i, c) for i, f in enumerate(fbanks) for c in self.chunks(f)]
+        outputs = [None] * len(pieces)
+        order = sorted(range(len(pieces)), key=lambda k: len(pieces[k][1]))  # similar lengths, less padding
+        for start in range(0, len(order), self.batch_size):
+            batch = order[start : start + self.batch_size]
+            longest = max(len(pieces[k][1]) for k in batch)
+            x = torch.zeros(len(batch), longest, pieces[batch[0]][1].shape[1])
+            mask = torch.zeros(len(batch), longest, dtype=torch.long)
+            for row, k in enumerate(batch):
+                n = len(pieces[k][1])
+                x[row, :n] = torch.from_numpy(pieces[k][1])
+                mask[row, :n] = 1
+            with torch.inference_mode():
+                out = self.model(input_features=x.to(self.device, self.dtype), attention_mask=mask.to(self.device),
+                                 output_hidden_states=True)
+            hidden = out.hidden_states[self.layer].float().cpu().numpy()
+            for row, k in enumerate(batch):
+                outputs[k] = hidden[row, : len(pieces[k][1])]
+        per_file = [[] for _ in fbanks]
+        for (i, _), out in zip(pieces, outputs, strict=True):
+            per_file[i].append(out)
+        return [np.concatenate(parts).astype(np.float32, copy=False) for parts in per_file]

@@ -1,0 +1,85 @@
+"""Writing a fairseq dump (the format data/stores.py reads), so that a crash leaves nothing a reader would take.
+
+Every file is written under a temporary name (`NAME.tmp`), fsynced, and renamed
+into place by `publish`, the .npy last: a .npy on disk always has its .len
+beside it. `shard_range` is how a rank of NSHARD takes its contiguous share of
+the items, as in fairseq's examples/hubert/simple_kmeans.
+"""
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+
+def shard_range(total: int, nshard: int, rank: int) -> tuple[int, int]:
+    """Rank's contiguous share of `total` items, as fairseq's simple_kmeans splits a manifest."""
+    return round(total / nshard * rank), round(total / nshard * (rank + 1))
+
+
+def npy_header(rows: int, dim: int, size: int = 128) -> bytes:
+    """A .npy v1.0 header for float32 [rows, dim], padded to `size` bytes so it can be rewritten in place."""
+    text = "{'descr': '<f4', 'fortran_order': False, 'shape': (%d, %d), }" % (rows, dim)
+    pad = size - 10 - len(text) - 1
+    if pad < 0:
+        raise ValueError(f"shape ({rows}, {dim}) does not fit a {size}-byte header")
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", size - 10) + text.encode("latin1") + b" " * pad + b"\n"
+
+
+class NpyRowWriter:
+    """Rows streamed into a .npy under a temporary name: the row count is written into the header at the end."""
+
+    def __init__(self, path: Path, dim: int):
+        self.path, self.dim, self.rows = path, dim, 0
+        self.tmp = path.with_name(path.name + ".tmp")
+        self.file = open(self.tmp, "wb")
+        self.file.write(npy_header(0, dim))
+
+    def append(self, rows: np.ndarray) -> None:
+        rows = np.ascontiguousarray(rows, dtype="<f4")
+        assert rows.ndim == 2 and rows.shape[1] == self.dim, rows.shape
+        self.file.write(rows.tobytes())
+        self.rows += rows.shape[0]
+
+    def finish(self) -> Path:
+        """Close the temporary file with its final header; returns it (the caller renames it)."""
+        self.file.seek(0)
+        self.file.write(npy_header(self.rows, self.dim))
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        return self.tmp
+
+    def discard(self) -> None:
+        if not self.file.closed:
+            self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def len_text(counts: list[int]) -> str:
+    """A .len file's text: one count per line."""
+    return "".join(f"{n}\n" for n in counts)
+
+
+def write_temporary(path: Path, text: str) -> Path:
+    """`text` written and fsynced to `path`.tmp; returns the temporary (the caller publishes it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
+
+
+def publish(pairs: list[tuple[Path, Path]], array: tuple[Path, Path]) -> None:
+    """Rename temporaries into place; the .npy goes last, so a .npy on disk always has its .len beside it."""
+    array[1].unlink(missing_ok=True)  # never leave an older .npy beside the new .len
+    for tmp, final in [*pairs, array]:
+        os.replace(tmp, final)
+    dir_fd = os.open(array[1].parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

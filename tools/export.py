@@ -1,0 +1,80 @@
+"""Export a trained codec as safetensors + JSON, usable without this repo.
+
+    python -m tools.export RUN_DIR_OR_CKPT OUT_DIR [--feature fbank|w2v-bert|...]
+
+Writes OUT_DIR/codec.safetensors (float32 tensors) and OUT_DIR/codec.json, which
+names the tensors and says how to use them (the format is models/export_format.py's).
+The same JSON is stored in the safetensors metadata under "codec_json". The
+feature kind recorded is --feature, or else what tools.extract noted beside the
+training data. Exit codes: 0 done, 2 no readable checkpoint, 1 anything else.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from pathlib import Path
+
+from errors import EXIT_OK
+from models.export_format import describe, export_tensors
+from tools.cli import bad_input_exits_2, run
+from tools.trained_codec import load_codec
+
+log = logging.getLogger("export")
+
+
+def feature_kind(state: dict) -> dict:
+    """What the codec was trained on, from tools.extract's notes beside the training data when there are any."""
+    config = state.get("config") or {}
+    data_dir = config.get("data_dir")
+    if data_dir is None:
+        return {"kind": "demo", "note": "the trainer's synthetic demo corpus (160-d, like the Seamless fbank)"}
+    for path in sorted(Path(data_dir).glob(f"{config.get('train_split', 'train')}_*_*.json")):
+        try:
+            note = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(note, dict) and "feature" in note:
+            keep = ("checkpoint", "layer", "frame_rate_hz", "sample_rate")
+            return {"kind": note["feature"], **{k: note[k] for k in keep if k in note}}
+    return {"kind": "unknown", "note": f"trained on {data_dir}; no tools.extract notes found there"}
+
+
+def export(checkpoint: Path, out_dir: Path, feature: str | None = None) -> tuple[Path, Path]:
+    from safetensors.torch import save_file
+
+    model, state, ckpt_path = load_codec(checkpoint)
+    kind = {"kind": feature} if feature else feature_kind(state)
+    meta = describe(model, state, ckpt_path, kind)
+    tensors = export_tensors(model)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weights, note = out_dir / "codec.safetensors", out_dir / "codec.json"
+    text = json.dumps(meta, indent=1) + "\n"
+    save_file(tensors, str(weights) + ".tmp", metadata={"codec_json": json.dumps(meta)})
+    os.chmod(str(weights) + ".tmp", 0o644)  # safetensors creates it owner-only; it is meant to be shared
+    note.with_name(note.name + ".tmp").write_text(text)
+    os.replace(str(weights) + ".tmp", weights)
+    os.replace(note.with_name(note.name + ".tmp"), note)
+    log.info("exported %s (step %s): %d levels x %d codes of dim %d, latent %d, downsample %d, %s features -> %s",
+             ckpt_path, state.get("step"), meta["levels"], meta["codebook_size"], meta["codebook_dim"],
+             meta["latent_dim"], meta["downsample"], kind["kind"], out_dir)
+    return weights, note
+
+
+@bad_input_exits_2(log)
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.export",
+                                description="Export a trained codec as codec.safetensors + codec.json.")
+    p.add_argument("checkpoint", type=Path, help="a checkpoint file, or a run's --output_dir (its newest checkpoint)")
+    p.add_argument("out_dir", type=Path)
+    p.add_argument("--feature", help="the feature kind to record (default: read from tools.extract's notes "
+                                     "beside the training data)")
+    args = p.parse_args(None if argv is None else [str(a) for a in argv])
+    export(args.checkpoint, args.out_dir, args.feature)
+    log.info("finished successfully")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    run(main, "export")
