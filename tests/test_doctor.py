@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from tests.helpers import REPO, env, free_port
-from training import doctor
+from tools import doctor
 
 LAUNCH_VARS = ("NPROC_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "RDZV_ENDPOINT",
                "MAX_RESTARTS", "DATA_DIR", "OUTPUT_DIR")
@@ -21,7 +21,7 @@ def clean_env(**extra) -> dict:
 
 
 def run_doctor(*command, **extra):
-    command = command or (sys.executable, "-m", "training.doctor")
+    command = command or (sys.executable, "-m", "tools.doctor")
     return subprocess.run(list(command), capture_output=True, text=True, timeout=120, env=clean_env(**extra), cwd=REPO)
 
 

@@ -1,7 +1,7 @@
 """Doctor: would a launch work on this host? Run it before a long job, and after a failed one.
 
-    python -m training.doctor              # or: bash run_nccl_optimized.sh doctor
-    python -m training.doctor --env        # only the warnings about NCCL_*/TORCH_* variables
+    python -m tools.doctor                 # or: bash run_nccl_optimized.sh doctor
+    python -m tools.doctor --env           # only the warnings about NCCL_*/TORCH_* variables
 
 Prints torch, CUDA and NCCL versions; the GPUs and their topology; the network
 interfaces and the one NCCL would pick; variables NCCL does not read or that
@@ -12,13 +12,16 @@ DATA_DIR, OUTPUT_DIR. Exit 0: nothing found that would stop a launch (warnings
 may be printed); 1: a launch would fail, with the reasons.
 
 It only looks: it binds a port for a moment to see whether it is free, and
-tries one TCP connection to a remote master; it never scans.
+tries one TCP connection to a remote master; it never scans. The rules a launch
+environment must follow are defined here, and the launcher (tools/launch.py)
+enforces the same ones.
 """
 from __future__ import annotations
 
 import ipaddress
 import os
 import platform
+import re
 import shutil
 import socket
 import subprocess
@@ -26,6 +29,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
+DEFAULT_MASTER_ADDR = "127.0.0.1"  # one node: the master is this host
 DEFAULT_MULTI_NODE_PORT = 29500  # torchrun's; the launcher uses it when several nodes must agree on one
 DEFAULT_RDZV_PORT = 29400  # torchrun's default port for --rdzv_endpoint without one
 RESOLVE_TIMEOUT_S = 10
@@ -232,57 +236,124 @@ def route_source(address: str) -> str | None:
             return None
 
 
+# ---- a launch's environment: the rules the launcher enforces (exit 2) and the doctor reports
+
+
+class LaunchEnvError(ValueError):
+    """An environment no launch can work with; the message names the variable and what to do."""
+
+
+def whole_number(name: str, text: str, minimum: int) -> int:
+    if not re.fullmatch(r"[0-9]+", text) or int(text) < minimum:
+        raise LaunchEnvError(f"{name}={text}: expected a whole number >= {minimum}")
+    return int(text)
+
+
+def ranks_per_node(environ, gpus: int) -> int:
+    """NPROC_PER_NODE, each rank with a GPU of its own; unset: every visible GPU, or one process without."""
+    text = environ.get("NPROC_PER_NODE")
+    if not text:
+        return max(gpus, 1)
+    nproc = whole_number("NPROC_PER_NODE", text, 1)
+    if 0 < gpus < nproc:
+        visible = environ.get("CUDA_VISIBLE_DEVICES")
+        raise LaunchEnvError(f"NPROC_PER_NODE={text} but only {gpus} GPU(s) are visible"
+                             + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
+                             + ": each rank needs its own GPU; lower NPROC_PER_NODE, or unset it to use every "
+                             "visible GPU")
+    return nproc
+
+
+def cpu_ranks(nproc: int) -> str:
+    return f"no GPU visible: {nproc} ranks on the CPU, with gloo"
+
+
+def max_restarts(environ) -> int:
+    """MAX_RESTARTS: how many times torchrun restarts the ranks of a node; none by default."""
+    return whole_number("MAX_RESTARTS", environ.get("MAX_RESTARTS") or "0", 0)
+
+
+def node_count(environ) -> tuple[str, int]:
+    """NNODES as torchrun takes it (N; or MIN:MAX, elastic, with RDZV_ENDPOINT) and the most nodes it allows."""
+    text = environ.get("NNODES") or "1"
+    if not environ.get("RDZV_ENDPOINT"):
+        return text, whole_number("NNODES", text, 1)
+    match = re.fullmatch(r"([1-9][0-9]*)(?::([1-9][0-9]*))?", text)
+    if not match:
+        raise LaunchEnvError(f"NNODES={text}: expected N or MIN:MAX (elastic, with RDZV_ENDPOINT)")
+    low, high = int(match[1]), int(match[2] or match[1])
+    if low > high:
+        raise LaunchEnvError(f"NNODES={text}: MIN is larger than MAX")
+    return text, high
+
+
+def master_addr(environ, nnodes: str, max_nodes: int) -> str:
+    """MASTER_ADDR of a static master; unset: this host, which only one node can use."""
+    if environ.get("MASTER_ADDR"):
+        return environ["MASTER_ADDR"]
+    if max_nodes > 1:
+        raise LaunchEnvError(f"NNODES={nnodes} needs MASTER_ADDR: node 0's address, reachable from every node "
+                             "(or set RDZV_ENDPOINT for a c10d rendezvous)")
+    return DEFAULT_MASTER_ADDR
+
+
+def master_port(environ, max_nodes: int) -> int | None:
+    """MASTER_PORT; unset: torchrun's default on several nodes, which must all name one port; None on one node,
+    where the launcher picks a free port."""
+    text = environ.get("MASTER_PORT")
+    if not text:
+        return DEFAULT_MULTI_NODE_PORT if max_nodes > 1 else None
+    port = whole_number("MASTER_PORT", text, 1)
+    if port > 65535:
+        raise LaunchEnvError(f"MASTER_PORT={text}: a port is at most 65535")
+    return port
+
+
+def node_rank(environ, nnodes: str, max_nodes: int) -> int:
+    """NODE_RANK under a static master: required on several nodes, below NNODES; 0 by default on one."""
+    text = environ.get("NODE_RANK")
+    if not text and max_nodes > 1:
+        raise LaunchEnvError(f"NNODES={nnodes} needs NODE_RANK: 0 on the master node, 1..{max_nodes - 1} on the "
+                             "others")
+    rank = whole_number("NODE_RANK", text or "0", 0)
+    if rank >= max_nodes:
+        raise LaunchEnvError(f"NODE_RANK={text} but NNODES={nnodes}: node ranks run from 0 to {max_nodes - 1}")
+    return rank
+
+
+def restart_rendezvous(restarts: int, endpoint: str) -> str:
+    return (f"MAX_RESTARTS={restarts}: c10d rendezvous at {endpoint} (MASTER_ADDR:MASTER_PORT), so that each "
+            "restart starts afresh")
+
+
 # ---- the launch as the launcher would run it
 
 
-def _int(environ, name, report: Report, minimum: int, default=None):
-    text = environ.get(name)
-    if text is None or text == "":
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or value < minimum:
-        report.fail(f"{name}={text!r}: expected a whole number >= {minimum}")
-        return default
-    return value
-
-
 def check_launch(environ, report: Report, *, cuda: bool, gpus: int) -> None:
-    """What run_nccl_optimized.sh would do with this environment, and whether it can work here."""
-    nproc = _int(environ, "NPROC_PER_NODE", report, 1)
-    rdzv = environ.get("RDZV_ENDPOINT") or None
-    nnodes_text = environ.get("NNODES", "1")
-    max_nodes = 1
-    if rdzv and ":" in nnodes_text:
-        low, _, high = nnodes_text.partition(":")
-        max_nodes = int(high) if high.isdigit() and low.isdigit() and 1 <= int(low) <= int(high) else 0
-        if not max_nodes:
-            report.fail(f"NNODES={nnodes_text!r}: expected N or MIN:MAX with MIN <= MAX")
-    else:
-        max_nodes = _int(environ, "NNODES", report, 1, default=1)
-    node_rank = _int(environ, "NODE_RANK", report, 0)
-    max_restarts = _int(environ, "MAX_RESTARTS", report, 0, default=0)
-    port = _int(environ, "MASTER_PORT", report, 1)
-    if port is not None and port > 65535:
-        report.fail(f"MASTER_PORT={port}: a port is at most 65535")
-        port = None
+    """What run_nccl_optimized.sh would do with this environment, by its own rules, and whether it can work here."""
 
-    if nproc is None:
-        nproc = max(gpus, 1)
+    def ruled(rule, *args, default=None):
+        try:
+            return rule(*args)
+        except LaunchEnvError as e:
+            report.fail(str(e))
+            return default
+
+    gpus = gpus if cuda else 0
+    nproc = ruled(ranks_per_node, environ, gpus, default=max(gpus, 1))
+    restarts = ruled(max_restarts, environ, default=0)
+    nnodes, max_nodes = ruled(node_count, environ, default=(None, 1))
+    port = ruled(master_port, environ, max_nodes)
+
+    if not environ.get("NPROC_PER_NODE"):
         print(f"  NPROC_PER_NODE unset: {nproc} rank(s) on this node (the visible GPUs; one process without)")
-    if cuda and nproc > gpus:
-        visible = environ.get("CUDA_VISIBLE_DEVICES")
-        report.fail(f"NPROC_PER_NODE={nproc} but only {gpus} GPU(s) are visible"
-                    + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
-                    + ": each rank needs its own GPU; lower NPROC_PER_NODE or unset it")
-    elif not cuda and nproc > 1:
-        print(f"  no GPU visible: {nproc} ranks would run on the CPU with gloo")
+    if not gpus and nproc > 1:
+        print(f"  {cpu_ranks(nproc)}")
     multi_node = max_nodes > 1
     # the host whose address the endpoint names hosts the store; on one node that is this one
     c10d_host_here = None if multi_node else True
 
+    rdzv = environ.get("RDZV_ENDPOINT")
     if rdzv:
         host, _, port_text = rdzv.rpartition(":") if ":" in rdzv else (rdzv, "", str(DEFAULT_RDZV_PORT))
         host = host.strip("[]")
@@ -295,37 +366,29 @@ def check_launch(environ, report: Report, *, cuda: bool, gpus: int) -> None:
         check_endpoint("RDZV_ENDPOINT", host, rdzv_port, report, multi_node=multi_node, hosts_here=c10d_host_here)
         return
 
-    if multi_node and not environ.get("MASTER_ADDR"):
-        report.fail(f"NNODES={max_nodes} needs MASTER_ADDR: node 0's address, reachable from every node "
-                    "(or RDZV_ENDPOINT for a c10d rendezvous)")
-        return
-    if multi_node and not max_restarts:
-        if node_rank is None:
-            report.fail(f"NNODES={max_nodes} needs NODE_RANK: 0 on the master node, 1..{max_nodes - 1} on the others")
-            return
-        if node_rank >= max_nodes:
-            report.fail(f"NODE_RANK={node_rank} but NNODES={max_nodes}: node ranks run from 0 to {max_nodes - 1}")
-            return
-    elif not multi_node and nproc <= 1 and not max_restarts:
+    if not multi_node and nproc <= 1 and not restarts:
         print("  one process, no torchrun: MASTER_ADDR and MASTER_PORT are not used")
         if environ.get("MASTER_ADDR"):  # checked anyway, for the launch you are preparing; not fatal here
             check_endpoint("MASTER_ADDR", environ["MASTER_ADDR"], port, report, multi_node=False, hosts_here=True,
                            fatal=False)
         return
-    host = environ.get("MASTER_ADDR") or "127.0.0.1"
-    if port is None and not multi_node:
+    host = ruled(master_addr, environ, nnodes, max_nodes)
+    if host is None or (port is None and multi_node):  # reported above
+        return
+    if port is None:
         print(f"  master {host}, MASTER_PORT unset: the launcher picks a free port")
         check_endpoint("MASTER_ADDR", host, None, report, multi_node=False, hosts_here=True)
         return
-    port = port or DEFAULT_MULTI_NODE_PORT
-    if max_restarts:
-        print(f"  MAX_RESTARTS={max_restarts}: c10d rendezvous at {host}:{port} (MASTER_ADDR:MASTER_PORT)")
+    if restarts:
+        print(f"  {restart_rendezvous(restarts, f'{host}:{port}')}")
         check_endpoint("MASTER_ADDR", host, port, report, multi_node=multi_node, hosts_here=c10d_host_here)
         return
-    hosts_here = (node_rank or 0) == 0
-    print(f"  master {host}:{port}, node rank {node_rank or 0} of {max_nodes}"
-          + (" (this node hosts the rendezvous store)" if hosts_here else ""))
-    check_endpoint("MASTER_ADDR", host, port, report, multi_node=multi_node, hosts_here=hosts_here)
+    rank = ruled(node_rank, environ, nnodes, max_nodes)
+    if rank is None:
+        return
+    print(f"  master {host}:{port}, node rank {rank} of {max_nodes}"
+          + (" (this node hosts the rendezvous store)" if rank == 0 else ""))
+    check_endpoint("MASTER_ADDR", host, port, report, multi_node=multi_node, hosts_here=rank == 0)
 
 
 def check_endpoint(name: str, host: str, port: int | None, report: Report, *, multi_node: bool,
@@ -410,7 +473,7 @@ def main(argv=None) -> int:
             print(line)
         return 0
     if argv:
-        print("usage: python -m training.doctor [--env]", file=sys.stderr)
+        print("usage: python -m tools.doctor [--env]", file=sys.stderr)
         return 2
     report = Report()
 

@@ -1,19 +1,11 @@
 """Launch presets and the trainer's NCCL debugging defaults: defined here once.
 
-Read by run_nccl_optimized.sh, by the trainer (training/distributed.py) and by
-the tests.
-
-`python -m training.presets NAME [--output_dir DIR]` prints the preset as
-tab-separated lines for the launcher to read: `about`, `flag`, `env` and
-`workaround` rows, then `trainer_env` rows (what ProcessGroupNCCL will read
-with DIR as the output dir, and whether the value is yours or the trainer's
-default); `python -m training.presets
---list` prints the names with what they are for.
+Read by the launcher (tools/launch.py, behind run_nccl_optimized.sh), by the
+trainer (training/distributed.py) and by the tests.
 """
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +14,6 @@ from pathlib import Path
 class Preset:
     about: str
     flags: tuple = ()
-    env: dict = field(default_factory=dict)  # documented settings
     workarounds: dict = field(default_factory=dict)  # troubleshooting-guide workarounds, announced when set
 
 
@@ -76,31 +67,3 @@ def trainer_nccl_env(output_dir, environ=None) -> dict[str, str]:
         values[newer] = environ.get(newer, values[older])
     return values
 
-
-def main(argv) -> int:
-    if argv == ["--list"]:
-        for name, preset in PRESETS.items():
-            print(f"{name}\t{preset.about}")
-        return 0
-    output_dir = None
-    if len(argv) == 3 and argv[1] == "--output_dir":
-        argv, output_dir = argv[:1], argv[2]
-    if len(argv) != 1 or argv[0] not in PRESETS:
-        print(f"unknown preset {' '.join(argv)!r}; presets: {', '.join(PRESETS)}", file=sys.stderr)
-        return 2
-    preset = PRESETS[argv[0]]
-    print(f"about\t{preset.about}")
-    for flag in preset.flags:
-        print(f"flag\t{flag}")
-    for name, value in preset.env.items():
-        print(f"env\t{name}\t{value}")
-    for name, value in preset.workarounds.items():
-        print(f"workaround\t{name}\t{value}")
-    if output_dir is not None:
-        for name, value in trainer_nccl_env(output_dir).items():
-            print(f"trainer_env\t{name}\t{value}\t{'yours' if name in os.environ else 'default'}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

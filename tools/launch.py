@@ -1,0 +1,313 @@
+"""The launcher behind run_nccl_optimized.sh: a preset and the environment -> torchrun, or one trainer process.
+
+    bash run_nccl_optimized.sh PRESET [trainer flags...]     # python -m tools.launch PRESET ...
+    bash run_nccl_optimized.sh doctor                        # python -m tools.doctor
+
+Takes the preset from training/presets.py and the environment listed at the top of
+run_nccl_optimized.sh; an environment that cannot work ends with a message and exit 2,
+before anything is started or written. Sets the preset's NCCL variables and
+OMP_NUM_THREADS unless you set them (yours are kept, and named), then becomes the
+command (os.execvpe, as bash's exec: signals reach torchrun or the trainer directly).
+With DRY_RUN=1 it prints the environment and the command instead, and exits 0.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import socket
+import sys
+import unicodedata
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from tools import doctor
+from tools.doctor import (LaunchEnvError, cpu_ranks, master_addr, master_port, max_restarts, node_count, node_rank,
+                          ranks_per_node, restart_rendezvous)
+from training.presets import FLIGHT_RECORDER_DIR, PRESETS, Preset, trainer_nccl_env
+
+SCRIPT = "run_nccl_optimized.sh"
+TRAINER = Path(os.path.abspath(__file__)).parent.parent / "rvq_seamless_gpu_cache_nccl.py"
+# what the usage message lists; the comment at the top of run_nccl_optimized.sh says what each does
+ENVIRONMENT = ("DATA_DIR", "OUTPUT_DIR", "NPROC_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+               "RDZV_ENDPOINT", "RDZV_ID", "MAX_RESTARTS", "OMP_NUM_THREADS", "DRY_RUN=1", "PYTHON")
+USER_VARIABLE = re.compile(r"(NCCL|TORCH)_[A-Za-z0-9_]*")
+WORKAROUND_NOTE = ": a workaround from NCCL's troubleshooting guide, not a tuning"
+
+
+def say(text: str) -> None:
+    print(f"[run_nccl_optimized] {text}", file=sys.stderr)
+
+
+def usage() -> None:
+    lines = [f"usage: bash {SCRIPT} PRESET [trainer flags...]", f"       bash {SCRIPT} doctor", "presets:"]
+    lines += [f"  {name:<13} {preset.about}" for name, preset in PRESETS.items()]
+    lines.append(f"environment: {' '.join(ENVIRONMENT)}; see the comment at the top of this script")
+    print("\n".join(lines), file=sys.stderr)
+
+
+class Exports:
+    """The variables the launcher sets or keeps, in the order it decided them: what DRY_RUN prints as exports.
+    os.environ stays as you set it, so your NCCL_*/TORCH_* variables are told from the preset's; the command
+    gets both."""
+
+    def __init__(self, environ):
+        self.environ = environ
+        self.values: dict[str, str] = {}
+
+    def keep(self, name: str, note: str = "") -> None:
+        self.values[name] = self.environ[name]
+        say(f"keeping {name}={self.values[name]} from your environment{note}")
+
+    def set(self, name: str, value: str, note: str = "") -> None:
+        self.values[name] = value
+        say(f"setting {name}={value}{note}")
+
+
+@dataclass(frozen=True)
+class Nodes:
+    nnodes: str  # as torchrun takes it: N, or MIN:MAX (elastic)
+    max_nodes: int
+    max_restarts: int
+    rdzv_endpoint: str  # empty: a static master
+
+
+# ---- the environment
+
+
+def environment(name: str, preset: Preset, run_dir: str, environ, exports: Exports) -> tuple[list[str], dict]:
+    """The preset's flags and workarounds, the trainer's NCCL defaults, and your NCCL_*/TORCH_* variables,
+    which win over the preset's; returns the flags and what the trainer will set on NCCL groups."""
+    say(f"preset {name}: {preset.about}")
+    flags = list(preset.flags)
+    if "--nccl_timeout" in flags and environ.get("NCCL_TIMEOUT"):
+        # your NCCL_TIMEOUT is the trainer's timeout, so it wins over the preset's flag
+        exports.keep("NCCL_TIMEOUT", ": the trainer's process-group timeout; the preset's --nccl_timeout is left out")
+        at = flags.index("--nccl_timeout")
+        del flags[at:at + 2]
+    for key, value in preset.workarounds.items():
+        if key in environ:
+            exports.keep(key, f" (preset: {value})")
+        else:
+            exports.set(key, value, WORKAROUND_NOTE)
+    trainer_env = trainer_nccl_env(run_dir, environ)
+    for key in trainer_env:
+        if key in environ:
+            exports.keep(key, " (the trainer's default otherwise)")
+    for key in sorted(filter(USER_VARIABLE.fullmatch, environ)):
+        if key not in exports.values:
+            exports.keep(key)
+    return flags, trainer_env
+
+
+# ---- ranks on this node
+
+
+def visible_gpus() -> int:
+    # no NVIDIA or AMD device node: no GPU, without paying for a torch import
+    if not glob.glob("/dev/nvidia[0-9]*") and not os.path.exists("/dev/kfd"):
+        return 0
+    try:
+        with warnings.catch_warnings():  # a warning about the driver is the trainer's to give
+            warnings.simplefilter("ignore")
+            import torch
+
+            return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - a broken torch install: the trainer will say so
+        return 0
+
+
+def ranks_on_this_node(environ, gpus: int, exports: Exports) -> int:
+    """NPROC_PER_NODE (one rank per GPU), and each rank's share of the cores, so that threads do not oversubscribe."""
+    nproc = ranks_per_node(environ, gpus)
+    if not gpus and nproc > 1:
+        say(cpu_ranks(nproc))
+    if environ.get("OMP_NUM_THREADS"):
+        exports.keep("OMP_NUM_THREADS")
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        exports.set("OMP_NUM_THREADS", str(max(cores // nproc, 1)), f" ({cores} cores / {nproc} rank(s) on this node)")
+    return nproc
+
+
+# ---- nodes and restarts
+
+
+def nodes_and_restarts(environ) -> Nodes:
+    restarts = max_restarts(environ)
+    nnodes, max_nodes = node_count(environ)
+    return Nodes(nnodes, max_nodes, restarts, environ.get("RDZV_ENDPOINT") or "")
+
+
+# ---- the command
+
+
+def trainer_args(environ, output_dir: str, flags: list[str], nodes: Nodes, user_args: list[str]) -> list[str]:
+    """The output and data dirs, the preset's flags, then yours, which win (the trainer takes the last)."""
+    args = ["--output_dir", output_dir]
+    if environ.get("DATA_DIR"):
+        args += ["--data_dir", environ["DATA_DIR"]]
+    args += flags
+    if nodes.max_restarts:
+        # an elastic restart starts every rank anew: continue from the last checkpoint in the output dir
+        args += ["--resume", "auto"]
+        user_resume = last_value(user_args, "--resume")
+        if user_resume and user_resume != "auto":
+            say(f"warning: your --resume {user_resume} wins over --resume auto: every restart starts from it again")
+    return args + user_args
+
+
+def last_value(args: list[str], flag: str) -> str | None:
+    """The value of the last `flag VALUE` or `flag=VALUE` in args."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(f"{flag}="):
+            value = arg[len(flag) + 1:]
+    return value
+
+
+def command(python: str, environ, nproc: int, nodes: Nodes, run_dir: str, args: list[str],
+            exports: Exports) -> list[str]:
+    """One trainer process, or torchrun for several ranks, several nodes, or restarts."""
+    trainer = [str(TRAINER), *args]
+    if nproc <= 1 and nodes.max_nodes <= 1 and not nodes.max_restarts and not nodes.rdzv_endpoint:
+        return [python, *trainer]
+    restarts = ["--max-restarts", str(nodes.max_restarts)] if nodes.max_restarts else []
+    return [python, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", nodes.nnodes,
+            *rendezvous(environ, nodes, run_dir, exports), *restarts, *trainer]
+
+
+def rendezvous(environ, nodes: Nodes, run_dir: str, exports: Exports) -> list[str]:
+    """A static master (MASTER_ADDR:MASTER_PORT, NODE_RANK), or a c10d rendezvous: RDZV_ENDPOINT, or the master's
+    address when restarts are on (a static master keeps one store for every attempt, and a restarted group would
+    read the previous attempt's addresses from it)."""
+    endpoint = nodes.rdzv_endpoint
+    if not endpoint:
+        addr = master_addr(environ, nodes.nnodes, nodes.max_nodes)
+        port = master_port(environ, nodes.max_nodes) or free_port()
+        if not nodes.max_restarts:
+            rank = node_rank(environ, nodes.nnodes, nodes.max_nodes)
+            return ["--node_rank", str(rank), "--master_addr", addr, "--master_port", str(port)]
+        endpoint = f"{addr}:{port}"
+        say(restart_rendezvous(nodes.max_restarts, endpoint))
+    if environ.get("NODE_RANK"):
+        say(f"NODE_RANK={environ['NODE_RANK']} is not used with a c10d rendezvous: it assigns node ranks itself")
+    # torchrun's shared store outlives a restart and keeps the old workers' addresses (pytorch/pytorch#167288);
+    # unshared, rank 0 of each attempt starts a store of its own
+    if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in environ:
+        exports.set("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1",
+                    ": each attempt's workers get a store of their own, on a free port of the first node")
+    return ["--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", rendezvous_id(environ, run_dir)]
+
+
+def rendezvous_id(environ, run_dir: str) -> str:
+    # every node must give the same id; the output dir, shared by the nodes, names the run
+    run_name = re.sub(rb"[^A-Za-z0-9]", b"-", os.fsencode(run_dir)).decode()
+    return environ.get("RDZV_ID") or environ.get("SLURM_JOB_ID") or f"rvq-{run_name}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+# ---- what it prints
+
+
+_BACKSLASHED = frozenset(" !\"$&'()*,;<>?[\\]^`{|}")
+_ANSI_C = {"\a": "a", "\b": "b", "\x1b": "E", "\f": "f", "\n": "n", "\r": "r", "\t": "t", "\v": "v", "\\": "\\",
+           "'": "'"}
+
+
+def bash_quote(word: str) -> str:
+    """`word` as bash's printf %q writes it, so that DRY_RUN's lines paste into a shell."""
+    if not word:
+        return "''"
+    if any(map(_is_control, word)):  # $'...', with escapes
+        return "$'" + "".join(map(_ansi_c, word)) + "'"
+    return "".join("\\" + ch if ch in _BACKSLASHED or (ch == "#" and i == 0)
+                   or (ch == "~" and (i == 0 or word[i - 1] in ":=")) else ch for i, ch in enumerate(word))
+
+
+def _is_control(ch: str) -> bool:
+    return unicodedata.category(ch) in ("Cc", "Cs")  # Cs: a byte that is not UTF-8, as os.environ holds it
+
+
+def _ansi_c(ch: str) -> str:
+    if ch in _ANSI_C:
+        return "\\" + _ANSI_C[ch]
+    if not _is_control(ch):
+        return ch
+    return "".join(f"\\{byte:03o}" for byte in ch.encode("utf-8", "surrogateescape"))
+
+
+def command_line(cmd: list[str]) -> str:
+    return " ".join(map(bash_quote, cmd))
+
+
+def print_dry_run(environ, exports: Exports, trainer_env: dict, cmd: list[str]) -> None:
+    say(f"DRY_RUN={environ['DRY_RUN']}: printing the environment and the command; nothing is started")
+    shown = {"PYTHONPATH": environ.get("PYTHONPATH", "")}
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        shown["CUDA_VISIBLE_DEVICES"] = environ["CUDA_VISIBLE_DEVICES"]
+    lines = ["# environment set or kept by the launcher"]
+    lines += [f"export {key}={bash_quote(value)}" for key, value in {**shown, **exports.values}.items()]
+    lines.append("# set by the trainer when it creates an NCCL process group (values you set win)")
+    lines += [f"#   {key}={value}" for key, value in trainer_env.items()]
+    lines += ["# command", command_line(cmd)]
+    print("\n".join(lines))
+
+
+# ---- the launch
+
+
+def launch(name: str, user_args: list[str], environ) -> None:
+    """Decide the environment and the command; print them (DRY_RUN), or become the command."""
+    output_dir = environ.get("OUTPUT_DIR") or f"runs/{name}"
+    run_dir = last_value(user_args, "--output_dir") or output_dir  # the trainer takes the last --output_dir
+    for text in doctor.env_warnings(environ):  # your variables that NCCL does not read, or that PyTorch renamed
+        say(f"warning: {text}")
+    exports = Exports(environ)
+    flags, trainer_env = environment(name, PRESETS[name], run_dir, environ, exports)
+    gpus = visible_gpus()
+    nproc = ranks_on_this_node(environ, gpus, exports)
+    nodes = nodes_and_restarts(environ)
+    args = trainer_args(environ, output_dir, flags, nodes, user_args)
+    cmd = command(environ.get("PYTHON") or sys.executable, environ, nproc, nodes, run_dir, args, exports)
+    if gpus and cmd[1] == "-m":
+        say(f"NCCL flight recorder: on a timeout each rank dumps its last collectives to "
+            f"{run_dir}/{FLIGHT_RECORDER_DIR}/rank_<rank>")
+    if environ.get("DRY_RUN") not in (None, "", "0"):
+        print_dry_run(environ, exports, trainer_env, cmd)
+        return
+    say(f"running: {command_line(cmd)}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(cmd[0], cmd, {**environ, **exports.values})
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        usage()
+        return 2
+    if argv[0] == "doctor":
+        return doctor.main(argv[1:])
+    if argv[0] not in PRESETS:
+        say(f"unknown preset '{argv[0]}'")
+        usage()
+        return 2
+    try:
+        launch(argv[0], argv[1:], os.environ)
+    except LaunchEnvError as e:  # bad input: exit 2 before anything is started or written
+        say(str(e))
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
