@@ -45,6 +45,7 @@ from data.stores import open_stores  # noqa: E402
 from models.codec import CodecConfig, RVQCodec  # noqa: E402
 from models.metrics import EvalSums  # noqa: E402
 from training import checkpoint as ckpt  # noqa: E402
+from training.codebooks import feature_stats  # noqa: E402
 from training.config import parse_args  # noqa: E402
 
 TRAINER = REPO / "rvq_seamless_gpu_cache_nccl.py"
@@ -60,8 +61,6 @@ OUTSIDE_LOOP_MINUTES = 1.0
 
 def stats(store, max_utterances: int = 256):
     """The codec's standardisation, computed exactly as the trainer does."""
-    from rvq_seamless_gpu_cache_nccl import feature_stats
-
     mean, std = feature_stats(store, max_utterances)
     return mean.numpy(), std.clamp_min(1e-5).numpy()
 
@@ -154,16 +153,16 @@ def run_faiss(train_std: np.ndarray, valid, mean, std, levels: int, size: int, b
 # ---------------------------------------------------------------- (c) bare ResidualVQ
 
 
-def run_bare_rvq(train, valid, mean, std, codec: dict, trainer_args, steps: int) -> dict:
+def run_bare_rvq(train, valid, mean, std, codec: dict, trainer_cfg, steps: int) -> dict:
     from vector_quantize_pytorch import ResidualVQ
 
-    torch.manual_seed(trainer_args.seed)
+    torch.manual_seed(trainer_cfg.optim.seed)
     rvq = ResidualVQ(dim=train.dim, num_quantizers=codec["num_quantizers"], codebook_size=codec["codebook_size"],
                      kmeans_init=codec["kmeans_init"], kmeans_iters=codec["kmeans_iters"], decay=codec["ema_decay"],
                      threshold_ema_dead_code=codec["dead_code_threshold"], rotation_trick=False)
-    lengths = [trainer_args.segment_length]
-    plan = BatchPlan(train.lengths, segment_lengths=lengths, frames_per_step=trainer_args.batch_size * lengths[0],
-                     seed=trainer_args.seed, rank=0, world_size=1)
+    lengths = [trainer_cfg.data.segment_length]
+    plan = BatchPlan(train.lengths, segment_lengths=lengths, frames_per_step=trainer_cfg.data.frames_per_step,
+                     seed=trainer_cfg.optim.seed, rank=0, world_size=1)
     batches = HostBatches(train, plan, torch.device("cpu"))
     m, s = torch.from_numpy(mean), torch.from_numpy(std)
     rvq.train()
@@ -183,7 +182,7 @@ def run_bare_rvq(train, valid, mean, std, codec: dict, trainer_args, steps: int)
     with torch.no_grad():
         result = score(valid, reconstruct, codec["num_quantizers"], codec["codebook_size"])
     result.update(method="vector-quantize-pytorch ResidualVQ (no encoder/decoder)", train_seconds=round(seconds, 1),
-                  steps=steps, frames_per_step=trainer_args.batch_size * lengths[0])
+                  steps=steps, frames_per_step=trainer_cfg.data.frames_per_step)
     return result
 
 
@@ -217,13 +216,13 @@ def main() -> int:
     corpus = "demo" if args.data_dir is None else Path(args.data_dir).name
     out = Path(args.out or REPO / "benchmarks" / "results" / f"quality_{corpus}.json")
     args.trainer_flags = CODEC_BUDGET + args.trainer_flags
-    trainer_args = parse_args(args.trainer_flags)
-    train, valid, note = open_stores(args.data_dir or ensure_demo_corpus(), trainer_args.train_split,
-                                     trainer_args.valid_split, seed=trainer_args.seed)
+    trainer_cfg = parse_args(args.trainer_flags)
+    train, valid, note = open_stores(args.data_dir or ensure_demo_corpus(), trainer_cfg.data.train_split,
+                                     trainer_cfg.data.valid_split, seed=trainer_cfg.optim.seed)
     if note:
         print(note, file=sys.stderr)
     mean, std = stats(train)
-    levels, size = trainer_args.num_quantizers, trainer_args.codebook_size
+    levels, size = trainer_cfg.codec["num_quantizers"], trainer_cfg.codec["codebook_size"]
     load = open("/proc/loadavg").read().split()[:3]
     results = []
 
@@ -243,7 +242,7 @@ def main() -> int:
 
     f_mean, f_std = (mean, std) if args.faiss_space == "standardised" else (0 * mean, 0 * std + 1)
     codec = CodecConfig(train.dim).to_dict()
-    steps = trainer_args.max_steps  # the bare ResidualVQ gets the codec's step budget (or the steps it ran)
+    steps = trainer_cfg.optim.max_steps  # the bare ResidualVQ gets the codec's step budget (or the steps it ran)
     with tempfile.TemporaryDirectory() as tmp:
         for method in methods:
             if method == "codec":
@@ -255,7 +254,7 @@ def main() -> int:
                 results.append(run_faiss(train_std, valid, f_mean, f_std, levels, size, int(method[5:])))
                 results[-1]["space"] = args.faiss_space
             elif method == "rvq":
-                results.append(run_bare_rvq(train, valid, mean, std, codec, trainer_args, steps))
+                results.append(run_bare_rvq(train, valid, mean, std, codec, trainer_cfg, steps))
             else:
                 sys.exit(f"unknown method {method!r}: codec, faiss1, faiss8, rvq")
             print(table(results[-1:]), file=sys.stderr)

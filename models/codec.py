@@ -7,7 +7,7 @@ nothing larger, so nothing big can be gathered or reduced by mistake.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -19,20 +19,29 @@ from vector_quantize_pytorch.vector_quantize_pytorch import kmeans
 
 @dataclass
 class CodecConfig:
+    """The codec's shape and its quantizer's options. Each field with a default is also the trainer's flag of
+    the same name (`--latent_dim` ...), with the help text in its metadata; "flag": False keeps one off the
+    command line."""
+
     feature_dim: int
     latent_dim: int = 160
-    codebook_dim: int | None = None  # None: the latent dim, no projection
+    codebook_dim: int | None = field(default=None, metadata={"help": "none: the latent dim (no projection)"})
     num_quantizers: int = 8
     codebook_size: int = 1024
-    downsample: int = 1  # 1, 2 or 4 frames per code
-    encoder_blocks: int = 2
+    downsample: int = field(default=1, metadata={"choices": (1, 2, 4), "help": "frames per code"})
+    encoder_blocks: int = field(default=2, metadata={
+        "help": "residual conv blocks in the encoder and in the decoder each"})
     kmeans_init: bool = True
-    kmeans_iters: int = 10
+    kmeans_iters: int = field(default=10, metadata={"flag": False})
     ema_decay: float = 0.99
-    dead_code_threshold: float = 0.5
-    quantize_dropout: bool = False
+    dead_code_threshold: float = field(default=0.5, metadata={
+        "help": "re-seed a code whose EMA count of frames per step falls below this"})
+    quantize_dropout: bool = field(default=False, metadata={"help": "train for variable bitrate (fewer levels)"})
     commitment_weight: float = 0.25
-    recon_space: str = "feature"  # "feature": MSE weighted by each dim's variance, as rel_mse counts it; "standardised"
+    recon_space: str = field(default="feature", metadata={
+        "choices": ("feature", "standardised"),
+        "help": "reconstruction MSE in feature space (each dim weighted by its variance, as rel_mse counts errors) "
+                "or on the standardised features (every dim alike)"})
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -220,17 +229,14 @@ class RVQCodec(nn.Module):
         return out[0] if single else out
 
 
-def split_empty_codes(means: torch.Tensor, counts: torch.Tensor, generator: torch.Generator) -> int:
+def split_empty_codes(means: torch.Tensor, counts: torch.Tensor, generator: torch.Generator) -> None:
     """In place: each code with no frame [K, d] / [K] moves next to a code drawn in proportion to its frames
     beyond the first, the two a symmetric hair apart (as faiss's k-means splits clusters), and takes half of
-    its count; the next Lloyd step parts them. Returns how many codes were moved."""
+    its count; the next Lloyd step parts them."""
     empty = (counts == 0).nonzero().flatten().tolist()
-    if not empty:
-        return 0
     weight = (counts.double() - 1).clamp_min(0)
     sign = torch.ones(means.shape[-1], dtype=means.dtype, device=means.device)
     sign[1::2] = -1
-    moved = 0
     for code in empty:
         if weight.sum() <= 0:
             break
@@ -241,8 +247,6 @@ def split_empty_codes(means: torch.Tensor, counts: torch.Tensor, generator: torc
         half = counts[donor] // 2
         counts[code], counts[donor] = half, counts[donor] - half
         weight[code], weight[donor] = (half - 1).clamp_min(0), (counts[donor] - 1).clamp_min(0)
-        moved += 1
-    return moved
 
 
 def dead_code_counts(model: RVQCodec) -> list[int]:

@@ -101,8 +101,8 @@ def test_split_empty_codes_moves_each_empty_code_beside_a_populous_one():
 
     means = torch.tensor([[1.0, 2.0], [5.0, 5.0], [9.0, 9.0], [3.0, 3.0]])
     counts = torch.tensor([10, 0, 1, 0])
-    moved = split_empty_codes(means, counts, torch.Generator().manual_seed(0))
-    assert moved == 2 and int(counts.sum()) == 11 and bool((counts > 0).all())
+    split_empty_codes(means, counts, torch.Generator().manual_seed(0))
+    assert int(counts.sum()) == 11 and bool((counts > 0).all())
     # only code 0 has frames beyond its first to give: both empty codes land beside it, a hair apart
     for code in (1, 3):
         torch.testing.assert_close(means[code], torch.tensor([1.0, 2.0]), atol=0.01, rtol=0)

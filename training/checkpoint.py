@@ -1,18 +1,27 @@
-"""Checkpoints: written atomically by rank 0, found again on resume.
+"""Checkpoints: what one holds, written atomically by rank 0, found again and restored on resume.
 
-A checkpoint is a plain dict (model, optimizer, step, config, RNG states).
-It is written to a temporary file, fsynced, then renamed into place, so the
-last good checkpoint is never overwritten in place; a truncated file is
-detected on resume and the previous checkpoint used instead.
+A checkpoint is a plain dict: model, optimizer, grad scaler, step, samples seen,
+epoch, the codec's config, every flag, and every rank's RNG states. `Checkpointer`
+is the one place that decides that content, both ways. A file is written to a
+temporary name, fsynced, then renamed into place, so the last good checkpoint is
+never overwritten in place; a truncated file is detected on resume and the
+previous checkpoint used instead.
 """
 from __future__ import annotations
 
 import logging
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+
+from errors import BadInputError
+from models.codec import CodecConfig
+from training.distributed import DistContext
+from training.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -64,3 +73,73 @@ def load_latest(folder: Path) -> tuple[Path, dict] | None:
         except Exception as e:  # noqa: BLE001 - a truncated file: fall back to the one before
             log.warning("checkpoint %s is unreadable (%s); trying the one before it", path, e)
     return None
+
+
+@dataclass
+class Resume:
+    path: Path
+    state: dict
+
+
+def find_resume(resume: str, folder: Path, codec: CodecConfig) -> Resume | None:
+    """The checkpoint to continue from (--resume auto, none, or a path), trained with this run's codec."""
+    if resume == "none":
+        return None
+    found = load_latest(folder) if resume == "auto" else (Path(resume), load_checkpoint(Path(resume)))
+    if found is None:
+        return None
+    path, state = found
+    if state["codec"] != codec.to_dict():
+        raise BadInputError(f"checkpoint {path} was trained with codec {state['codec']}, which differs from this "
+                            f"run's flags {codec.to_dict()}; use another --output_dir or --resume none")
+    return Resume(path, state)
+
+
+class Checkpointer:
+    """Saves and restores a run: model, optimizer, scaler, progress and RNG states (every rank's)."""
+
+    def __init__(self, folder: Path, *, keep: int, ctx: DistContext, codec: CodecConfig, config: dict,
+                 steps_per_epoch: int):
+        self.folder, self.keep, self.ctx = Path(folder), keep, ctx
+        self.codec, self.config, self.steps_per_epoch = codec, config, steps_per_epoch
+
+    def save(self, model, optimizer, scaler, progress: Progress) -> Path | None:
+        """Every rank calls it (the RNG states are gathered); rank 0 writes. Returns the path on rank 0."""
+        rng = gather_rng_states(self.ctx)
+        if self.ctx.rank != 0:
+            return None
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+                 "step": progress.step, "samples_seen": progress.samples_seen,
+                 "epoch": progress.step // self.steps_per_epoch, "codec": self.codec.to_dict(),
+                 "config": self.config, "rng": rng}
+        return save_checkpoint(self.folder, progress.step, state, keep=self.keep)
+
+    def restore(self, resume: Resume, model, optimizer, scaler, progress: Progress) -> None:
+        state = resume.state
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+        progress.step, progress.samples_seen = state["step"], state["samples_seen"]
+        restore_rng_states(state["rng"], self.ctx)
+        log.info("resumed from %s at step %d", resume.path, progress.step)
+
+
+def gather_rng_states(ctx: DistContext) -> list:
+    """Every rank's RNG states, so that a resumed run draws what an unbroken one would have."""
+    mine = {"torch": torch.get_rng_state()}
+    if ctx.device.type == "cuda":
+        mine["cuda"] = torch.cuda.get_rng_state(ctx.device)
+    if not ctx.is_distributed:
+        return [mine]
+    states = [None] * ctx.world_size
+    dist.all_gather_object(states, mine, group=ctx.control)
+    return states
+
+
+def restore_rng_states(states: list, ctx: DistContext) -> None:
+    if len(states) != ctx.world_size:
+        log.warning("checkpoint has RNG states for %d ranks, this run has %d: reseeding", len(states), ctx.world_size)
+        return
+    torch.set_rng_state(states[ctx.rank]["torch"])
+    if ctx.device.type == "cuda" and "cuda" in states[ctx.rank]:
+        torch.cuda.set_rng_state(states[ctx.rank]["cuda"], ctx.device)

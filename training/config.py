@@ -1,9 +1,14 @@
-"""The trainer's flags: each default lives here and only here, but the codec's, which are
-CodecConfig's (models/codec.py) so that the trainer and code that builds a codec directly agree.
+"""The trainer's configuration: typed sections, each handed only to the code that uses it.
 
-A bad flag or value ends in argparse's message and exit code 2.
-`--local_rank` and `--local-rank` are both accepted, for the older
-`torch.distributed.launch`.
+Every flag is a field of one section (data, codec, codebooks, optimisation, run,
+distributed), with its default and help text beside it: the dataclasses are the
+single source of truth, and `build_parser` makes one flag per field. The codec's
+fields are `models.codec.CodecConfig`'s, so a new codec knob is one edit there.
+`config.json` and a checkpoint's "config" hold every field under its flag name.
+
+A bad flag or value ends in argparse's message and exit code 2. `--local_rank`
+and `--local-rank` are both accepted, for the older `torch.distributed.launch`;
+they are launch information, not configuration, and are not saved.
 """
 from __future__ import annotations
 
@@ -11,10 +16,12 @@ import argparse
 import dataclasses
 import json
 import os
+from dataclasses import dataclass, field
 
+from data.training_data import DataConfig
 from models.codec import CodecConfig
 
-CODEC = {f.name: f.default for f in dataclasses.fields(CodecConfig) if f.default is not dataclasses.MISSING}
+DEFAULT_NCCL_TIMEOUT = 1800  # seconds; PyTorch's own default for NCCL groups
 
 
 def int_list(text: str) -> list[int]:
@@ -27,34 +34,27 @@ def int_list(text: str) -> list[int]:
     return sorted(set(values))
 
 
-def positive_int(text: str) -> int:
+def _number(kind, text: str, minimum_ok, wanted: str):
     try:
-        value = int(text)
+        value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+        raise argparse.ArgumentTypeError(
+            f"expected {'a whole number' if kind is int else 'a number'}, got {text!r}") from None
+    if not minimum_ok(value):
+        raise argparse.ArgumentTypeError(f"expected {wanted}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _number(int, text, lambda v: v > 0, "a positive number")
 
 
 def nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected zero or more, got {value}")
-    return value
+    return _number(int, text, lambda v: v >= 0, "zero or more")
 
 
 def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
-    return value
+    return _number(float, text, lambda v: v > 0, "a positive number")
 
 
 def on_off(text: str) -> bool:
@@ -66,132 +66,178 @@ def on_off(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def flag(default, help: str | None = None, **metadata):
+    """A field that is also a flag, with its default and help text (metadata: see _argparse_options)."""
+    return field(default=default, metadata={"help": help, **metadata})
+
+
+@dataclass(kw_only=True)
+class CodebookConfig:
+    """How the codebooks are initialised before the first step and refit after the last."""
+
+    kmeans_init_frames: int = flag(
+        16384, "frames per rank for the k-means init of the codebooks, before the first step "
+               "(0: k-means on the first training batch)", kind="nonnegative")
+    refit_iters: int = flag(
+        2, "when the schedule ends (steps, epochs or --max_minutes), Lloyd's k-means iterations on every level "
+           "over whole training utterances, before the final eval (0: no refit)", kind="nonnegative")
+    refit_frames: int = flag(262144, "frames per rank for the refit: whole utterances drawn at random up to this many")
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    max_steps: int | None = flag(None, "none: --epochs decides")
+    max_minutes: float | None = flag(
+        None, "stop after this many minutes of training, with the codebook refit, the final eval and checkpoint "
+              "(on several ranks rank 0's clock decides, at a sync check)")
+    epochs: int = flag(10)
+    grad_accum: int = flag(1, "micro-batches per step; gradients are all-reduced on the last one only")
+    lr: float = flag(2e-3, kind="positive")
+    min_lr_ratio: float = flag(0.1, "cosine decay ends at lr x this")
+    warmup_steps: int = flag(50, kind="any")
+    weight_decay: float = flag(0.0)
+    grad_clip: float = flag(1.0, "0: no clipping")
+    max_bad_steps: int = flag(10, "non-finite steps in a row (each skipped on every rank) before the run stops",
+                              kind="nonnegative")
+    precision: str = flag("auto", "auto: bf16 on a GPU that supports it, else fp32",
+                          choices=("auto", "fp32", "bf16", "fp16"))
+    seed: int = flag(1234, kind="any")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    output_dir: str = flag("runs/default")
+    eval_every: int = flag(100)
+    save_every: int = flag(200)
+    keep_checkpoints: int = flag(3)
+    log_every: int = flag(10)
+    resume: str = flag("auto", "auto (last checkpoint in --output_dir), none, or a path")
+    tensorboard: bool = flag(False, "also write the metrics as TensorBoard scalars to OUTPUT_DIR/tensorboard "
+                                    "(pip install tensorboard)")
+    device: str = flag("auto", "auto, cpu, cuda, or cuda:N (single process)")
+
+
+@dataclass(kw_only=True)
+class DistConfig:
+    nccl_timeout: int | None = flag(None, f"process-group timeout in seconds (default {DEFAULT_NCCL_TIMEOUT}, "
+                                          "or $NCCL_TIMEOUT)")
+    sync_check_every: int = flag(50, "steps between cross-rank sync checks")
+    sync_timeout: int = flag(300, "seconds a sync check waits for a silent rank before every rank stops")
+    slow_phase_timeout: int | None = flag(
+        None, "process-group timeout in seconds for the first step (k-means init) and eval; default twice "
+              "--nccl_timeout")
+
+    @property
+    def slow_phase_s(self) -> int:
+        return self.slow_phase_timeout or 2 * self.nccl_timeout
+
+
+@dataclass
+class TrainConfig:
+    data: DataConfig
+    codec: dict  # CodecConfig's fields but feature_dim, which the data decide: see codec_config()
+    codebooks: CodebookConfig
+    optim: OptimConfig
+    run: RunConfig
+    dist: DistConfig
+    local_rank: int | None = None  # from torch.distributed.launch's flag; not saved
+
+    def codec_config(self, feature_dim: int) -> CodecConfig:
+        return CodecConfig(feature_dim=feature_dim, **self.codec)
+
+    def to_dict(self) -> dict:
+        """Every flag's value under its name: config.json, and the "config" of a checkpoint."""
+        flat = dict(self.codec)
+        for section in (self.data, self.codebooks, self.optim, self.run, self.dist):
+            flat.update(dataclasses.asdict(section))
+        return flat
+
+
+# argparse group -> the sections whose fields it shows (codec and codebooks share the "codec" group)
+GROUPS = {"data": (DataConfig,), "codec": (CodecConfig, CodebookConfig), "optimisation": (OptimConfig,),
+          "run": (RunConfig,), "distributed": (DistConfig,)}
+
+
+def flag_fields(section) -> list[dataclasses.Field]:
+    """The fields of a section that are flags: those with a default, unless marked "flag": False."""
+    return [f for f in dataclasses.fields(section) if f.metadata.get("flag", True)
+            and (f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING)]
+
+
+def _argparse_options(f: dataclasses.Field) -> dict:
+    """argparse options from a field's default, annotation and metadata.
+
+    metadata: "help"; "choices"; "kind": "nonnegative" or "any" for an int (default: positive),
+    "positive" for a float (default: any number, positive when the default is None); "switch": True for
+    a bool that is off by default but takes a value (`--pin_memory true`); "flag": False: not a flag.
+    """
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    options = {"default": default, "help": f.metadata.get("help")}
+    annotation, kind = str(f.type), f.metadata.get("kind")
+    if annotation == "bool":
+        # on by default, or a switch: --name [true|false]; else a plain flag that turns it on
+        if default or f.metadata.get("switch"):
+            return {**options, "nargs": "?", "const": True, "type": on_off}
+        return {**options, "action": "store_true"}
+    if "choices" in f.metadata:
+        choices = f.metadata["choices"]
+        return {**options, "choices": choices, "type": type(choices[0])}
+    if annotation == "list[int]":
+        options["type"] = int_list
+    elif annotation.startswith("int"):
+        options["type"] = {"nonnegative": nonnegative_int, "any": int}.get(kind, positive_int)
+    elif annotation.startswith("float"):
+        options["type"] = positive_float if kind == "positive" or annotation.endswith("None") else float
+    return options
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rvq_seamless_gpu_cache_nccl.py",
         description="Train a residual vector quantizer on SeamlessM4T features, on one process or many.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    g = p.add_argument_group("data")
-    g.add_argument("--data_dir", default=None,
-                   help="feature store (fairseq dump or folder of [T, D] .npy/.pt); none: the built-in demo corpus")
-    g.add_argument("--train_split", default="train")
-    g.add_argument("--valid_split", default="valid", help="when absent, 2%% of training utterances are held out")
-    g.add_argument("--batch_size", type=positive_int, default=64,
-                   help="crops per rank per step at --segment_length; frames per step stay this x that")
-    g.add_argument("--segment_length", type=positive_int, default=128, help="frames per crop (the base length)")
-    g.add_argument("--multi_length_training", action="store_true", help="draw each step's length from --segment_lengths")
-    g.add_argument("--segment_lengths", type=int_list, default=[64, 128, 256, 512])
-    g.add_argument("--num_workers", type=nonnegative_int, default=0,
-                   help="background threads assembling batches (0: on the main thread unless --prefetch)")
-    g.add_argument("--pin_memory", nargs="?", const=True, default=False, type=on_off)
-    g.add_argument("--persistent_workers", nargs="?", const=True, default=False, type=on_off,
-                   help="keep the worker threads across epochs instead of starting them anew")
-    g.add_argument("--use_gpu_cache", action="store_true", help="pack this rank's features into one device tensor")
-    g.add_argument("--gpu_cache_gb", type=positive_float, default=8.0, help="device cache budget per rank")
-    g.add_argument("--prefetch", action="store_true", help="assemble batches ahead in a background thread")
-    g.add_argument("--prefetch_depth", type=positive_int, default=4)
-
-    g = p.add_argument_group("codec")
-    g.add_argument("--num_quantizers", type=positive_int, default=CODEC["num_quantizers"])
-    g.add_argument("--codebook_size", type=positive_int, default=CODEC["codebook_size"])
-    g.add_argument("--codebook_dim", type=positive_int, default=CODEC["codebook_dim"], help="none: the latent dim (no projection)")
-    g.add_argument("--latent_dim", type=positive_int, default=CODEC["latent_dim"])
-    g.add_argument("--encoder_blocks", type=positive_int, default=CODEC["encoder_blocks"],
-                   help="residual conv blocks in the encoder and in the decoder each")
-    g.add_argument("--downsample", type=int, choices=(1, 2, 4), default=CODEC["downsample"])
-    g.add_argument("--kmeans_init", nargs="?", const=True, default=CODEC["kmeans_init"], type=on_off)
-    g.add_argument("--kmeans_init_frames", type=nonnegative_int, default=16384,
-                   help="frames per rank for the k-means init of the codebooks, before the first step "
-                        "(0: k-means on the first training batch)")
-    g.add_argument("--dead_code_threshold", type=float, default=CODEC["dead_code_threshold"],
-                   help="re-seed a code whose EMA count of frames per step falls below this")
-    g.add_argument("--refit_iters", type=nonnegative_int, default=2,
-                   help="when the schedule ends (steps, epochs or --max_minutes), Lloyd's k-means iterations on "
-                        "every level over whole training utterances, before the final eval (0: no refit)")
-    g.add_argument("--refit_frames", type=positive_int, default=262144,
-                   help="frames per rank for the refit: whole utterances drawn at random up to this many")
-    g.add_argument("--ema_decay", type=float, default=CODEC["ema_decay"])
-    g.add_argument("--quantize_dropout", action="store_true", help="train for variable bitrate (fewer levels)")
-    g.add_argument("--commitment_weight", type=float, default=CODEC["commitment_weight"])
-    g.add_argument("--recon_space", choices=("feature", "standardised"), default=CODEC["recon_space"],
-                   help="reconstruction MSE in feature space (each dim weighted by its variance, as rel_mse "
-                        "counts errors) or on the standardised features (every dim alike)")
-
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--max_steps", type=positive_int, default=None, help="none: --epochs decides")
-    g.add_argument("--max_minutes", type=positive_float, default=None,
-                   help="stop after this many minutes of training, with the codebook refit, the final eval and "
-                        "checkpoint (on several ranks rank 0's clock decides, at a sync check)")
-    g.add_argument("--epochs", type=positive_int, default=10)
-    g.add_argument("--grad_accum", type=positive_int, default=1,
-                   help="micro-batches per step; gradients are all-reduced on the last one only")
-    g.add_argument("--lr", type=positive_float, default=2e-3)
-    g.add_argument("--min_lr_ratio", type=float, default=0.1, help="cosine decay ends at lr x this")
-    g.add_argument("--warmup_steps", type=int, default=50)
-    g.add_argument("--weight_decay", type=float, default=0.0)
-    g.add_argument("--grad_clip", type=float, default=1.0, help="0: no clipping")
-    g.add_argument("--max_bad_steps", type=nonnegative_int, default=10,
-                   help="non-finite steps in a row (each skipped on every rank) before the run stops")
-    g.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
-                   help="auto: bf16 on a GPU that supports it, else fp32")
-    g.add_argument("--seed", type=int, default=1234)
-
-    g = p.add_argument_group("run")
-    g.add_argument("--output_dir", default="runs/default")
-    g.add_argument("--eval_every", type=positive_int, default=100)
-    g.add_argument("--save_every", type=positive_int, default=200)
-    g.add_argument("--keep_checkpoints", type=positive_int, default=3)
-    g.add_argument("--log_every", type=positive_int, default=10)
-    g.add_argument("--resume", default="auto", help="auto (last checkpoint in --output_dir), none, or a path")
-    g.add_argument("--tensorboard", action="store_true",
-                   help="also write the metrics as TensorBoard scalars to OUTPUT_DIR/tensorboard (pip install tensorboard)")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda, or cuda:N (single process)")
-
-    g = p.add_argument_group("distributed")
-    g.add_argument("--nccl_timeout", type=positive_int, default=None,
-                   help="process-group timeout in seconds (default 1800, or $NCCL_TIMEOUT)")
-    g.add_argument("--sync_check_every", type=positive_int, default=50, help="steps between cross-rank sync checks")
-    g.add_argument("--sync_timeout", type=positive_int, default=300,
-                   help="seconds a sync check waits for a silent rank before every rank stops")
-    g.add_argument("--slow_phase_timeout", type=positive_int, default=None,
-                   help="process-group timeout in seconds for the first step (k-means init) and eval; "
-                        "default twice --nccl_timeout")
-    g.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    for title, sections in GROUPS.items():
+        group = p.add_argument_group(title)
+        for section in sections:
+            for f in flag_fields(section):
+                group.add_argument(f"--{f.name}", **_argparse_options(f))
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
 
-DEFAULT_NCCL_TIMEOUT = 1800
+def _section(cls, values: dict):
+    return cls(**{f.name: values[f.name] for f in flag_fields(cls)})
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None) -> TrainConfig:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.nccl_timeout is None:
+    values = vars(parser.parse_args(argv))
+    if values["nccl_timeout"] is None:
         env = os.environ.get("NCCL_TIMEOUT")
-        if env is not None:
-            try:
-                args.nccl_timeout = positive_int(env)
-            except argparse.ArgumentTypeError as e:
-                parser.error(f"NCCL_TIMEOUT={env!r}: {e}")
-        else:
-            args.nccl_timeout = DEFAULT_NCCL_TIMEOUT
-    if args.downsample > 1:
-        lengths = args.segment_lengths if args.multi_length_training else [args.segment_length]
-        bad = [L for L in lengths if L % args.downsample]
-        if bad:
-            parser.error(f"segment length(s) {bad} are not multiples of --downsample {args.downsample}")
-    if args.resume not in ("auto", "none") and not os.path.exists(args.resume):
-        parser.error(f"--resume {args.resume}: no such checkpoint")
-    return args
+        try:
+            values["nccl_timeout"] = positive_int(env) if env is not None else DEFAULT_NCCL_TIMEOUT
+        except argparse.ArgumentTypeError as e:
+            parser.error(f"NCCL_TIMEOUT={env!r}: {e}")
+    config = TrainConfig(
+        data=_section(DataConfig, values),
+        codec={f.name: values[f.name] for f in flag_fields(CodecConfig)},
+        codebooks=_section(CodebookConfig, values),
+        optim=_section(OptimConfig, values),
+        run=_section(RunConfig, values),
+        dist=_section(DistConfig, values),
+        local_rank=values["local_rank"],
+    )
+    downsample = config.codec["downsample"]
+    bad = [L for L in config.data.train_lengths if L % downsample]
+    if bad:
+        parser.error(f"segment length(s) {bad} are not multiples of --downsample {downsample}")
+    if config.run.resume not in ("auto", "none") and not os.path.exists(config.run.resume):
+        parser.error(f"--resume {config.run.resume}: no such checkpoint")
+    return config
 
 
-def train_lengths(args) -> list[int]:
-    return list(args.segment_lengths) if args.multi_length_training else [args.segment_length]
-
-
-def save_config(args, path) -> None:
-    config = {k: v for k, v in vars(args).items() if k != "local_rank"}
+def save_config(config: TrainConfig, path) -> None:
     with open(path, "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
+        json.dump(config.to_dict(), f, indent=2, sort_keys=True)
         f.write("\n")

@@ -37,8 +37,11 @@ def bf16_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_bf16_supported()
 
 
-def half_dtype(device: torch.device) -> torch.dtype:
-    """The 16-bit type for features kept on `device`: bf16 where the GPU has it, else fp16."""
+def cache_dtype(device: torch.device) -> torch.dtype:
+    """The type of features kept on `device` by the feature cache: bf16 where the GPU has it, else fp16;
+    fp32 on a CPU, where the cache is RAM and converting half precision would cost 4x the gather itself."""
+    if device.type == "cpu":
+        return torch.float32
     return torch.bfloat16 if bf16_supported(device) else torch.float16
 
 

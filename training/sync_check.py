@@ -1,9 +1,11 @@
 """Sync checks over the control plane: ranks compare where they are and what they hold.
 
 Every `--sync_check_every` steps each rank contributes its step, epoch,
-samples seen, stop request, eval status and a checksum of its codebooks; a
-mismatch ends every rank with DistributedFailure naming the rank(s) and step.
-A stop requested on any rank (a signal) becomes a stop on all of them.
+samples seen, stop request, whether its --max_minutes are up, and a checksum of
+its codebooks; a mismatch ends every rank with DistributedFailure naming the
+rank(s) and step. A stop requested on any rank (a signal) becomes a stop on all
+of them; rank 0's clock decides --max_minutes for every rank. One exchange
+carries every reason to stop.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import torch.distributed as dist
 from training.distributed import DistContext
 from errors import DistributedFailure
 
-FIELDS = ("step", "epoch", "samples_seen", "stop", "eval_failed", "codebook_sum", "codebook_sq")
+FIELDS = ("step", "epoch", "samples_seen", "stop", "out_of_time", "codebook_sum", "codebook_sq")
 CHECKSUM_RTOL = 1e-6
 
 
@@ -32,9 +34,8 @@ def codebook_checksum(codebooks) -> tuple[float, float]:
 
 @dataclass
 class SyncResult:
-    stop: bool
-    stop_ranks: list
-    eval_failed_ranks: list
+    stop_ranks: list  # ranks on which a stop was requested (a signal)
+    out_of_time: bool  # rank 0's --max_minutes are up
 
 
 def exchange(ctx: DistContext, values) -> torch.Tensor:
@@ -53,9 +54,9 @@ def _differs(column: torch.Tensor, rtol: float = 0.0) -> list[int]:
     return [r for r in range(1, len(column)) if abs(float(column[r] - ref)) > tol]
 
 
-def sync_check(ctx: DistContext, *, step: int, epoch: int, samples_seen: int, stop: bool, codebooks,
-               eval_failed: bool = False) -> SyncResult:
-    table = exchange(ctx, [step, epoch, samples_seen, int(stop), int(eval_failed), *codebook_checksum(codebooks)])
+def sync_check(ctx: DistContext, *, step: int, epoch: int, samples_seen: int, stop: bool, out_of_time: bool,
+               codebooks) -> SyncResult:
+    table = exchange(ctx, [step, epoch, samples_seen, int(stop), int(out_of_time), *codebook_checksum(codebooks)])
     col = {name: table[:, i] for i, name in enumerate(FIELDS)}
     for name in ("step", "epoch", "samples_seen"):
         bad = _differs(col[name])
@@ -70,5 +71,4 @@ def sync_check(ctx: DistContext, *, step: int, epoch: int, samples_seen: int, st
             f"sync check at step {step}: the codebooks of rank(s) {ranks} differ from rank 0's "
             f"(checksums {[round(float(v), 6) for v in col['codebook_sum']]})")
     stop_ranks = [r for r in range(len(table)) if col["stop"][r] > 0]
-    failed = [r for r in range(len(table)) if col["eval_failed"][r] > 0]
-    return SyncResult(bool(stop_ranks), stop_ranks, failed)
+    return SyncResult(stop_ranks, bool(col["out_of_time"][0] > 0))

@@ -42,7 +42,7 @@ def _process_gone(pid: int) -> bool:
 
 class PeerWatchdog:
     def __init__(self, rank: int, world_size: int, *, timeout_s: float, progress, interval_s: float | None = None):
-        """progress: a callable returning the main loop's current step, for messages."""
+        """progress: where the main loop is (its step and phase), for messages."""
         self.rank, self.world_size, self.timeout_s, self.progress = rank, world_size, timeout_s, progress
         self.interval_s = interval_s or max(0.5, min(5.0, timeout_s / 6))
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -109,7 +109,7 @@ class PeerWatchdog:
     def _fail(self, what: str) -> None:
         self._verdict.set()
         log.error("rank %d stopping at step %s: %s. Exit code 3; restart with --resume auto to continue from the "
-                  "last checkpoint", self.rank, self.progress(), what)
+                  "last checkpoint", self.rank, self.progress, what)
         for handler in logging.getLogger().handlers:
             handler.flush()
         sys.stderr.flush()

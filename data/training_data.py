@@ -1,0 +1,121 @@
+"""The training data as the trainer sees it: its flags, the stores opened and checked, and the batch source.
+
+`DataConfig` is the trainer's data section: each field is the flag of the same
+name (`--batch_size` ...), help text in its metadata (read by training/config.py).
+`open_training_data` finds, validates and shards the features (every problem a
+BadInputError, exit 2, before anything is written); `batch_source` picks where
+this rank's batches come from: the device cache, the prefetcher, or the store
+read on the main thread.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from data.batch_plan import BatchPlan, eval_windows, shard_indices
+from data.crops import HostBatches
+from data.demo_corpus import ensure_demo_corpus
+from data.device_cache import DeviceFeatureCache
+from data.prefetcher import Prefetcher
+from data.stores import FeatureStore, check_finite, open_stores
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    data_dir: str | None = field(default=None, metadata={
+        "help": "feature store (fairseq dump or folder of [T, D] .npy/.pt); none: the built-in demo corpus"})
+    train_split: str = "train"
+    valid_split: str = field(default="valid", metadata={"help": "when absent, 2%% of training utterances are held out"})
+    batch_size: int = field(default=64, metadata={
+        "help": "crops per rank per step at --segment_length; frames per step stay this x that"})
+    segment_length: int = field(default=128, metadata={"help": "frames per crop (the base length)"})
+    multi_length_training: bool = field(default=False, metadata={
+        "help": "draw each step's length from --segment_lengths"})
+    segment_lengths: list[int] = field(default_factory=lambda: [64, 128, 256, 512])
+    num_workers: int = field(default=0, metadata={
+        "kind": "nonnegative", "help": "background threads assembling batches (0: on the main thread unless --prefetch)"})
+    pin_memory: bool = field(default=False, metadata={"switch": True})
+    persistent_workers: bool = field(default=False, metadata={
+        "switch": True, "help": "keep the worker threads across epochs instead of starting them anew"})
+    use_gpu_cache: bool = field(default=False, metadata={"help": "pack this rank's features into one device tensor"})
+    gpu_cache_gb: float = field(default=8.0, metadata={"kind": "positive", "help": "device cache budget per rank"})
+    prefetch: bool = field(default=False, metadata={"help": "assemble batches ahead in a background thread"})
+    prefetch_depth: int = 4
+
+    @property
+    def frames_per_step(self) -> int:
+        """Frames per rank per micro-batch, whatever the step's segment length."""
+        return self.batch_size * self.segment_length
+
+    @property
+    def train_lengths(self) -> list[int]:
+        return list(self.segment_lengths) if self.multi_length_training else [self.segment_length]
+
+
+@dataclass
+class EvalWindows:
+    """This rank's held-out windows: crop `i` is frames [starts[i], starts[i] + length) of utterances[i]."""
+
+    store: FeatureStore  # this rank's held-out utterances
+    utterances: np.ndarray
+    starts: np.ndarray
+    length: int
+
+
+@dataclass
+class TrainingData:
+    train: FeatureStore  # every training utterance
+    shard: FeatureStore  # this rank's training utterances, in the plan's order
+    plan: BatchPlan
+    eval: EvalWindows
+
+
+def open_training_data(cfg: DataConfig, *, rank: int, world_size: int, seed: int, multiple_of: int) -> TrainingData:
+    """Find, validate and shard the features; every problem is a BadInputError (exit 2)."""
+    data_dir = cfg.data_dir
+    if data_dir is None:
+        data_dir = ensure_demo_corpus()
+        log.info("no --data_dir given: training on the built-in DEMO corpus (synthetic speech-like 160-d "
+                 "features) in %s", data_dir)
+    train, valid, holdout_note = open_stores(data_dir, cfg.train_split, cfg.valid_split, seed=seed)
+    if holdout_note:
+        log.info("%s", holdout_note)
+    check_finite(train, show_progress=rank == 0)
+    check_finite(valid, show_progress=rank == 0)
+    plan = BatchPlan(train.lengths, segment_lengths=cfg.train_lengths, frames_per_step=cfg.frames_per_step,
+                     seed=seed, rank=rank, world_size=world_size, multiple_of=multiple_of)
+    log.info("train: %s, %d utterances, %d frames, dim %d; held out: %d utterances",
+             train.description, len(train), train.total_frames, train.dim, len(valid))
+    if plan.too_short:
+        log.warning("%d training utterances are shorter than %d frames and are never sampled",
+                    plan.too_short, min(cfg.train_lengths))
+    if plan.dropped_lengths:
+        log.warning("segment length(s) %s dropped: not every rank has an utterance that long; training on %s",
+                    plan.dropped_lengths, plan.segment_lengths)
+    length = min(plan.segment_lengths)
+    valid_shard = valid.subset(shard_indices(len(valid), rank, world_size), "held out")
+    utterances, starts, skipped = eval_windows(valid_shard.lengths, length)
+    if skipped:
+        log.warning("%d held-out utterances on this rank are shorter than %d frames and are not evaluated",
+                    skipped, length)
+    shard = train.subset(shard_indices(len(train), rank, world_size), "this rank's shard")
+    return TrainingData(train, shard, plan, EvalWindows(valid_shard, utterances, starts, length))
+
+
+def batch_source(cfg: DataConfig, store: FeatureStore, plan, device: torch.device, *, start_step: int,
+                 cache_dtype: torch.dtype, show_progress: bool):
+    """This rank's batches, `get(step) -> (StepBatch, tensor on device)`, from the source the flags choose."""
+    prefetch = dict(start_step=start_step, depth=cfg.prefetch_depth, workers=cfg.num_workers,
+                    pin_memory=cfg.pin_memory, persistent_workers=cfg.persistent_workers)
+    streaming = cfg.prefetch or cfg.num_workers > 0
+    if cfg.use_gpu_cache:  # with --prefetch, what does not fit under --gpu_cache_gb is prefetched
+        return DeviceFeatureCache(store, plan, device, max_bytes=cfg.gpu_cache_gb * 1e9, dtype=cache_dtype,
+                                  show_progress=show_progress, stream=prefetch if streaming else None)
+    if streaming:
+        return Prefetcher(store, plan, device, **prefetch)
+    return HostBatches(store, plan, device, pin_memory=cfg.pin_memory)

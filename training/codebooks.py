@@ -1,0 +1,79 @@
+"""Codebook work outside the training step: feature statistics, the k-means init before the first step,
+and the refit after the last.
+
+The k-means init and the refit run collectives (the quantizer's own, and sums
+over ranks): every rank calls them together, and the trainer gives them the
+slow-phase timeout.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from data.crops import assemble_crops
+from data.stores import FeatureStore
+from models.codec import RVQCodec
+from training.distributed import DistContext, all_reduce_sum
+
+log = logging.getLogger(__name__)
+
+REFIT_SEED_OFFSET = 7919  # the refit draws its utterances from a stream of its own
+
+
+def feature_stats(store: FeatureStore, max_utterances: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-dimension mean and std over evenly spaced training utterances (the same on every rank)."""
+    picks = sorted(set(int(i) for i in torch.linspace(0, len(store) - 1, min(len(store), max_utterances))))
+    frames = torch.cat([torch.from_numpy(store.utterance(i).astype("float64")) for i in picks])
+    return frames.mean(0).float(), frames.std(0).float()
+
+
+def kmeans_sample(store: FeatureStore, frames: int, length: int, seed: int) -> torch.Tensor:
+    """Random crops of `length` frames from this rank's utterances, about `frames` frames in all."""
+    rng = torch.Generator().manual_seed(seed)
+    long_enough = [i for i, n in enumerate(store.lengths) if n >= length]
+    picks = [long_enough[int(j)] for j in torch.randint(len(long_enough), (max(1, frames // length),), generator=rng)]
+    starts = [int(torch.randint(int(store.lengths[i]) - length + 1, (1,), generator=rng)) for i in picks]
+    return torch.from_numpy(assemble_crops(store, picks, starts, length))
+
+
+def init_codebooks(model: RVQCodec, shard: FeatureStore, *, frames: int, length: int, seed: int, batch_frames: int,
+                   device: torch.device) -> None:
+    """k-means on more frames than one batch holds (2048 frames are thin for 1024 codes), before the first step.
+
+    The library syncs it across ranks: every rank calls it together.
+    """
+    sample = kmeans_sample(shard, frames, length, seed)
+    model.init_codebooks(sample.to(device), batch_frames=batch_frames)
+    log.info("codebooks: k-means init on %d frames per rank", sample.shape[0] * sample.shape[1])
+
+
+def refit_utterances(store: FeatureStore, frames: int, seed: int) -> list[torch.Tensor]:
+    """Whole utterances of this rank's shard in a random order, up to about `frames` frames."""
+    order = torch.randperm(len(store), generator=torch.Generator().manual_seed(seed)).tolist()
+    picked, total = [], 0
+    for i in order:
+        if total >= frames:
+            break
+        picked.append(torch.from_numpy(store.utterance(i).astype("float32")))
+        total += len(picked[-1])
+    return picked
+
+
+def refit(model: RVQCodec, shard: FeatureStore, ctx: DistContext, *, iters: int, frames: int, batch_frames: int,
+          seed: int, step: int, metrics) -> None:
+    """The codebooks' last pass: Lloyd's k-means over whole utterances of every rank (all ranks together)."""
+    start = time.perf_counter()
+    utterances = [u.to(ctx.device) for u in refit_utterances(shard, frames, seed + REFIT_SEED_OFFSET + ctx.rank)]
+    model.eval()  # no EMA update in the passes the refit makes
+    try:
+        errors = model.refit_codebooks(utterances, iters, batch_frames=batch_frames,
+                                       all_reduce=lambda t: all_reduce_sum(ctx, t), seed=seed)
+    finally:
+        model.train()
+    seconds = time.perf_counter() - start
+    used = sum(len(u) for u in utterances)
+    metrics.write("refit", step, frames_per_rank=used, iters=iters, residual_mse=errors, seconds=round(seconds, 1))
+    log.info("codebooks: refit with %d k-means iteration(s) per level on %d frames per rank in %.1f s; residual "
+             "MSE after each level %s", iters, used, seconds, [f"{e:.3g}" for e in errors])

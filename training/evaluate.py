@@ -1,0 +1,74 @@
+"""Evaluation on every rank: sums over this rank's held-out windows, agreed on and reduced across ranks.
+
+Each rank evaluates its own windows with no collective, so a failure there cannot
+hang a peer; the ranks then agree over the control plane whether every one
+succeeded, and all-reduce the sums (errors, counts, code histograms), never
+per-frame outputs. An eval that failed anywhere is skipped everywhere, logged,
+and training goes on.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from data.crops import CropReader
+from data.training_data import EvalWindows
+from models.codec import RVQCodec, dead_code_counts
+from models.metrics import EvalSums
+from training.distributed import DistContext, all_reduce_sum
+from training.sync_check import exchange
+
+log = logging.getLogger(__name__)
+
+LOW_USAGE = 0.2  # a level that uses less than this share of its codes on held-out data is warned about
+
+
+@torch.no_grad()
+def evaluate_shard(model: RVQCodec, windows: EvalWindows, device: torch.device, amp_dtype,
+                   batch_frames: int) -> EvalSums:
+    """Sums over this rank's held-out windows, `batch_frames` frames per forward pass; no collectives."""
+    config = model.config
+    sums = EvalSums(config.feature_dim, config.num_quantizers, config.codebook_size, device)
+    per_batch = max(1, batch_frames // windows.length)
+    reader = CropReader(windows.store)
+    model.eval()  # the unwrapped module in eval mode: no EMA update, none of the quantizer's collectives
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for i in range(0, len(windows.utterances), per_batch):
+                crops = reader.read(windows.utterances[i : i + per_batch], windows.starts[i : i + per_batch],
+                                    windows.length)
+                x = torch.from_numpy(crops).to(device)
+                with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                    out = model(x)
+                sums.add(x, out.reconstruction.float(), out.codes)
+    finally:
+        model.train()
+    return sums
+
+
+def evaluate(model: RVQCodec, windows: EvalWindows, ctx: DistContext, *, amp_dtype, batch_frames: int, step: int,
+             metrics, faults) -> dict | None:
+    """Eval on all ranks, written to `metrics` as an `eval` event; None (and an `eval_failed` event) when it
+    failed on any rank, in which case every rank skipped it."""
+    sums = None
+    try:
+        faults.in_eval(step)
+        sums = evaluate_shard(model, windows, ctx.device, amp_dtype, batch_frames)
+    except Exception as e:  # noqa: BLE001 - reported, agreed on, and training goes on
+        log.error("eval at step %d failed on rank %d: %r", step, ctx.rank, e)
+    failed = [r for r, flag in enumerate(exchange(ctx, [sums is None])[:, 0]) if flag > 0]
+    if failed:
+        metrics.write("eval_failed", step, ranks=failed)
+        log.warning("eval at step %d skipped on every rank: it failed on rank(s) %s", step, failed)
+        return None
+    sums.load_vector(all_reduce_sum(ctx, sums.vector()))
+    result = {**sums.result(model.config.downsample), "dead_codes": dead_code_counts(model)}
+    metrics.write("eval", step, **result)
+    log.info("eval at step %d: rel_mse %.4f, cosine %.4f, code usage %s, dead codes %s, %.0f bits/frame", step,
+             result["rel_mse"], result["cosine"], result["code_usage"], result["dead_codes"], result["bits_per_frame"])
+    low = [level for level, usage in enumerate(result["code_usage"]) if usage < LOW_USAGE]
+    if low:
+        log.warning("eval at step %d: level(s) %s use less than %.0f%% of their codes on held-out data (usage %s): "
+                    "codebook collapse", step, low, 100 * LOW_USAGE, [result["code_usage"][level] for level in low])
+    return result
