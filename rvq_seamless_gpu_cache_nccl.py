@@ -170,6 +170,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(p.step, cfg.optim, self.total_steps)
         self.optimizer.zero_grad(set_to_none=True)
+        codebooks_before = self.model.codebook_state()  # the forward updates them; a skipped step puts them back
         # the first step may run the k-means init across ranks: it gets the slow-phase timeout
         with self.slow_phase() if p.step == 0 else contextlib.nullcontext():
             for micro in range(accum):
@@ -190,6 +191,7 @@ class Trainer:
             self.scaler.step(self.optimizer)
             p.bad_in_a_row = 0
         else:
+            self.model.restore_codebook_state(codebooks_before)
             p.bad_steps += 1
             p.bad_in_a_row += 1
             self.metrics.write("skipped_step", p.step + 1, reason="non-finite loss or gradient", bad_steps=p.bad_steps)

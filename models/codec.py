@@ -136,6 +136,21 @@ class RVQCodec(nn.Module):
         return CodecOutput(reconstruction, codes, recon_loss, commit_loss, loss)
 
     @torch.no_grad()
+    def codebook_state(self) -> list[torch.Tensor]:
+        """A device copy of every quantizer buffer (codebooks, EMA sizes and sums, init flags): the library
+        updates them inside the training forward, before any gradient check; no host sync."""
+        return [buffer.detach().clone() for buffer in self.rvq.buffers()]
+
+    @torch.no_grad()
+    def restore_codebook_state(self, state: list[torch.Tensor]) -> None:
+        """Put back what `codebook_state` copied: a skipped step leaves the quantizer as it was."""
+        buffers = list(self.rvq.buffers())
+        if len(buffers) != len(state):  # the library re-registers a buffer only in options this codec never sets
+            raise RuntimeError(f"the quantizer has {len(buffers)} buffers, the snapshot {len(state)}")
+        for buffer, saved in zip(buffers, state):
+            buffer.copy_(saved)
+
+    @torch.no_grad()
     def init_codebooks(self, features: torch.Tensor, batch_frames: int) -> None:
         """k-means init of every level on a sample of features [B, T, D], larger than one batch.
 

@@ -108,3 +108,35 @@ def test_split_empty_codes_moves_each_empty_code_beside_a_populous_one():
         torch.testing.assert_close(means[code], torch.tensor([1.0, 2.0]), atol=0.01, rtol=0)
     assert len({tuple(m.tolist()) for m in means}) == 4
     assert torch.equal(means[2], torch.tensor([9.0, 9.0]))
+
+
+def test_restoring_the_codebook_state_undoes_a_non_finite_forward():
+    torch.manual_seed(0)
+    model = RVQCodec(CodecConfig(feature_dim=12, latent_dim=16, num_quantizers=3, codebook_size=16))
+    model(torch.randn(4, 32, 12))  # k-means init and one EMA update
+    before = [b.clone() for b in model.rvq.buffers()]
+    state = model.codebook_state()
+    x = torch.randn(4, 32, 12)
+    x[1, 5, 3] = float("nan")
+    out = model(x)
+    assert not torch.isfinite(out.loss)
+    assert not all(torch.isfinite(b).all() for b in model.rvq.buffers() if b.is_floating_point())  # poisoned
+    model.restore_codebook_state(state)
+    after = list(model.rvq.buffers())
+    assert len(after) == len(before)
+    for a, b in zip(after, before):  # every byte, so a -0.0 for a 0.0 would fail too
+        assert a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def test_a_skipped_first_step_runs_the_kmeans_init_again():
+    torch.manual_seed(0)
+    model = RVQCodec(CodecConfig(feature_dim=12, latent_dim=16, num_quantizers=2, codebook_size=16))
+    state = model.codebook_state()
+    x = torch.randn(4, 32, 12)
+    x[0, 0, 0] = float("inf")
+    model(x)
+    model.restore_codebook_state(state)
+    assert not any(bool(layer._codebook.initted) for layer in model.rvq.layers)
+    model(torch.randn(4, 32, 12))
+    assert all(bool(layer._codebook.initted) for layer in model.rvq.layers)
+    assert all(torch.isfinite(t).all() for t in model.codebook_state() if t.is_floating_point())
