@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from data.bad_crops import BadCrops
 from data.training_data import TrainingData, batch_source, open_training_data
 from errors import EXIT_FAILURE, EXIT_OK, BadInputError, DistributedFailure
 from models.codec import CodecConfig, RVQCodec, codebook_tensors
@@ -30,8 +31,8 @@ from training.checkpoint import Checkpointer, Resume, find_resume
 from training.codebooks import feature_stats, init_codebooks, refit
 from training.config import OptimConfig, TrainConfig, parse_args, save_config
 from training.device import cache_dtype, compute_dtype, select_device
-from training.distributed import (DistContext, destroy, detect_launch, final_barrier, init_distributed,
-                                  is_distributed_error, phase_timeout, wrap_ddp)
+from training.distributed import (DistContext, all_reduce_sum, destroy, detect_launch, final_barrier,
+                                  init_distributed, is_distributed_error, phase_timeout, wrap_ddp)
 from training.evaluate import evaluate
 from training.faults import FaultInjector
 from training.metrics_log import MetricsLog, require_tensorboard
@@ -129,6 +130,7 @@ class Trainer:
         self.batches = batch_source(cfg.data, self.data.shard, self.data.plan, ctx.device,
                                     start_step=p.step * cfg.optim.grad_accum, cache_dtype=cache_dtype(ctx.device),
                                     show_progress=self.main_rank)
+        self.bad_crops = BadCrops(self.data.shard, self.data.plan)
         if p.step == 0 and self.codec.kmeans_init and cfg.codebooks.kmeans_init_frames:
             with self.slow_phase(), p.phase_of("k-means init"):
                 init_codebooks(self.model, self.data.shard, frames=cfg.codebooks.kmeans_init_frames,
@@ -176,10 +178,11 @@ class Trainer:
             for micro in range(accum):
                 with self.timer.waiting_for_data():
                     batch, x = self.batches.get(p.step * accum + micro)
+                keep = self.bad_crops.check(batch, x)  # crops with a NaN or Inf frame are dropped on the device
                 # gradients are all-reduced once per step, on the last micro-batch
                 with self.ddp_model.no_sync() if ctx.is_distributed and micro < accum - 1 else contextlib.nullcontext():
                     with torch.autocast(ctx.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-                        out = self.ddp_model(x)
+                        out = self.ddp_model(x, keep)
                     self.scaler.scale(self.faults.loss(p.step, out.loss) / accum).backward()
                 p.samples_seen += len(batch.utterances)
                 self.timer.add_frames(batch.frames * ctx.world_size)
@@ -211,9 +214,17 @@ class Trainer:
         loss = out.loss.item()
         self.metrics.write("train", p.step, loss=loss, recon=out.recon_loss.item(), commit=out.commit_loss.item(),
                            lr=self.optimizer.param_groups[0]["lr"], **speed, segment_length=batch.segment_length,
-                           bad_steps=p.bad_steps)
+                           bad_steps=p.bad_steps, **self.count_bad_crops())
         self.bar.set_postfix(loss=f"{loss:.4f}", fps=f"{speed['frames_per_sec']:,.0f}",
                              wait=f"{speed['data_wait_frac']:.1%}", mfu=f"{speed['mfu']:.1%}")
+
+    def count_bad_crops(self) -> dict:
+        """Crops dropped and utterances found non-finite so far, over all ranks (one sum, at log time)."""
+        self.bad_crops.collect()
+        counts = torch.tensor([self.bad_crops.dropped_crops, len(self.bad_crops.bad_utterances)],
+                              dtype=torch.int64, device=self.ctx.device)
+        dropped, utterances = all_reduce_sum(self.ctx, counts).tolist()
+        return {"dropped_crops": dropped, "bad_utterances": utterances}
 
     def decide_stop(self) -> None:
         """Every reason to stop, the same on every rank: the schedule, too many bad steps (both decided alike

@@ -68,15 +68,30 @@ class BatchPlan:
         self.too_short = int((lengths < shortest_needed).sum())
         self.total_frames = int(lengths.sum())
         self.steps_per_epoch = max(1, self.total_frames // (frames_per_step * world_size))
-        mine = shards[rank]
-        # crops are drawn uniformly over frames: an utterance weighs (len - L + 1)
-        self._candidates = {}
+        self._mine = shards[rank]
+        self.excluded = np.zeros(len(self._mine), dtype=bool)
+        self._candidates = self._draw_tables()
+
+    def _draw_tables(self) -> dict:
+        """Per segment length: (utterances, their lengths, cumulative draw weights); crops are drawn uniformly
+        over frames, an utterance weighing (len - L + 1). An excluded utterance is left out, unless that would
+        leave a length with none (every rank must draw a batch at every length)."""
+        mine, tables = self._mine, {}
         for L in self.segment_lengths:
-            idx = np.flatnonzero(mine >= L)
+            idx = np.flatnonzero((mine >= L) & ~self.excluded)
+            if len(idx) == 0:
+                idx = np.flatnonzero(mine >= L)
             weight = (mine[idx] - L + 1).astype(np.float64)
             cdf = (weight / weight.sum()).cumsum()
             cdf /= cdf[-1]
-            self._candidates[L] = (idx, mine[idx], cdf)
+            tables[L] = (idx, mine[idx], cdf)
+        return tables
+
+    def exclude(self, utterances) -> None:
+        """Never draw these of this rank's utterances again (a bad frame was found in them). Only this rank's
+        draws change: every rank keeps its steps, segment lengths and batch sizes."""
+        self.excluded[np.asarray(utterances, dtype=np.int64)] = True
+        self._candidates = self._draw_tables()  # one assignment: a prefetch worker sees the old or the new
 
     def batch_size(self, segment_length: int) -> int:
         return max(1, self.frames_per_step // segment_length)

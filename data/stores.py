@@ -164,12 +164,12 @@ def _one_dim(dims: dict) -> int:
     return values[0] if values else 0
 
 
-def find_split(data_dir: Path, split: str) -> FeatureStore | None:
+def find_split(data_dir: Path, split: str, loose_files: bool = False) -> FeatureStore | None:
     """The store of `split` in `data_dir`, or None when the split is not there.
 
     Looked for in order: a fairseq dump (`{split}_{shard}_{nshard}.npy`), a
-    sub-folder `{split}/` of utterance files, and, for the training split only,
-    utterance files directly in `data_dir`.
+    sub-folder `{split}/` of utterance files, and, with `loose_files` (the
+    training split), utterance files directly in `data_dir`.
     """
     shards = _fairseq_shards(data_dir, split)
     if shards:
@@ -177,6 +177,8 @@ def find_split(data_dir: Path, split: str) -> FeatureStore | None:
     sub = data_dir / split
     if sub.is_dir() and any(p.suffix in UTTERANCE_SUFFIXES for p in sub.iterdir()):
         return _open_directory(sub, split)
+    if loose_files and any(p.suffix in UTTERANCE_SUFFIXES for p in data_dir.iterdir()):
+        return _open_directory(data_dir, split)
     return None
 
 
@@ -191,9 +193,7 @@ def open_stores(data_dir: str | Path, train_split: str, valid_split: str, *, see
         raise BadInputError(f"--data_dir {data_dir} does not exist")
     if not data_dir.is_dir():
         raise BadInputError(f"--data_dir {data_dir} is not a folder")
-    train = find_split(data_dir, train_split)
-    if train is None and any(p.suffix in UTTERANCE_SUFFIXES for p in data_dir.iterdir()):
-        train = _open_directory(data_dir, train_split)
+    train = find_split(data_dir, train_split, loose_files=True)
     if train is None or len(train) == 0:
         raise BadInputError(
             f"no training features found in {data_dir}: expected a fairseq dump "
@@ -221,9 +221,9 @@ def open_stores(data_dir: str | Path, train_split: str, valid_split: str, *, see
     return train, valid, note
 
 
-def check_finite(store: FeatureStore, show_progress: bool = True) -> None:
-    """Raise BadInputError naming the first utterance with NaN or Inf values."""
+def non_finite_utterances(store: FeatureStore, show_progress: bool = True):
+    """Yield the index of every utterance with a NaN or Inf value, reading every frame (with a progress bar)."""
     for i in tqdm(range(len(store)), desc=f"checking {store.description}", disable=not show_progress,
-                  leave=False, mininterval=1.0):
+                  unit="utt", mininterval=1.0):
         if not np.isfinite(store.utterance(i)).all():
-            raise BadInputError(f"non-finite values (NaN or Inf) in {store.name(i)}; fix or remove that utterance")
+            yield i

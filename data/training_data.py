@@ -2,8 +2,9 @@
 
 `DataConfig` is the trainer's data section: each field is the flag of the same
 name (`--batch_size` ...), help text in its metadata (read by training/config.py).
-`open_training_data` finds, validates and shards the features (every problem a
-BadInputError, exit 2, before anything is written); `batch_source` picks where
+`open_training_data` finds, validates and shards the features from their metadata
+(every problem a BadInputError, exit 2, before anything is written; frames are
+checked as they are read, data/bad_crops.py); `batch_source` picks where
 this rank's batches come from: the device cache, the prefetcher, or the store
 read on the main thread.
 """
@@ -20,7 +21,7 @@ from data.crops import HostBatches
 from data.demo_corpus import ensure_demo_corpus
 from data.device_cache import DeviceFeatureCache
 from data.prefetcher import Prefetcher
-from data.stores import FeatureStore, check_finite, open_stores
+from data.stores import FeatureStore, open_stores
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +86,6 @@ def open_training_data(cfg: DataConfig, *, rank: int, world_size: int, seed: int
     train, valid, holdout_note = open_stores(data_dir, cfg.train_split, cfg.valid_split, seed=seed)
     if holdout_note:
         log.info("%s", holdout_note)
-    check_finite(train, show_progress=rank == 0)
-    check_finite(valid, show_progress=rank == 0)
     plan = BatchPlan(train.lengths, segment_lengths=cfg.train_lengths, frames_per_step=cfg.frames_per_step,
                      seed=seed, rank=rank, world_size=world_size, multiple_of=multiple_of)
     log.info("train: %s, %d utterances, %d frames, dim %d; held out: %d utterances",

@@ -111,6 +111,16 @@ class RVQCodec(nn.Module):
         self.feature_mean.copy_(mean)
         self.feature_std.copy_(std.clamp_min(1e-5))
 
+    def _drop_crops(self, features: torch.Tensor, keep: torch.Tensor | None):
+        """The features with the crops not kept zeroed, and the quantizer's mask [B, T'] (None: keep all)."""
+        if keep is None:
+            return features, None
+        features = torch.where(keep[:, None, None], features, torch.zeros((), dtype=features.dtype,
+                                                                             device=features.device))
+        # an all-false mask would leave this rank out of the library's dead-code collectives: a hang
+        mask = (keep | ~keep.any())[:, None].expand(-1, features.shape[1] // self.config.downsample)
+        return features, mask
+
     def _encode_latent(self, features: torch.Tensor) -> torch.Tensor:
         x = (features - self.feature_mean) / self.feature_std
         return self.encoder(x.transpose(1, 2)).transpose(1, 2)  # [B, T', C]
@@ -119,17 +129,26 @@ class RVQCodec(nn.Module):
         x = self.decoder(latent.transpose(1, 2)).transpose(1, 2)
         return x * self.feature_std + self.feature_mean
 
-    def forward(self, features: torch.Tensor) -> CodecOutput:
-        """features: [B, T, D] with T a multiple of the downsample factor."""
+    def forward(self, features: torch.Tensor, keep: torch.Tensor | None = None) -> CodecOutput:
+        """features: [B, T, D] with T a multiple of the downsample factor.
+
+        keep: [B] bool, the crops to train on (data/bad_crops.py); the others are zeroed, left out of the
+        quantizer's EMA, k-means and dead-code sampling (its mask) and out of both losses, with the batch's
+        shape unchanged so the quantizer's collectives and DDP run as on any step. When a rank keeps no crop
+        its loss is made non-finite, so every rank skips the step (and restores the codebooks)."""
+        features, mask = self._drop_crops(features, keep)
         latent = self._encode_latent(features)
-        quantized, codes, commit = self.rvq(latent)
+        quantized, codes, commit = self.rvq(latent, mask=mask)
         recon_std = self.decoder(quantized.transpose(1, 2)).transpose(1, 2)
         target_std = (features - self.feature_mean) / self.feature_std
         sq_error = (recon_std.float() - target_std.float()) ** 2
         if self.config.recon_space == "feature":  # the error rel_mse measures, over the mean variance
             weight = self.feature_std.float() ** 2
             sq_error = sq_error * (weight / weight.mean())
-        recon_loss = sq_error.mean()
+        if keep is None:
+            recon_loss = sq_error.mean()
+        else:  # the mean over kept crops; x / False is inf: no crop kept makes the step non-finite
+            recon_loss = (sq_error.mean((1, 2)) * keep).sum() / keep.sum()
         commit_loss = commit.float().sum()
         loss = recon_loss + self.config.commitment_weight * commit_loss
         reconstruction = recon_std * self.feature_std + self.feature_mean
@@ -151,8 +170,9 @@ class RVQCodec(nn.Module):
             buffer.copy_(saved)
 
     @torch.no_grad()
-    def init_codebooks(self, features: torch.Tensor, batch_frames: int) -> None:
-        """k-means init of every level on a sample of features [B, T, D], larger than one batch.
+    def init_codebooks(self, features: torch.Tensor, batch_frames: int, keep: torch.Tensor | None = None) -> None:
+        """k-means init of every level on a sample of features [B, T, D], larger than one batch, of the crops
+        `keep` marks (as in `forward`; the sample keeps its shape, so every rank scales alike).
 
         A training-mode forward of the quantizer: every rank must call it together (the library's
         k-means and EMA statistics are all-reduced across ranks). The EMA cluster sizes are then
@@ -162,7 +182,8 @@ class RVQCodec(nn.Module):
             raise RuntimeError("init_codebooks() runs the quantizer in training mode; call model.train() first")
         dropout, self.rvq.quantize_dropout = self.rvq.quantize_dropout, False  # every level sees the sample
         try:
-            self.rvq(self._encode_latent(features))
+            features, mask = self._drop_crops(features, keep)
+            self.rvq(self._encode_latent(features), mask=mask)
         finally:
             self.rvq.quantize_dropout = dropout
         scale = batch_frames / (features.shape[0] * features.shape[1])

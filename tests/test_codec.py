@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from data.bad_crops import finite_crops
 from models.codec import CodecConfig, RVQCodec
 from models.metrics import EvalSums
 
@@ -140,3 +141,38 @@ def test_a_skipped_first_step_runs_the_kmeans_init_again():
     model(torch.randn(4, 32, 12))
     assert all(bool(layer._codebook.initted) for layer in model.rvq.layers)
     assert all(torch.isfinite(t).all() for t in model.codebook_state() if t.is_floating_point())
+
+
+def test_a_dropped_crop_leaves_no_trace_in_the_codebooks():
+    """A crop with a NaN frame, dropped by `finite_crops`: the codebooks and losses are those of the batch
+    without it, and the gradient is finite."""
+    torch.manual_seed(0)
+    model = RVQCodec(CodecConfig(feature_dim=12, latent_dim=16, num_quantizers=3, codebook_size=16, downsample=2))
+    model(torch.randn(8, 32, 12))
+    start = model.codebook_state()
+    x = torch.randn(8, 32, 12)
+    x[3, 5, 2] = float("nan")
+    keep = finite_crops(x)
+    assert keep.tolist() == [True] * 3 + [False] + [True] * 4
+    torch.manual_seed(1)
+    masked = model(x, keep)
+    after_masked = model.codebook_state()
+    model.restore_codebook_state(start)
+    torch.manual_seed(1)
+    clean = model(x[keep])
+    for a, b in zip(after_masked, model.codebook_state()):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(masked.loss, clean.loss)
+    masked.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_a_batch_with_no_finite_crop_gives_a_non_finite_gradient():
+    torch.manual_seed(0)
+    model = RVQCodec(CodecConfig(feature_dim=12, latent_dim=16, num_quantizers=2, codebook_size=16))
+    model(torch.randn(4, 32, 12))
+    x = torch.full((4, 32, 12), float("inf"))
+    out = model(x, finite_crops(x))
+    out.loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    assert not torch.isfinite(norm)  # so the trainer skips the step on every rank

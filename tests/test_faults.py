@@ -117,6 +117,21 @@ def test_nan_loss_on_one_rank_is_skipped_on_both(tmp_path, data, ranks):
     assert events(out, "stop")[-1]["step"] == 12  # the sync checks at 8 and 12 found equal codebooks
 
 
+def test_a_nan_frame_on_one_rank_is_dropped_there_and_the_ranks_stay_in_sync(tmp_path, ranks):
+    data = tmp_path / "data"
+    utts = write_fairseq(data, "train", [40] * 8, seed=5)
+    arr = np.concatenate(utts)
+    arr[3 * 40 + 20, 0] = np.nan  # utterance 3: rank 1's shard; every 32-frame crop of it covers frame 20
+    np.save(data / "train_0_1.npy", arr)
+    out = tmp_path / "run"
+    job = ranks(flags(data, out, "--max_steps", 12, "--prefetch"))
+    assert job.wait(timeout=200) == [0, 0], job.output(0) + job.output(1)
+    assert job.output(1).count("train_0_1.npy utterance 3 (rows 120-160)") == 1
+    train = events(out, "train")
+    assert train[-1]["bad_utterances"] == 1 and train[-1]["dropped_crops"] >= 1
+    assert events(out, "stop")[-1]["step"] == 12  # the sync checks at 4, 8 and 12 found equal codebooks
+
+
 def test_too_many_bad_steps_checkpoint_and_exit_1(tmp_path, data, ranks):
     out = tmp_path / "run"
     faults = ",".join(f"nan:step={s}" for s in range(3, 7))

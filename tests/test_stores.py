@@ -1,10 +1,13 @@
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
 
-from data.stores import check_finite, open_stores
+from data.stores import open_stores
 from errors import BadInputError
-from tests.helpers import write_fairseq
+from tests.helpers import REPO, env, write_fairseq
 
 
 def test_fairseq_dump_reads_every_shard_in_order(tmp_path):
@@ -65,11 +68,29 @@ def test_bad_stores_are_named(tmp_path, case):
     assert expected in str(info.value)
 
 
-def test_non_finite_values_name_the_utterance(tmp_path):
-    utts = write_fairseq(tmp_path, "train", [10, 20, 30])
+def run_check(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tools.check", *map(str, args)], capture_output=True, text=True,
+                          timeout=120, env=env(), cwd=REPO)
+
+
+def test_check_names_every_non_finite_utterance_and_exits_2(tmp_path):
+    utts = write_fairseq(tmp_path, "train", [10, 20, 30, 40])
     arr = np.concatenate(utts)
     arr[10 + 5, 3] = np.nan
+    arr[60 + 2, 0] = np.inf
     np.save(tmp_path / "train_0_1.npy", arr)
-    train, _, _ = open_stores(tmp_path, "train", "valid", seed=0)
-    with pytest.raises(BadInputError, match=r"train_0_1.npy utterance 1 \(rows 10-30\)"):
-        check_finite(train, show_progress=False)
+    r = run_check(tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "train_0_1.npy utterance 1 (rows 10-30)" in r.stderr and "train_0_1.npy utterance 3 (rows 60-100)" in r.stderr
+    assert "2 with non-finite values" in r.stderr and "finished successfully" not in r.stderr
+    # sharded like the trainer: rank 0 of 2 owns utterances 0 and 2, both finite
+    r = run_check(tmp_path, "--nshard", 2, "--rank", 0)
+    assert r.returncode == 0 and "2 of 4 utterances" in r.stderr and "finished successfully" in r.stderr
+
+
+def test_check_of_a_clean_split_and_of_a_missing_one(tmp_path):
+    write_fairseq(tmp_path, "valid", [10, 20])
+    r = run_check(tmp_path, "--split", "valid")
+    assert r.returncode == 0 and "finished successfully" in r.stderr, r.stderr
+    r = run_check(tmp_path, "--split", "test")
+    assert r.returncode == 2 and "no split 'test'" in r.stderr

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from data.bad_crops import finite_crops
 from data.crops import assemble_crops
 from data.stores import FeatureStore
 from models.codec import RVQCodec
@@ -26,6 +27,7 @@ def feature_stats(store: FeatureStore, max_utterances: int = 256) -> tuple[torch
     """Per-dimension mean and std over evenly spaced training utterances (the same on every rank)."""
     picks = sorted(set(int(i) for i in torch.linspace(0, len(store) - 1, min(len(store), max_utterances))))
     frames = torch.cat([torch.from_numpy(store.utterance(i).astype("float64")) for i in picks])
+    frames = frames[torch.isfinite(frames).all(1)]  # a bad frame must not set every feature's scale
     return frames.mean(0).float(), frames.std(0).float()
 
 
@@ -44,8 +46,8 @@ def init_codebooks(model: RVQCodec, shard: FeatureStore, *, frames: int, length:
 
     The library syncs it across ranks: every rank calls it together.
     """
-    sample = kmeans_sample(shard, frames, length, seed)
-    model.init_codebooks(sample.to(device), batch_frames=batch_frames)
+    sample = kmeans_sample(shard, frames, length, seed).to(device)
+    model.init_codebooks(sample, batch_frames=batch_frames, keep=finite_crops(sample))
     log.info("codebooks: k-means init on %d frames per rank", sample.shape[0] * sample.shape[1])
 
 
@@ -56,8 +58,10 @@ def refit_utterances(store: FeatureStore, frames: int, seed: int) -> list[torch.
     for i in order:
         if total >= frames:
             break
-        picked.append(torch.from_numpy(store.utterance(i).astype("float32")))
-        total += len(picked[-1])
+        utterance = torch.from_numpy(store.utterance(i).astype("float32"))
+        if torch.isfinite(utterance).all():  # the training loop drops such an utterance too
+            picked.append(utterance)
+            total += len(utterance)
     return picked
 
 

@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from data.bad_crops import finite_crops
 from data.crops import CropReader
 from data.training_data import EvalWindows
 from models.codec import RVQCodec, dead_code_counts
@@ -39,6 +40,9 @@ def evaluate_shard(model: RVQCodec, windows: EvalWindows, device: torch.device, 
                 crops = reader.read(windows.utterances[i : i + per_batch], windows.starts[i : i + per_batch],
                                     windows.length)
                 x = torch.from_numpy(crops).to(device)
+                x = x[finite_crops(x)]  # a window with a NaN or Inf frame is not evaluated
+                if not len(x):
+                    continue
                 with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                     out = model(x)
                 sums.add(x, out.reconstruction.float(), out.codes)

@@ -1,0 +1,61 @@
+"""Read every frame of a split and name each utterance with a NaN or Inf value.
+
+    python -m tools.check DATA_DIR [--split train] [--nshard N --rank R]
+
+The trainer never reads the whole corpus at start: it drops a crop with a bad frame when it reads one,
+and names the utterance then. Run this before a long job to find every such utterance at once. Rank R of
+N checks every N-th utterance starting at R (the trainer's sharding), so the ranks can run on as many
+machines as you like. Exit codes: 0 every frame finite; 2 a non-finite utterance found, or a missing or
+unreadable store.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from data.batch_plan import shard_indices
+from data.stores import find_split, non_finite_utterances
+from errors import EXIT_BAD_INPUT, EXIT_OK, BadInputError
+from tools.cli import bad_input_exits_2, run
+
+log = logging.getLogger("check")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m tools.check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("data_dir", type=Path, help="a fairseq dump or a folder of [T, D] .npy/.pt utterances")
+    parser.add_argument("--split", default="train")
+    parser.add_argument("--nshard", type=int, default=1, help="check this rank's share of the utterances only")
+    parser.add_argument("--rank", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.nshard < 1 or not 0 <= args.rank < args.nshard:
+        parser.error(f"--rank must be in [0, --nshard), got --rank {args.rank} --nshard {args.nshard}")
+    return args
+
+
+@bad_input_exits_2(log)
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not args.data_dir.is_dir():
+        raise BadInputError(f"{args.data_dir} is not a folder")
+    store = find_split(args.data_dir, args.split, loose_files=args.split == "train")
+    if store is None:
+        raise BadInputError(f"no split '{args.split}' in {args.data_dir}: expected {args.split}_*_*.npy/.len "
+                            f"or a folder {args.split}/ of .npy/.pt utterances")
+    mine = store.subset(shard_indices(len(store), args.rank, args.nshard), store.description)
+    bad = 0
+    for i in non_finite_utterances(mine):
+        bad += 1
+        log.error("non-finite values (NaN or Inf) in %s", mine.name(i))
+    log.info("%d of %d utterances (%d frames) checked: %d with non-finite values", len(mine), len(store),
+             mine.total_frames, bad)
+    if bad:
+        log.error("fix or remove the utterance(s) named above; the trainer drops their crops when it reads them")
+        return EXIT_BAD_INPUT
+    log.info("finished successfully")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    run(main, "check")
