@@ -18,14 +18,9 @@ class CropReader:
 
     def __init__(self, store: FeatureStore):
         self.store = store
-        # a store's layout is private to data/stores.py; only read here, never changed
-        shards, where = getattr(store, "_shards", None), getattr(store, "_where", None)
-        self._arrays = shards is not None and all(
-            isinstance(s, np.ndarray) and s.dtype == np.float32 for s in shards)
-        if self._arrays:
-            self._shard = np.asarray([w[0] for w in where], dtype=np.int64)
-            self._first = np.asarray([w[1] for w in where], dtype=np.int64)
-            self._shards = shards
+        # the store's arrays, used as they are: no per-utterance work here
+        self._arrays = all(isinstance(s, np.ndarray) and s.dtype == np.float32 for s in store.sources)
+        self._shard, self._first, self._shards = store.shard, store.first, store.sources
 
     def read_whole(self, utterances) -> np.ndarray:
         """Whole utterances, concatenated: `[sum of their lengths, D]` float32."""

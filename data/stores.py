@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,14 +24,17 @@ UTTERANCE_SUFFIXES = (".npy", ".pt")
 
 @dataclass
 class FeatureStore:
-    """Utterances of one split. `lengths[i]` frames of `dim` features each."""
+    """Utterances of one split: utterance i is `lengths[i]` rows of `dim` features, from row `first[i]` of
+    source `shard[i]`. Per-utterance metadata are numpy arrays (about 30 bytes an utterance); a name is
+    made only for a message."""
 
     description: str
-    lengths: np.ndarray
+    lengths: np.ndarray  # int64 frames per utterance
     dim: int
-    _shards: list = field(repr=False)  # fairseq: memmapped arrays; directory: file paths
-    _where: list = field(repr=False)  # per utterance: (shard index, first row)
-    _names: list = field(repr=False)  # per utterance: a name for messages
+    sources: list = field(repr=False)  # fairseq: memmapped [frames, dim] arrays; directory: file paths
+    shard: np.ndarray = field(repr=False)  # int32: which source
+    first: np.ndarray = field(repr=False)  # int64: first row in that source
+    number: np.ndarray = field(repr=False)  # int64: the utterance's position in its source's .len file
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -40,26 +44,26 @@ class FeatureStore:
         return int(self.lengths.sum())
 
     def name(self, i: int) -> str:
-        return self._names[i]
+        """The utterance for a message: its file, or its shard file, line in the .len and rows."""
+        source = self.sources[int(self.shard[i])]
+        if isinstance(source, Path):
+            return str(source)
+        row = int(self.first[i])
+        return f"{Path(source.filename).name} utterance {int(self.number[i])} (rows {row}-{row + int(self.lengths[i])})"
 
     def utterance(self, i: int) -> np.ndarray:
         """The `[T, D]` array of utterance i (a memory-mapped view where possible)."""
-        shard, row = self._where[i]
-        source = self._shards[shard]
+        source = self.sources[int(self.shard[i])]
         if isinstance(source, Path):
             return _load_array(source)
+        row = int(self.first[i])
         return source[row : row + int(self.lengths[i])]
 
     def subset(self, indices, description: str) -> "FeatureStore":
-        indices = list(indices)
-        return FeatureStore(
-            description,
-            self.lengths[indices],
-            self.dim,
-            self._shards,
-            [self._where[i] for i in indices],
-            [self._names[i] for i in indices],
-        )
+        """These utterances, in this order: array indexing, no per-utterance Python work."""
+        indices = np.asarray(indices, dtype=np.int64)
+        return FeatureStore(description, self.lengths[indices], self.dim, self.sources, self.shard[indices],
+                            self.first[indices], self.number[indices])
 
 
 def _load_array(path: Path) -> np.ndarray:
@@ -94,37 +98,47 @@ def _fairseq_shards(folder: Path, split: str) -> list[Path]:
 
 
 def _open_fairseq(folder: Path, split: str, shard_paths: list[Path]) -> FeatureStore:
-    shards, where, names, lengths, dims = [], [], [], [], {}
-    for k, npy in enumerate(shard_paths):
+    shards, counts_per_shard, dims = [], [], {}
+    for npy in shard_paths:
         len_path = npy.with_suffix(".len")
         if not len_path.exists():
             raise BadInputError(f"{npy} has no {len_path.name} beside it (one frame count per line)")
-        try:
-            counts = [int(line) for line in len_path.read_text().split()]
-        except ValueError:
-            raise BadInputError(f"{len_path}: every line must be a whole number of frames") from None
+        counts = _read_len(len_path)
         try:
             array = np.load(npy, mmap_mode="r")
         except (ValueError, OSError) as e:
             raise BadInputError(f"{npy} is not a readable .npy array: {e}") from None
         if array.ndim != 2:
             raise BadInputError(f"{npy} has shape {array.shape}; a fairseq dump is 2-D [frames, dim]")
-        if sum(counts) != array.shape[0]:
+        if int(counts.sum()) != array.shape[0]:
             raise BadInputError(
-                f"{len_path.name} lists {sum(counts)} frames in total but {npy.name} has {array.shape[0]} rows; "
+                f"{len_path.name} lists {int(counts.sum())} frames in total but {npy.name} has {array.shape[0]} rows; "
                 "the .len file must give one frame count per utterance, in order"
             )
         dims[npy.name] = array.shape[1]
         shards.append(array)
-        row = 0
-        for j, n in enumerate(counts):
-            where.append((k, row))
-            names.append(f"{npy.name} utterance {j} (rows {row}-{row + n})")
-            lengths.append(n)
-            row += n
+        counts_per_shard.append(counts)
     dim = _one_dim(dims)
+    lengths = np.concatenate(counts_per_shard) if counts_per_shard else np.zeros(0, np.int64)
+    shard = np.repeat(np.arange(len(shards), dtype=np.int32), [len(c) for c in counts_per_shard])
+    first = np.concatenate([np.cumsum(c) - c for c in counts_per_shard]) if counts_per_shard else lengths
+    number = np.concatenate([np.arange(len(c), dtype=np.int64) for c in counts_per_shard]) if counts_per_shard \
+        else lengths
     desc = f"fairseq dump '{split}' in {folder} ({len(shard_paths)} shard(s))"
-    return FeatureStore(desc, np.asarray(lengths, dtype=np.int64), dim, shards, where, names)
+    return FeatureStore(desc, lengths, dim, shards, shard, first, number)
+
+
+def _read_len(path: Path) -> np.ndarray:
+    """A .len file's frame counts as int64, parsed by numpy (no Python object per line)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # an empty file: no utterance
+        try:
+            counts = np.loadtxt(path, dtype=np.int64, ndmin=1)
+        except ValueError:
+            raise BadInputError(f"{path}: every line must be a whole number of frames") from None
+    if counts.ndim != 1 or (counts < 0).any():
+        raise BadInputError(f"{path}: every line must be one whole, non-negative number of frames")
+    return counts
 
 
 def _open_directory(folder: Path, label: str) -> FeatureStore:
@@ -142,15 +156,9 @@ def _open_directory(folder: Path, label: str) -> FeatureStore:
         lengths.append(array.shape[0])
         dims[path.name] = array.shape[1]
     dim = _one_dim(dims)
-    where = [(k, 0) for k in range(len(files))]
-    return FeatureStore(
-        f"directory of utterances '{label}' in {folder}",
-        np.asarray(lengths, dtype=np.int64),
-        dim,
-        files,
-        where,
-        [str(p) for p in files],
-    )
+    n = len(files)
+    return FeatureStore(f"directory of utterances '{label}' in {folder}", np.asarray(lengths, dtype=np.int64), dim,
+                        files, np.arange(n, dtype=np.int32), np.zeros(n, np.int64), np.zeros(n, np.int64))
 
 
 def _one_dim(dims: dict) -> int:
@@ -207,7 +215,7 @@ def open_stores(data_dir: str | Path, train_split: str, valid_split: str, *, see
             raise BadInputError(f"{train.description} has {len(train)} utterance; at least 2 are needed to hold one out")
         order = np.random.default_rng(seed).permutation(len(train))
         n_valid = max(1, int(round(holdout * len(train))))
-        held, kept = sorted(order[:n_valid]), sorted(order[n_valid:])
+        held, kept = np.sort(order[:n_valid]), np.sort(order[n_valid:])
         note = (
             f"no '{valid_split}' split in {data_dir}: holding out {n_valid} of {len(train)} "
             f"training utterances ({holdout:.0%}, fixed by --seed) for evaluation"

@@ -45,7 +45,8 @@ def test_split_subfolders(tmp_path):
     assert (len(train), len(valid)) == (5, 2)
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "bad_len", "mixed_dims", "missing_shard", "not_2d"])
+@pytest.mark.parametrize("case", ["missing", "empty", "bad_len", "len_not_numbers", "mixed_dims", "missing_shard",
+                                  "not_2d"])
 def test_bad_stores_are_named(tmp_path, case):
     d = tmp_path / "data"
     if case != "missing":
@@ -53,6 +54,9 @@ def test_bad_stores_are_named(tmp_path, case):
     if case == "bad_len":
         write_fairseq(d, "train", [10, 20])
         (d / "train_0_1.len").write_text("10\n25\n")
+    elif case == "len_not_numbers":
+        write_fairseq(d, "train", [10, 20])
+        (d / "train_0_1.len").write_text("10\ntwenty\n")
     elif case == "mixed_dims":
         np.save(d / "a.npy", np.zeros((10, 8), np.float32))
         np.save(d / "b.npy", np.zeros((10, 9), np.float32))
@@ -64,6 +68,7 @@ def test_bad_stores_are_named(tmp_path, case):
     with pytest.raises(BadInputError) as info:
         open_stores(d, "train", "valid", seed=0)
     expected = {"missing": "does not exist", "empty": "no training features", "bad_len": "lists 35 frames",
+                "len_not_numbers": "train_0_1.len: every line must be a whole number",
                 "mixed_dims": "feature dims differ", "missing_shard": "train_1_3.npy", "not_2d": "[T, D]"}[case]
     assert expected in str(info.value)
 
