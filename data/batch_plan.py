@@ -116,17 +116,21 @@ class BatchPlan:
 
 
 def eval_windows(lengths, window: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Non-overlapping windows over utterances, for evaluation.
+    """Non-overlapping windows over utterances, for evaluation, by array arithmetic.
 
     Returns (utterance index, start) per window and the number of utterances
     shorter than one window, which are left out of evaluation.
     """
-    utts, starts = [], []
-    skipped = 0
-    for i, n in enumerate(np.asarray(lengths)):
-        count = int(n) // window
-        if count == 0:
-            skipped += 1
-        utts.extend([i] * count)
-        starts.extend(range(0, count * window, window))
-    return np.asarray(utts, dtype=np.int64), np.asarray(starts, dtype=np.int64), skipped
+    counts = np.asarray(lengths, dtype=np.int64) // window
+    utts = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    starts = (np.arange(len(utts), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)) * window
+    return utts, starts, int((counts == 0).sum())
+
+
+def pick_windows(count: int, frames: int, window: int, *, seed: int, rank: int, world_size: int) -> np.ndarray:
+    """Which of a rank's `count` windows it evaluates: its share of `frames` held-out frames over all ranks,
+    drawn once from the seed, in order (all of them when `frames` is 0 or they are fewer)."""
+    per_rank = -(-frames // (window * world_size))
+    if frames == 0 or count <= per_rank:
+        return np.arange(count, dtype=np.int64)
+    return np.sort(np.random.default_rng([seed, rank, world_size, 2]).choice(count, per_rank, replace=False))

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from data.batch_plan import BatchPlan, eval_windows, shard_indices
+from data.batch_plan import BatchPlan, eval_windows, pick_windows, shard_indices
 from errors import BadInputError
 
 LENGTHS = np.random.default_rng(0).integers(60, 700, size=101)  # not divisible by 2 or 4 ranks
@@ -55,3 +55,13 @@ def test_eval_windows_cover_whole_windows_only():
     utts, starts, skipped = eval_windows([100, 30, 64], 32)
     assert list(zip(utts, starts)) == [(0, 0), (0, 32), (0, 64), (2, 0), (2, 32)]
     assert skipped == 1
+
+
+def test_eval_frames_are_shared_among_ranks_and_fixed_by_the_seed():
+    picks = [pick_windows(1000, 64 * 100, 64, seed=7, rank=r, world_size=4) for r in range(4)]
+    assert [len(p) for p in picks] == [25] * 4  # 100 windows of 64 frames over 4 ranks
+    assert all((np.diff(p) > 0).all() and p.max() < 1000 for p in picks)
+    np.testing.assert_array_equal(picks[1], pick_windows(1000, 6400, 64, seed=7, rank=1, world_size=4))
+    assert not np.array_equal(picks[1], pick_windows(1000, 6400, 64, seed=8, rank=1, world_size=4))
+    np.testing.assert_array_equal(pick_windows(10, 6400, 64, seed=7, rank=0, world_size=4), np.arange(10))
+    np.testing.assert_array_equal(pick_windows(1000, 0, 64, seed=7, rank=0, world_size=4), np.arange(1000))

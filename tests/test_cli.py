@@ -119,6 +119,18 @@ def test_outputs_of_a_run(tmp_path, small_data):
     assert events(out, "stop")[-1] == {**events(out, "stop")[-1], "step": 10, "reason": "max_steps"}
 
 
+def test_eval_frames_bound_every_eval(tmp_path, small_data):
+    """6 held-out utterances of 64 frames make 12 windows of 32; --eval_frames 128 evaluates 4 of them."""
+    common = ["--data_dir", small_data, *TINY, "--max_steps", "4", "--eval_every", "2", "--refit_iters", "0"]
+    r = run_trainer([*common, "--eval_frames", "128", "--output_dir", tmp_path / "bounded"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "eval: 4 of this rank's 12 held-out windows" in r.stderr
+    assert [e["frames"] for e in events(tmp_path / "bounded", "eval")] == [128, 128]
+    r = run_trainer([*common, "--eval_frames", "0", "--output_dir", tmp_path / "every"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [e["frames"] for e in events(tmp_path / "every", "eval")] == [384, 384]
+
+
 def test_truncated_checkpoint_falls_back_to_the_previous(tmp_path, small_data):
     out = tmp_path / "run"
     common = ["--data_dir", small_data, *TINY, "--eval_every", "100", "--save_every", "4", "--output_dir", out]

@@ -12,8 +12,6 @@ import logging
 
 import torch
 
-from data.bad_crops import finite_crops
-from data.crops import CropReader
 from data.training_data import EvalWindows
 from models.codec import RVQCodec, dead_code_counts
 from models.metrics import EvalSums
@@ -32,17 +30,10 @@ def evaluate_shard(model: RVQCodec, windows: EvalWindows, device: torch.device, 
     config = model.config
     sums = EvalSums(config.feature_dim, config.num_quantizers, config.codebook_size, device)
     per_batch = max(1, batch_frames // windows.length)
-    reader = CropReader(windows.store)
     model.eval()  # the unwrapped module in eval mode: no EMA update, none of the quantizer's collectives
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            for i in range(0, len(windows.utterances), per_batch):
-                crops = reader.read(windows.utterances[i : i + per_batch], windows.starts[i : i + per_batch],
-                                    windows.length)
-                x = torch.from_numpy(crops).to(device)
-                x = x[finite_crops(x)]  # a window with a NaN or Inf frame is not evaluated
-                if not len(x):
-                    continue
+            for x in windows.batches(device, per_batch):
                 with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                     out = model(x)
                 sums.add(x, out.reconstruction.float(), out.codes)
