@@ -53,7 +53,7 @@ class DeviceFeatureCache:
         self.num_cached = int(fits.sum())  # a prefix of the shard
         frames = int(lengths[: self.num_cached].sum())
         self._offsets = np.zeros(len(lengths), dtype=np.int64)  # first row of each cached utterance
-        self._offsets[1 : self.num_cached] = np.cumsum(lengths[: self.num_cached - 1])
+        self._offsets[: self.num_cached] = np.cumsum(lengths[: self.num_cached]) - lengths[: self.num_cached]
         self.features = torch.empty((frames, store.dim), dtype=dtype, device=device)
         self._spans: dict[int, torch.Tensor] = {}  # segment length -> arange(L) on the device
         start = time.perf_counter()
@@ -75,6 +75,11 @@ class DeviceFeatureCache:
             torch.cuda.synchronize(device)  # the build time below is the real one
         seconds = max(time.perf_counter() - start, 1e-9)
         self.cached_bytes = frames * bytes_per_frame
+        if self.num_cached == 0 and len(lengths):
+            log.warning("feature cache on %s: nothing cached, the first utterance alone needs %.3g GB, over the "
+                        "budget of %.3g GB (--gpu_cache_gb); every crop is %s", device,
+                        lengths[0] * bytes_per_frame / 1e9, max_bytes / 1e9,
+                        "streamed by the prefetcher" if stream is not None else "read from the store")
         log.info(
             "feature cache on %s: %d of %d utterances (%.2f GB, %s), built at %.2f GB/s%s",
             device, self.num_cached, len(lengths), self.cached_bytes / 1e9, str(dtype).replace("torch.", ""),

@@ -68,6 +68,20 @@ def test_prefetcher_serves_the_same_batches_in_order(store_and_plan, workers, pe
         pre.close()
 
 
+@pytest.mark.parametrize("stream", [None, {"start_step": 0, "depth": 2}])
+def test_a_cache_budget_under_one_utterance_caches_nothing_and_says_so(store_and_plan, stream, caplog):
+    store, plan = store_and_plan
+    with caplog.at_level("WARNING", logger="data.device_cache"):
+        cache = DeviceFeatureCache(store, plan, torch.device("cpu"), max_bytes=1e-6 * 1e9, dtype=torch.float32,
+                                   show_progress=False, stream=stream)
+    assert cache.num_cached == 0 and "nothing cached" in caplog.text
+    try:
+        for want, s in zip(expected(store, plan, range(6)), range(6)):
+            torch.testing.assert_close(cache.get(s)[1], want, rtol=0, atol=0)
+    finally:
+        cache.close()
+
+
 def test_prefetcher_hands_a_worker_error_to_the_main_loop(tmp_path):
     for i in range(4):
         np.save(tmp_path / f"u{i}.npy", np.zeros((64, 8), np.float32))
