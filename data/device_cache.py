@@ -148,7 +148,8 @@ class UncachedCrops:
 
     def __init__(self, plan, num_cached: int):
         self.plan, self.num_cached = plan, num_cached
-        self.steps_per_epoch = plan.steps_per_epoch
+        self.steps_per_epoch, self.segment_lengths, self.batch_size = plan.steps_per_epoch, plan.segment_lengths, \
+            plan.batch_size
 
     def batch(self, step: int) -> StepBatch:
         batch = self.plan.batch(step)

@@ -130,12 +130,35 @@ def test_prefetcher_reuses_its_host_buffers(store_and_plan):
     try:
         for step, want in zip(range(steps), expected(store, plan, range(steps))):
             torch.testing.assert_close(pre.get(step)[1], want, rtol=0, atol=0)
-        shapes = len(plan.segment_lengths)
-        # at most depth + 1 buffers in use at once per shape (queued, building, lent to the step)
-        assert pre.buffers.allocated <= shapes * (depth + 2)
+        # at most depth + 2 buffers in use at once per segment length (queued, building, lent to the step)
+        assert pre.buffers.allocated <= len(plan.segment_lengths) * (depth + 2)
         assert pre.buffers.reused >= steps - pre.buffers.allocated - depth
     finally:
         pre.close()
+
+
+def test_streamed_crops_of_a_partial_cache_take_a_bounded_set_of_host_buffers(store_and_plan, caplog):
+    """Half cached: the streamed part of a batch has a different size at almost every step, yet the host
+    buffers stay a fixed few per segment length, sized for the largest batch, and the log states their bytes."""
+    store, plan = store_and_plan
+    depth, steps = 2, 60
+    with caplog.at_level("INFO", logger="data.prefetcher"):
+        cache = DeviceFeatureCache(store, plan, torch.device("cpu"), max_bytes=0.5 * store.total_frames * store.dim * 4,
+                                   dtype=torch.float32, show_progress=False, stream={"start_step": 0, "depth": depth})
+    try:
+        sizes = set()
+        for step, want in zip(range(steps), expected(store, plan, range(steps))):
+            torch.testing.assert_close(cache.get(step)[1], want, rtol=0, atol=0)
+            batch = plan.batch(step)
+            sizes.add((batch.segment_length, int((batch.utterances >= cache.num_cached).sum())))
+        pool = cache._stream.buffers
+        per_length = depth + 1 + 1  # queued, building, lent to the step
+        assert len(sizes) > 2 * len(plan.segment_lengths)  # more batch shapes than a per-shape pool would bound
+        assert pool.allocated <= per_length * len(plan.segment_lengths)
+        bound = per_length * sum(plan.batch_size(L) * L * store.dim * 4 for L in plan.segment_lengths)
+        assert f"host buffers of at most {bound / 1e9:.3g} GB" in caplog.text
+    finally:
+        cache.close()
 
 
 def test_cache_get_sends_only_crop_positions_to_the_device(store_and_plan, monkeypatch):
