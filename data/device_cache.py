@@ -125,10 +125,10 @@ class DeviceFeatureCache:
         """`[B, length, D]` float32 crops starting at the given rows of the packed tensor."""
         if self._host_view is not None:
             rows = (first_rows[:, None] + np.arange(length)[None, :]).reshape(-1)
-            crops = np.take(self._host_view, rows, axis=0, mode="clip")
-            if self.dtype == torch.float16:
-                crops = crops.view(np.float16).astype(np.float32)
-            return torch.from_numpy(crops.reshape(len(first_rows), length, -1))
+            crops = torch.from_numpy(np.take(self._host_view, rows, axis=0, mode="clip"))
+            if self.dtype == torch.float16:  # torch widens float16 with vector code, numpy one value at a time
+                crops = crops.view(torch.float16).float()
+            return crops.view(len(first_rows), length, -1)
         first = to_device(first_rows.astype(np.int64, copy=False), self.device)
         rows = (first[:, None] + self._span(length)[None, :]).reshape(-1)
         crops = torch.index_select(self.features, 0, rows)

@@ -43,6 +43,12 @@ class FeatureStore:
     def total_frames(self) -> int:
         return int(self.lengths.sum())
 
+    @property
+    def dtype(self) -> np.dtype:
+        """float16 when every source is a float16 array (a half-precision dump), else float32 (what reads give)."""
+        arrays = self.sources and all(isinstance(s, np.ndarray) and s.dtype == np.float16 for s in self.sources)
+        return np.dtype(np.float16 if arrays else np.float32)
+
     def name(self, i: int) -> str:
         """The utterance for a message: its file, or its shard file, line in the .len and rows."""
         source = self.sources[int(self.shard[i])]

@@ -69,11 +69,11 @@ def events(run_dir: Path, kind: str | None = None) -> list[dict]:
     return [r for r in rows if kind is None or r["event"] == kind]
 
 
-def write_fairseq(folder: Path, split: str, lengths, dim=16, nshard=1, seed=0) -> list[np.ndarray]:
+def write_fairseq(folder: Path, split: str, lengths, dim=16, nshard=1, seed=0, dtype=np.float32) -> list[np.ndarray]:
     """A fairseq dump of random utterances; returns the utterances in order."""
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    utts = [rng.standard_normal((n, dim)).astype(np.float32) for n in lengths]
+    utts = [rng.standard_normal((n, dim)).astype(dtype) for n in lengths]
     per_shard = np.array_split(np.arange(len(utts)), nshard)
     for k, idx in enumerate(per_shard):
         np.save(folder / f"{split}_{k}_{nshard}.npy", np.concatenate([utts[i] for i in idx]))

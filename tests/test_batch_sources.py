@@ -97,10 +97,11 @@ def test_prefetcher_hands_a_worker_error_to_the_main_loop(tmp_path):
 
 def loop_crops(store, utterances, starts, length):
     """The obvious per-crop loop, the reference for the vectorised reader."""
-    return np.stack([store.utterance(int(u))[int(s) : int(s) + length] for u, s in zip(utterances, starts)])
+    return np.stack([store.utterance(int(u))[int(s) : int(s) + length] for u, s in zip(utterances, starts)]).astype(
+        np.float32)  # every reader widens a float16 dump to float32
 
 
-@pytest.mark.parametrize("layout", ["fairseq, 3 shards", "directory"])
+@pytest.mark.parametrize("layout", ["fairseq, 3 shards", "fairseq float16, 3 shards", "directory"])
 def test_crop_reader_and_cache_match_the_per_crop_loop(tmp_path, layout):
     lengths = np.random.default_rng(1).integers(40, 200, size=30).tolist()
     if layout == "directory":
@@ -109,13 +110,15 @@ def test_crop_reader_and_cache_match_the_per_crop_loop(tmp_path, layout):
         for i, n in enumerate(lengths):
             np.save(tmp_path / "train" / f"u{i:03d}.npy", rng.standard_normal((n, 8)).astype(np.float32))
     else:
-        write_fairseq(tmp_path, "train", lengths, dim=8, nshard=3)
+        write_fairseq(tmp_path, "train", lengths, dim=8, nshard=3, dtype=np.float16 if "16" in layout else np.float32)
     write_fairseq(tmp_path, "valid", [64], dim=8)
     store, _, _ = open_stores(tmp_path, "train", "valid", seed=0)
+    assert store.dtype == (np.float16 if "16" in layout else np.float32)
     plan = BatchPlan(store.lengths, segment_lengths=[32, 64], frames_per_step=256, seed=3)
     reader = CropReader(store)
-    cache = DeviceFeatureCache(store, plan, torch.device("cpu"), max_bytes=1e9, dtype=torch.float32,
-                               show_progress=False)
+    assert reader._arrays == layout.startswith("fairseq")  # the vectorised path, float16 included
+    cache = DeviceFeatureCache(store, plan, torch.device("cpu"), max_bytes=1e9,
+                               dtype=torch.float16 if "16" in layout else torch.float32, show_progress=False)
     for step in range(10):
         batch = plan.batch(step)
         want = loop_crops(store, batch.utterances, batch.starts, batch.segment_length)

@@ -172,6 +172,25 @@ def test_a_nan_frame_in_the_data_is_dropped_named_once_and_never_used_again(tmp_
     assert all(torch.isfinite(v).all() for k, v in final.items() if "rvq" in k and v.is_floating_point())
 
 
+def test_float16_and_float32_dumps_of_the_same_features_train_alike(tmp_path):
+    """Features with float16 values, stored as float32 and as float16: the same batches, the same losses."""
+    for dtype in ("float32", "float16"):
+        d = tmp_path / dtype
+        write_fairseq(d, "train", [120] * 12, seed=7, dtype=np.float16)
+        write_fairseq(d, "valid", [64] * 2, seed=8, dtype=np.float16)
+        for split in ("train", "valid"):
+            np.save(d / f"{split}_0_1.npy", np.load(d / f"{split}_0_1.npy").astype(dtype))
+    losses = {}
+    for dtype, extra in (("float32", []), ("float16", []), ("float16", ["--use_gpu_cache"])):
+        out = tmp_path / f"run_{dtype}_{len(extra)}"
+        r = run_trainer(["--data_dir", tmp_path / dtype, *TINY, "--max_steps", "4", "--refit_iters", "0",
+                         "--output_dir", out, *extra])
+        assert r.returncode == 0, r.stderr[-3000:]
+        losses[(dtype, len(extra))] = [e["loss"] for e in events(out, "train")]
+    assert losses[("float16", 0)] == pytest.approx(losses[("float32", 0)], rel=1e-6)
+    assert losses[("float16", 1)] == pytest.approx(losses[("float32", 0)], rel=1e-6)
+
+
 def test_single_process_fallback_command(tmp_path):
     """The README's single-process fallback, on the demo corpus."""
     out = tmp_path / "run"

@@ -66,6 +66,19 @@ def test_fbank_dump_equals_the_seamless_feature_extractor(tmp_path):
     assert store.dim == 160 and list(store.lengths) == [len(f) for f in got]
 
 
+def test_float16_dump_holds_the_float32_features_rounded(tmp_path):
+    audio = tmp_path / "audio"
+    write_corpus(audio)
+    assert extract.main([audio, "train", 1, 0, tmp_path / "f32", "--feature", "fbank"]) == 0
+    assert extract.main([audio, "train", 1, 0, tmp_path / "f16", "--feature", "fbank", "--dtype", "float16"]) == 0
+    full, half = np.load(tmp_path / "f32" / "train_0_1.npy"), np.load(tmp_path / "f16" / "train_0_1.npy")
+    assert half.dtype == np.float16 and half.nbytes * 2 == full.nbytes
+    np.testing.assert_array_equal(half, full.astype(np.float16))
+    assert json.loads((tmp_path / "f16" / "train_0_1.json").read_text())["dtype"] == "float16"
+    store = find_split(tmp_path / "f16", "train")
+    assert store.dtype == np.float16 and list(store.lengths) == list(find_split(tmp_path / "f32", "train").lengths)
+
+
 def test_manifest_shards_are_contiguous_and_cover_every_file(tmp_path):
     audio = tmp_path / "audio"
     relpaths = write_corpus(audio)[:5]

@@ -14,7 +14,7 @@ data/audio_features.py's; --device and --precision are resolved by
 training/device.py.
 
 Written into OUT_DIR, each under a temporary name and renamed when complete:
-- `{split}_{rank}_{nshard}.npy`: float32 [frames, dim], every utterance's frames in order;
+- `{split}_{rank}_{nshard}.npy`: float32 (or --dtype float16) [frames, dim], every utterance's frames in order;
 - `{split}_{rank}_{nshard}.len`: one frame count per line;
 - `{split}_{rank}_{nshard}.tsv`: the files extracted, in order, as a fairseq manifest
   (root folder, then `relpath<TAB>samples at 16 kHz`), to match features and codes to files;
@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from data.audio_features import FEATURES, FRAME_RATE, SAMPLE_RATE, BadAudio, SeamlessFbank, W2vBertLayer, load_audio
 from data.audio_manifest import audio_files, manifest_text
-from data.dump_writer import NpyRowWriter, len_text, publish, shard_range, write_temporary
+from data.dump_writer import DUMP_DTYPES, NpyRowWriter, len_text, publish, shard_range, write_temporary
 from errors import EXIT_FAILURE, EXIT_OK, BadInputError
 from tools.cli import bad_input_exits_2, run
 from training.device import compute_dtype, select_device
@@ -68,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="w2v-bert: auto (cuda if available), cpu, cuda, cuda:1 ...")
     p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
                    help="w2v-bert: auto is bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--dtype", choices=DUMP_DTYPES, default="float32",
+                   help="the dump's dtype: float16 halves disk and IO (values beyond +-65504 make a file skipped)")
     p.add_argument("--batch_size", type=int, default=8, help="w2v-bert: chunks per forward pass")
     p.add_argument("--max_chunk_seconds", type=float, default=30.0,
                    help="w2v-bert: longer files are encoded in equal chunks of at most this length")
@@ -104,7 +106,7 @@ def extract(args) -> int:
     log.info("%s: files %d-%d of %d from %s -> %s/%s.npy (%s, %d-d)", name, start, end - 1, len(entries),
              args.source, args.out_dir, name, args.feature, dim)
 
-    writer = NpyRowWriter(args.out_dir / f"{name}.npy", dim)
+    writer = NpyRowWriter(args.out_dir / f"{name}.npy", dim, dtype=args.dtype)
     lengths, kept, skipped, pairs = [], [], [], []
     began = time.perf_counter()
     try:
@@ -119,8 +121,9 @@ def extract(args) -> int:
                         skipped.append((rel, str(e)))
                 feats = encoder([f for _, _, f in batch]) if encoder and batch else [f for _, _, f in batch]
                 for (rel, samples, _), f in zip(batch, feats, strict=True):
+                    f = np.asarray(f, dtype=args.dtype)  # checked as written: float16 overflows to Inf
                     if not np.isfinite(f).all():
-                        skipped.append((rel, "malformed: the features have NaN or Inf values"))
+                        skipped.append((rel, f"malformed: the features have NaN or Inf values (as {args.dtype})"))
                         continue
                     writer.append(f)
                     lengths.append(len(f))
@@ -137,7 +140,7 @@ def extract(args) -> int:
             return EXIT_FAILURE
         meta = {"feature": args.feature, "dim": dim, "frame_rate_hz": FRAME_RATE, "sample_rate": SAMPLE_RATE,
                 "source": str(args.source), "split": args.split, "rank": args.rank, "nshard": args.nshard,
-                "utterances": len(kept), "frames": int(sum(lengths)), "skipped": len(skipped)}
+                "utterances": len(kept), "frames": int(sum(lengths)), "skipped": len(skipped), "dtype": args.dtype}
         if encoder is not None:
             meta.update(checkpoint=str(args.checkpoint.resolve()), layer=args.layer,
                         max_chunk_seconds=args.max_chunk_seconds, precision=str(encoder.dtype).replace("torch.", ""))
