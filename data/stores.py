@@ -6,7 +6,9 @@ every problem a user can fix raises ``BadInputError`` naming the file.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import mmap
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -64,6 +66,21 @@ class FeatureStore:
             return _load_array(source)
         row = int(self.first[i])
         return source[row : row + int(self.lengths[i])]
+
+    @contextlib.contextmanager
+    def scattered_reads(self):
+        """No kernel readahead on the dump while a sample is read from utterances spread over it: each page
+        fault reading ahead megabytes made 256 utterances of a 10^6-utterance dump take 5 s instead of 5 ms.
+        Training crops keep the readahead (a crop is a run of pages)."""
+        maps = [s._mmap for s in self.sources if getattr(s, "_mmap", None) is not None]
+        advise = hasattr(mmap, "MADV_RANDOM")
+        for m in maps if advise else []:
+            m.madvise(mmap.MADV_RANDOM)
+        try:
+            yield self
+        finally:
+            for m in maps if advise else []:
+                m.madvise(mmap.MADV_NORMAL)
 
     def subset(self, indices, description: str) -> "FeatureStore":
         """These utterances, in this order: array indexing, no per-utterance Python work."""

@@ -79,7 +79,8 @@ class EvalWindows:
         Inf frame is left out."""
         if self.resident:
             if self._crops is None:
-                crops = torch.from_numpy(CropReader(self.store).read(self.utterances, self.starts, self.length))
+                with self.store.scattered_reads():
+                    crops = torch.from_numpy(CropReader(self.store).read(self.utterances, self.starts, self.length))
                 self._crops = crops[finite_crops(crops)].to(device)
             yield from self._crops.split(per_batch)
             return

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from data.bad_crops import finite_crops
@@ -26,7 +27,8 @@ REFIT_SEED_OFFSET = 7919  # the refit draws its utterances from a stream of its 
 def feature_stats(store: FeatureStore, max_utterances: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-dimension mean and std over evenly spaced training utterances (the same on every rank)."""
     picks = sorted(set(int(i) for i in torch.linspace(0, len(store) - 1, min(len(store), max_utterances))))
-    frames = torch.cat([torch.from_numpy(store.utterance(i).astype("float64")) for i in picks])
+    with store.scattered_reads():
+        frames = torch.cat([torch.from_numpy(store.utterance(i).astype("float64")) for i in picks])
     frames = frames[torch.isfinite(frames).all(1)]  # a bad frame must not set every feature's scale
     return frames.mean(0).float(), frames.std(0).float()
 
@@ -34,10 +36,11 @@ def feature_stats(store: FeatureStore, max_utterances: int = 256) -> tuple[torch
 def kmeans_sample(store: FeatureStore, frames: int, length: int, seed: int) -> torch.Tensor:
     """Random crops of `length` frames from this rank's utterances, about `frames` frames in all."""
     rng = torch.Generator().manual_seed(seed)
-    long_enough = [i for i, n in enumerate(store.lengths) if n >= length]
-    picks = [long_enough[int(j)] for j in torch.randint(len(long_enough), (max(1, frames // length),), generator=rng)]
+    long_enough = np.flatnonzero(store.lengths >= length)
+    picks = [int(long_enough[int(j)]) for j in torch.randint(len(long_enough), (max(1, frames // length),), generator=rng)]
     starts = [int(torch.randint(int(store.lengths[i]) - length + 1, (1,), generator=rng)) for i in picks]
-    return torch.from_numpy(assemble_crops(store, picks, starts, length))
+    with store.scattered_reads():
+        return torch.from_numpy(assemble_crops(store, picks, starts, length))
 
 
 def init_codebooks(model: RVQCodec, shard: FeatureStore, *, frames: int, length: int, seed: int, batch_frames: int,
@@ -53,15 +56,16 @@ def init_codebooks(model: RVQCodec, shard: FeatureStore, *, frames: int, length:
 
 def refit_utterances(store: FeatureStore, frames: int, seed: int) -> list[torch.Tensor]:
     """Whole utterances of this rank's shard in a random order, up to about `frames` frames."""
-    order = torch.randperm(len(store), generator=torch.Generator().manual_seed(seed)).tolist()
+    order = torch.randperm(len(store), generator=torch.Generator().manual_seed(seed)).numpy()
     picked, total = [], 0
-    for i in order:
-        if total >= frames:
-            break
-        utterance = torch.from_numpy(store.utterance(i).astype("float32"))
-        if torch.isfinite(utterance).all():  # the training loop drops such an utterance too
-            picked.append(utterance)
-            total += len(utterance)
+    with store.scattered_reads():
+        for i in order:
+            if total >= frames:
+                break
+            utterance = torch.from_numpy(store.utterance(int(i)).astype("float32"))
+            if torch.isfinite(utterance).all():  # the training loop drops such an utterance too
+                picked.append(utterance)
+                total += len(utterance)
     return picked
 
 
