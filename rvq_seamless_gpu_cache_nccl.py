@@ -55,7 +55,7 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
     if cfg.run.tensorboard:
         require_tensorboard()  # on every rank: a missing package is bad input
     data = open_training_data(cfg.data, rank=launch.rank, world_size=launch.world_size, seed=cfg.optim.seed,
-                              multiple_of=cfg.codec["downsample"])
+                              multiple_of=cfg.codec["downsample"], manifest_dir=Path(cfg.run.output_dir))
     codec = cfg.codec_config(data.train.dim)
     resume = find_resume(cfg.run.resume, Path(cfg.run.output_dir) / "checkpoints", codec)
     # ---- device and process groups

@@ -7,9 +7,12 @@ every problem a user can fix raises ``BadInputError`` naming the file.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import mmap
+import os
 import re
+import socket
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,10 +97,13 @@ def _load_array(path: Path) -> np.ndarray:
         return np.load(path, mmap_mode="r")
     import torch
 
-    value = torch.load(path, map_location="cpu", weights_only=True)
+    try:  # memory-mapped: a crop reads its own pages, not the whole file
+        value = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # the legacy (pre-zip) format cannot be mapped: read whole
+        value = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(value, torch.Tensor):
         raise BadInputError(f"{path}: expected a tensor of shape [T, D], found {type(value).__name__}")
-    return value.float().numpy()
+    return value.numpy() if value.dtype == torch.float32 else value.float().numpy()
 
 
 def _fairseq_shards(folder: Path, split: str) -> list[Path]:
@@ -164,10 +170,38 @@ def _read_len(path: Path) -> np.ndarray:
     return counts
 
 
-def _open_directory(folder: Path, label: str) -> FeatureStore:
+MANIFEST_NAME = ".lengths.npz"  # a folder store's frame counts and dim, written once, read at every later start
+
+
+def _open_directory(folder: Path, label: str, pending: list | None = None,
+                    manifest_dir: Path | None = None) -> FeatureStore:
+    """A folder of utterance files. Their lengths come from a manifest (in the folder, or for a read-only
+    folder in `manifest_dir`) that lists exactly these file names; else every file is opened once and the
+    manifest written in the folder, or when it is not writable appended to `pending` as (path, lengths, dim,
+    digest) for the caller to save in `manifest_dir` once the data have passed every check."""
     files = sorted(p for p in folder.iterdir() if p.suffix in UTTERANCE_SUFFIXES and p.is_file())
+    digest = hashlib.sha1("\n".join(p.name for p in files).encode()).hexdigest()
+    elsewhere = manifest_path(folder, manifest_dir) if manifest_dir is not None else None
+    found = _read_manifest(folder / MANIFEST_NAME, digest)
+    if found is None and elsewhere is not None:
+        found = _read_manifest(elsewhere, digest)
+    if found is None:
+        lengths, dim = _scan_files(files)
+        if os.access(folder, os.W_OK):
+            save_manifest(folder / MANIFEST_NAME, lengths, dim, digest)
+        elif pending is not None and elsewhere is not None:
+            pending.append((elsewhere, lengths, dim, digest))
+    else:
+        lengths, dim = found
+    n = len(files)
+    return FeatureStore(f"directory of utterances '{label}' in {folder}", lengths, dim,
+                        files, np.arange(n, dtype=np.int32), np.zeros(n, np.int64), np.zeros(n, np.int64))
+
+
+def _scan_files(files: list[Path]) -> tuple[np.ndarray, int]:
     lengths, dims = [], {}
-    for path in files:
+    for path in tqdm(files, desc="reading utterance shapes (once: then the lengths manifest)", unit="file",
+                     disable=len(files) < 10000, mininterval=1.0):
         try:
             array = _load_array(path)
         except BadInputError:
@@ -178,10 +212,34 @@ def _open_directory(folder: Path, label: str) -> FeatureStore:
             raise BadInputError(f"{path} has shape {tuple(array.shape)}; each utterance must be [T, D]")
         lengths.append(array.shape[0])
         dims[path.name] = array.shape[1]
-    dim = _one_dim(dims)
-    n = len(files)
-    return FeatureStore(f"directory of utterances '{label}' in {folder}", np.asarray(lengths, dtype=np.int64), dim,
-                        files, np.arange(n, dtype=np.int32), np.zeros(n, np.int64), np.zeros(n, np.int64))
+    return np.asarray(lengths, dtype=np.int64), _one_dim(dims)
+
+
+def manifest_path(folder: Path, elsewhere: Path) -> Path:
+    """Where a read-only folder's manifest goes in another directory (one name per folder)."""
+    return elsewhere / f"lengths_{hashlib.sha1(str(folder.resolve()).encode()).hexdigest()[:16]}.npz"
+
+
+def _read_manifest(path: Path, digest: str) -> tuple[np.ndarray, int] | None:
+    """(lengths, dim) from a manifest that lists exactly the files named by `digest`, else None."""
+    try:
+        with np.load(path) as saved:
+            if str(saved["digest"]) != digest:
+                return None  # files were added, removed or renamed: read them again
+            return saved["lengths"].astype(np.int64), int(saved["dim"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def save_manifest(path: Path, lengths: np.ndarray, dim: int, digest: str) -> None:
+    """Written under a temporary name and renamed: a reader never sees half a manifest."""
+    tmp = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp.npz")  # ranks may write at once
+    try:
+        np.savez(tmp, lengths=lengths, dim=dim, digest=digest)
+        os.replace(tmp, path)
+    except OSError as e:  # a manifest only saves time: the next start reads the files again
+        log.warning("could not write the lengths manifest %s: %s", path, e)
+        tmp.unlink(missing_ok=True)
 
 
 def _one_dim(dims: dict) -> int:
@@ -195,7 +253,8 @@ def _one_dim(dims: dict) -> int:
     return values[0] if values else 0
 
 
-def find_split(data_dir: Path, split: str, loose_files: bool = False) -> FeatureStore | None:
+def find_split(data_dir: Path, split: str, loose_files: bool = False, pending: list | None = None,
+               manifest_dir: Path | None = None) -> FeatureStore | None:
     """The store of `split` in `data_dir`, or None when the split is not there.
 
     Looked for in order: a fairseq dump (`{split}_{shard}_{nshard}.npy`), a
@@ -207,31 +266,34 @@ def find_split(data_dir: Path, split: str, loose_files: bool = False) -> Feature
         return _open_fairseq(data_dir, split, shards)
     sub = data_dir / split
     if sub.is_dir() and any(p.suffix in UTTERANCE_SUFFIXES for p in sub.iterdir()):
-        return _open_directory(sub, split)
+        return _open_directory(sub, split, pending, manifest_dir)
     if loose_files and any(p.suffix in UTTERANCE_SUFFIXES for p in data_dir.iterdir()):
-        return _open_directory(data_dir, split)
+        return _open_directory(data_dir, split, pending, manifest_dir)
     return None
 
 
-def open_stores(data_dir: str | Path, train_split: str, valid_split: str, *, seed: int, holdout: float = 0.02):
+def open_stores(data_dir: str | Path, train_split: str, valid_split: str, *, seed: int, holdout: float = 0.02,
+                manifest_dir: Path | None = None, pending: list | None = None):
     """Open the training and held-out stores; returns (train, valid, note).
 
     When `valid_split` is absent, a fixed share of the training utterances
-    (chosen from `seed`) is held out, and `note` says so.
+    (chosen from `seed`) is held out, and `note` says so. `manifest_dir` and
+    `pending`: where read-only folders' lengths manifests are looked for, and
+    the list that collects those to save (`_open_directory`).
     """
     data_dir = Path(data_dir)
     if not data_dir.exists():
         raise BadInputError(f"--data_dir {data_dir} does not exist")
     if not data_dir.is_dir():
         raise BadInputError(f"--data_dir {data_dir} is not a folder")
-    train = find_split(data_dir, train_split, loose_files=True)
+    train = find_split(data_dir, train_split, loose_files=True, pending=pending, manifest_dir=manifest_dir)
     if train is None or len(train) == 0:
         raise BadInputError(
             f"no training features found in {data_dir}: expected a fairseq dump "
             f"({train_split}_0_1.npy with {train_split}_0_1.len), a folder {train_split}/ of "
             ".npy/.pt arrays [T, D], or such arrays directly in the folder"
         )
-    valid = find_split(data_dir, valid_split)
+    valid = find_split(data_dir, valid_split, pending=pending, manifest_dir=manifest_dir)
     note = None
     if valid is None:
         if len(train) < 2:

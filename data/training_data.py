@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ from data.crops import CropReader, HostBatches
 from data.demo_corpus import ensure_demo_corpus
 from data.device_cache import DeviceFeatureCache
 from data.prefetcher import Prefetcher
-from data.stores import FeatureStore, open_stores
+from data.stores import FeatureStore, open_stores, save_manifest
 
 log = logging.getLogger(__name__)
 
@@ -101,14 +102,18 @@ class TrainingData:
     eval: EvalWindows
 
 
-def open_training_data(cfg: DataConfig, *, rank: int, world_size: int, seed: int, multiple_of: int) -> TrainingData:
-    """Find, validate and shard the features; every problem is a BadInputError (exit 2)."""
+def open_training_data(cfg: DataConfig, *, rank: int, world_size: int, seed: int, multiple_of: int,
+                       manifest_dir: Path | None = None) -> TrainingData:
+    """Find, validate and shard the features; every problem is a BadInputError (exit 2). A read-only folder
+    store's lengths manifest is saved in `manifest_dir` (the output dir) once every check has passed."""
     data_dir = cfg.data_dir
     if data_dir is None:
         data_dir = ensure_demo_corpus()
         log.info("no --data_dir given: training on the built-in DEMO corpus (synthetic speech-like 160-d "
                  "features) in %s", data_dir)
-    train, valid, holdout_note = open_stores(data_dir, cfg.train_split, cfg.valid_split, seed=seed)
+    pending = []
+    train, valid, holdout_note = open_stores(data_dir, cfg.train_split, cfg.valid_split, seed=seed,
+                                             manifest_dir=manifest_dir, pending=pending)
     if holdout_note:
         log.info("%s", holdout_note)
     plan = BatchPlan(train.lengths, segment_lengths=cfg.train_lengths, frames_per_step=cfg.frames_per_step,
@@ -132,6 +137,10 @@ def open_training_data(cfg: DataConfig, *, rank: int, world_size: int, seed: int
              ", every eval reads them" if cfg.eval_frames == 0 else
              f", picked once by --seed (--eval_frames {cfg.eval_frames} over all ranks) and kept on the device")
     shard = train.subset(shard_indices(len(train), rank, world_size), "this rank's shard")
+    for path, lengths, dim, digest in pending:  # the data passed every check: the output dir may be written
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_manifest(path, lengths, dim, digest)
+        log.info("the data folder is read-only: its lengths manifest is in %s", path)
     return TrainingData(train, shard, plan, EvalWindows(valid_shard, utterances[picked], starts[picked], length,
                                                         resident=cfg.eval_frames > 0))
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from data.stores import open_stores
+from data.stores import find_split, open_stores
 from errors import BadInputError
 from tests.helpers import REPO, env, write_fairseq
 
@@ -99,3 +99,40 @@ def test_check_of_a_clean_split_and_of_a_missing_one(tmp_path):
     assert r.returncode == 0 and "finished successfully" in r.stderr, r.stderr
     r = run_check(tmp_path, "--split", "test")
     assert r.returncode == 2 and "no split 'test'" in r.stderr
+
+
+def test_a_folder_store_reads_its_files_once_then_only_its_lengths_manifest(tmp_path, monkeypatch):
+    import data.stores as stores
+
+    (tmp_path / "train").mkdir()
+    for i, n in enumerate([30, 40, 50]):
+        np.save(tmp_path / "train" / f"u{i}.npy", np.zeros((n, 4), np.float32))
+    assert list(find_split(tmp_path, "train").lengths) == [30, 40, 50]
+    assert (tmp_path / "train" / stores.MANIFEST_NAME).exists()
+    with monkeypatch.context() as m:
+        m.setattr(stores, "_load_array", lambda path: pytest.fail(f"{path} opened at start"))
+        again = find_split(tmp_path, "train")
+    assert list(again.lengths) == [30, 40, 50] and again.dim == 4
+    np.save(tmp_path / "train" / "u3.npy", np.zeros((60, 4), np.float32))  # a new file: all are read again
+    assert list(find_split(tmp_path, "train").lengths) == [30, 40, 50, 60]
+
+
+def test_a_read_only_folder_keeps_its_manifest_in_the_output_dir_once_the_data_pass(tmp_path, monkeypatch):
+    import data.stores as stores
+    from data.training_data import DataConfig, open_training_data
+
+    data = tmp_path / "data"
+    (data / "train").mkdir(parents=True)
+    for i in range(6):
+        np.save(data / "train" / f"u{i}.npy", np.zeros((64 + i, 4), np.float32))
+    monkeypatch.setattr(stores.os, "access", lambda path, mode: False)  # as a read-only mount
+    cfg = DataConfig(data_dir=str(data), segment_length=32, batch_size=2)
+    with pytest.raises(BadInputError):  # a check that fails after the folder was read: nothing written
+        open_training_data(DataConfig(data_dir=str(data), segment_length=128), rank=0, world_size=1, seed=0,
+                           multiple_of=1, manifest_dir=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    open_training_data(cfg, rank=0, world_size=1, seed=0, multiple_of=1, manifest_dir=tmp_path / "out")
+    assert not (data / "train" / stores.MANIFEST_NAME).exists() and len(list((tmp_path / "out").glob("*.npz"))) == 1
+    monkeypatch.setattr(stores, "_load_array", lambda path: pytest.fail(f"{path} opened at start"))
+    again = open_training_data(cfg, rank=0, world_size=1, seed=0, multiple_of=1, manifest_dir=tmp_path / "out")
+    assert again.train.total_frames + again.eval.store.total_frames == sum(64 + i for i in range(6))
