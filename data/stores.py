@@ -6,6 +6,7 @@ every problem a user can fix raises ``BadInputError`` naming the file.
 """
 from __future__ import annotations
 
+import json
 import logging
 import re
 from dataclasses import dataclass, field
@@ -123,8 +124,29 @@ def _open_fairseq(folder: Path, split: str, shard_paths: list[Path]) -> FeatureS
             lengths.append(n)
             row += n
     dim = _one_dim(dims)
+    warn_mixed_precision(split, shard_paths)
     desc = f"fairseq dump '{split}' in {folder} ({len(shard_paths)} shard(s))"
     return FeatureStore(desc, np.asarray(lengths, dtype=np.int64), dim, shards, where, names)
+
+
+def warn_mixed_precision(split: str, shard_paths: list[Path]) -> dict[str, list[str]]:
+    """Warns when a split's shards were extracted at different precisions (bf16 and fp32 features differ
+    slightly: a model trained on one and evaluated on the other sees a shift). Reads the tools.extract
+    .json beside each shard where there is one; returns {precision: [shard names]}."""
+    by_precision: dict[str, list[str]] = {}
+    for npy in shard_paths:
+        meta = npy.with_suffix(".json")
+        try:
+            precision = json.loads(meta.read_text()).get("precision")
+        except (OSError, ValueError, AttributeError):
+            continue  # no record (a dump from another tool): nothing to compare
+        if precision is not None:
+            by_precision.setdefault(str(precision), []).append(npy.name)
+    if len(by_precision) > 1:
+        log.warning("split '%s' mixes features extracted at different precisions: %s; re-extract the odd shards "
+                    "with the same --precision", split,
+                    "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(by_precision.items())))
+    return by_precision
 
 
 def _open_directory(folder: Path, label: str) -> FeatureStore:
