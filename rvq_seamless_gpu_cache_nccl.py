@@ -30,7 +30,7 @@ from models.codec import CodecConfig, RVQCodec, codebook_tensors
 from training.checkpoint import Checkpointer, Resume, find_resume
 from training.codebooks import feature_stats, init_codebooks, refit
 from training.config import OptimConfig, TrainConfig, parse_args, save_config
-from training.device import cache_dtype, compute_dtype, select_device
+from training.device import cache_dtype, compute_dtype, make_deterministic, select_device
 from training.distributed import (DistContext, all_reduce_sum, destroy, detect_launch, final_barrier,
                                   init_distributed, is_distributed_error, phase_timeout, wrap_ddp)
 from training.evaluate import evaluate
@@ -38,6 +38,7 @@ from training.faults import FaultInjector
 from training.metrics_log import MetricsLog, require_tensorboard
 from training.progress import Progress
 from training.signals import StopRequest
+from training.step_guard import StepOutcome, guarded_step
 from training.sync_check import sync_check
 from training.throughput import start_step_timer
 from training.watchdog import PeerWatchdog
@@ -59,6 +60,8 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
     codec = cfg.codec_config(data.train.dim)
     resume = find_resume(cfg.run.resume, Path(cfg.run.output_dir) / "checkpoints", codec)
     # ---- device and process groups
+    if cfg.optim.deterministic:
+        make_deterministic()  # before any CUDA work
     device = select_device(cfg.run.device, launch.local_rank, bind_local_rank=launch.world_size > 1)
     ctx = init_distributed(launch, device, timeout_s=cfg.dist.nccl_timeout, control_timeout_s=cfg.dist.sync_timeout,
                            output_dir=Path(cfg.run.output_dir))
@@ -190,17 +193,17 @@ class Trainer:
         # The gradients are all-reduced, so this norm is the same on every rank: a NaN on any
         # rank skips the step on all of them, with no extra collective.
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip or math.inf)
-        if torch.isfinite(grad_norm):
-            self.scaler.step(self.optimizer)
+        outcome = guarded_step(self.scaler, self.optimizer, grad_norm)
+        if outcome is StepOutcome.APPLIED:
             p.bad_in_a_row = 0
-        else:
+        else:  # skipped: the quantizer's updates in this step's forward are undone too
             self.model.restore_codebook_state(codebooks_before)
+        if outcome is StepOutcome.BAD:
             p.bad_steps += 1
             p.bad_in_a_row += 1
             self.metrics.write("skipped_step", p.step + 1, reason="non-finite loss or gradient", bad_steps=p.bad_steps)
             log.warning("step %d: non-finite loss or gradient, update skipped on every rank (%d so far)",
                         p.step + 1, p.bad_steps)
-        self.scaler.update()
         p.step += 1
         self.bar.update(1)
         self.last = (out, batch)

@@ -43,11 +43,11 @@ def summarise(windows: list[tuple[float, float]]) -> dict:
             "windows": len(windows)}
 
 
-def run_ours(data_dir: Path, steps: int, log_every: int, flags: list[str]) -> dict:
+def run_ours(data_dir: Path, steps: int, log_every: int, flags: list[str], device: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_train") as out:
         cmd = [sys.executable, str(REPO / "rvq_seamless_gpu_cache_nccl.py"), "--data_dir", str(data_dir),
                "--output_dir", out, "--resume", "none", "--max_steps", str(steps), "--log_every", str(log_every),
-               "--eval_every", str(10 * steps), "--save_every", str(10 * steps), "--device", "cpu",
+               "--eval_every", str(10 * steps), "--save_every", str(10 * steps), "--device", device,
                # k-means on the first batch, as the plain loop's codec does
                "--kmeans_init_frames", "0", *[f"--{k}={v}" for k, v in CONFIG.items()], *flags]
         run = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
@@ -59,20 +59,20 @@ def run_ours(data_dir: Path, steps: int, log_every: int, flags: list[str]) -> di
             "mfu": round(float(np.mean([e["mfu"] for e in train])), 4)}
 
 
-def run_plain(data_dir: Path, lengths, steps: int, log_every: int, num_workers: int) -> dict:
+def run_plain(data_dir: Path, lengths, steps: int, log_every: int, num_workers: int, device: str) -> dict:
     torch.manual_seed(0)
     np.random.seed(0)
     loader = plain_loader(data_dir, lengths, CONFIG["segment_length"], CONFIG["batch_size"], num_workers)
     batches = forever(loader)
     model = RVQCodec(CodecConfig(feature_dim=160, latent_dim=CONFIG["latent_dim"],
-                                 num_quantizers=CONFIG["num_quantizers"], codebook_size=CONFIG["codebook_size"]))
+                                 num_quantizers=CONFIG["num_quantizers"], codebook_size=CONFIG["codebook_size"])).to(device)
     sample = torch.cat([next(batches).reshape(-1, 160) for _ in range(4)])
-    model.set_feature_stats(sample.mean(0), sample.std(0))
+    model.set_feature_stats(sample.mean(0).to(device), sample.std(0).to(device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.99))
     windows, wait, frames, start = [], 0.0, 0, time.perf_counter()
     for step in range(steps):
         t = time.perf_counter()
-        x = next(batches)
+        x = next(batches).to(device, non_blocking=True)
         wait += time.perf_counter() - t
         out = model(x)
         optimizer.zero_grad(set_to_none=True)
@@ -81,7 +81,7 @@ def run_plain(data_dir: Path, lengths, steps: int, log_every: int, num_workers: 
         optimizer.step()
         frames += x.shape[0] * x.shape[1]
         if (step + 1) % log_every == 0:
-            out.loss.item()
+            out.loss.item()  # the window's honest end: the device has finished its steps
             seconds = time.perf_counter() - start
             windows.append((frames / seconds, wait / seconds))
             wait, frames, start = 0.0, 0, time.perf_counter()
@@ -96,6 +96,7 @@ def main() -> int:
     parser.add_argument("--log_every", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=2, help="interleaved runs of each loop; the best is kept")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "bench_train.json"))
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: both loops train there")
     args = parser.parse_args()
     load_at_start = round(os.getloadavg()[0], 2)
     rows = {}
@@ -115,8 +116,8 @@ def main() -> int:
         for repeat in range(args.repeats):
             for name, kind, option in runs:
                 print(f"repeat {repeat + 1}/{args.repeats}: {name}", file=sys.stderr)
-                row = (run_ours(Path(tmp), args.steps, args.log_every, option) if kind == "ours"
-                       else run_plain(Path(tmp), lengths, args.steps, args.log_every, option))
+                row = (run_ours(Path(tmp), args.steps, args.log_every, option, args.device) if kind == "ours"
+                       else run_plain(Path(tmp), lengths, args.steps, args.log_every, option, args.device))
                 if name not in rows or row["frames_per_sec"] > rows[name]["frames_per_sec"]:
                     rows[name] = row
     best_plain = max(v["frames_per_sec"] for k, v in rows.items() if k.startswith("plain"))

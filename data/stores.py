@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import mmap
 import os
@@ -153,8 +154,29 @@ def _open_fairseq(folder: Path, split: str, shard_paths: list[Path]) -> FeatureS
     first = np.concatenate([np.cumsum(c) - c for c in counts_per_shard]) if counts_per_shard else lengths
     number = np.concatenate([np.arange(len(c), dtype=np.int64) for c in counts_per_shard]) if counts_per_shard \
         else lengths
+    warn_mixed_precision(split, shard_paths)
     desc = f"fairseq dump '{split}' in {folder} ({len(shard_paths)} shard(s))"
     return FeatureStore(desc, lengths, dim, shards, shard, first, number)
+
+
+def warn_mixed_precision(split: str, shard_paths: list[Path]) -> dict[str, list[str]]:
+    """Warns when a split's shards were extracted at different precisions (bf16 and fp32 features differ
+    slightly: a model trained on one and evaluated on the other sees a shift). Reads the tools.extract
+    .json beside each shard where there is one; returns {precision: [shard names]}."""
+    by_precision: dict[str, list[str]] = {}
+    for npy in shard_paths:
+        meta = npy.with_suffix(".json")
+        try:
+            precision = json.loads(meta.read_text()).get("precision")
+        except (OSError, ValueError, AttributeError):
+            continue  # no record (a dump from another tool): nothing to compare
+        if precision is not None:
+            by_precision.setdefault(str(precision), []).append(npy.name)
+    if len(by_precision) > 1:
+        log.warning("split '%s' mixes features extracted at different precisions: %s; re-extract the odd shards "
+                    "with the same --precision", split,
+                    "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(by_precision.items())))
+    return by_precision
 
 
 def _read_len(path: Path) -> np.ndarray:

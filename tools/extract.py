@@ -43,7 +43,7 @@ from data.audio_manifest import audio_files, manifest_text
 from data.dump_writer import DUMP_DTYPES, NpyRowWriter, len_text, publish, shard_range, write_temporary
 from errors import EXIT_FAILURE, EXIT_OK, BadInputError
 from tools.cli import bad_input_exits_2, run
-from training.device import compute_dtype, select_device
+from training.device import compute_dtype, shard_device
 
 log = logging.getLogger("extract")
 
@@ -65,9 +65,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpoint", type=Path, help="w2v-bert: local folder of the model (save_pretrained layout)")
     p.add_argument("--layer", type=int, help="w2v-bert: hidden state after this layer (0 = feature projection; "
                                              "w2v-BERT 2.0 has 24; MaskGCT's semantic codec uses 17)")
-    p.add_argument("--device", default="auto", help="w2v-bert: auto (cuda if available), cpu, cuda, cuda:1 ...")
+    p.add_argument("--device", default="auto",
+                   help="w2v-bert: auto or cuda (cuda:<rank %% visible GPUs>, so that shards run side by side), cpu, cuda:1 ...")
     p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
-                   help="w2v-bert: auto is bf16 on CUDA, fp32 on CPU")
+                   help="w2v-bert: auto is bf16 on a GPU with native bf16, else fp32")
     p.add_argument("--dtype", choices=DUMP_DTYPES, default="float32",
                    help="the dump's dtype: float16 halves disk and IO (values beyond +-65504 make a file skipped)")
     p.add_argument("--batch_size", type=int, default=8, help="w2v-bert: chunks per forward pass")
@@ -92,7 +93,7 @@ def extract(args) -> int:
                             f"{len(entries)} file(s); use fewer shards")
     fbank = SeamlessFbank(args.checkpoint)
     if args.feature == "w2v-bert":
-        device = select_device(args.device)
+        device = shard_device(args.device, args.rank)  # shards on one node spread over its GPUs
         encoder = W2vBertLayer(args.checkpoint, args.layer, device=device,
                                dtype=compute_dtype(args.precision, device) or torch.float32,
                                max_chunk_seconds=args.max_chunk_seconds, batch_size=args.batch_size)
@@ -140,7 +141,8 @@ def extract(args) -> int:
             return EXIT_FAILURE
         meta = {"feature": args.feature, "dim": dim, "frame_rate_hz": FRAME_RATE, "sample_rate": SAMPLE_RATE,
                 "source": str(args.source), "split": args.split, "rank": args.rank, "nshard": args.nshard,
-                "utterances": len(kept), "frames": int(sum(lengths)), "skipped": len(skipped), "dtype": args.dtype}
+                "utterances": len(kept), "frames": int(sum(lengths)), "skipped": len(skipped), "dtype": args.dtype,
+                "precision": "float32"}
         if encoder is not None:
             meta.update(checkpoint=str(args.checkpoint.resolve()), layer=args.layer,
                         max_chunk_seconds=args.max_chunk_seconds, precision=str(encoder.dtype).replace("torch.", ""))

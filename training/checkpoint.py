@@ -118,7 +118,7 @@ class Checkpointer:
         state = resume.state
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
+        restore_scaler(scaler, state.get("scaler") or {})
         progress.step, progress.samples_seen = state["step"], state["samples_seen"]
         restore_rng_states(state["rng"], self.ctx)
         log.info("resumed from %s at step %d", resume.path, progress.step)
@@ -143,3 +143,11 @@ def restore_rng_states(states: list, ctx: DistContext) -> None:
     torch.set_rng_state(states[ctx.rank]["torch"])
     if ctx.device.type == "cuda" and "cuda" in states[ctx.rank]:
         torch.cuda.set_rng_state(states[ctx.rank]["cuda"], ctx.device)
+
+
+def restore_scaler(scaler, saved: dict) -> None:
+    """The fp16 grad scaler's state, across a change of --precision: a bf16 or fp32 run saves an
+    empty state (its scaler is disabled), which an fp16 run replaces by a fresh scaler's; an fp16
+    run's state is dropped by a disabled scaler."""
+    if scaler.is_enabled() and saved:
+        scaler.load_state_dict(saved)

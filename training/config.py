@@ -102,6 +102,10 @@ class OptimConfig:
     precision: str = flag("auto", "auto: bf16 on a GPU that supports it, else fp32",
                           choices=("auto", "fp32", "bf16", "fp16"))
     seed: int = flag(1234, kind="any")
+    deterministic: bool = flag(False, "deterministic kernels only (torch.use_deterministic_algorithms, cuBLAS "
+                                      "workspace :4096:8), so that a resumed GPU run matches an unbroken one bit for bit; "
+                                      "costs speed (scatter/index_add and GEMMs without their fastest kernels) and "
+                                      "about 24 MiB of cuBLAS workspace per stream")
 
 
 @dataclass(kw_only=True)

@@ -5,6 +5,9 @@ that "bf16 where the GPU has it" and "this rank's own GPU" mean one thing.
 """
 from __future__ import annotations
 
+import inspect
+import os
+
 import torch
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -33,8 +36,35 @@ def select_device(flag: str, local_rank: int = 0, *, bind_local_rank: bool = Fal
     return device
 
 
+def shard_device(flag: str, rank: int) -> torch.device:
+    """The device of one of several single-GPU processes on a node (tools.extract's shards):
+    `cuda:<rank % visible GPUs>` for auto or cuda, so that N processes spread over the GPUs
+    instead of all landing on GPU 0; an explicit cuda:N or cpu is kept."""
+    if flag in ("auto", "cuda") and torch.cuda.is_available():
+        return select_device(f"cuda:{rank % torch.cuda.device_count()}")
+    return select_device(flag)
+
+
 def bf16_supported(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+    """bf16 in hardware (Ampere and later); torch's default also answers yes where it is only emulated,
+    which runs slower than fp32. `including_emulation` exists from torch 2.3; older ones check hardware."""
+    if device.type != "cuda":
+        return False
+    if "including_emulation" in inspect.signature(torch.cuda.is_bf16_supported).parameters:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return torch.cuda.is_bf16_supported()
+
+
+# cuBLAS needs a fixed workspace for deterministic GEMMs; the value the PyTorch docs give for it
+CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
+
+
+def make_deterministic() -> None:
+    """Deterministic kernels only (--deterministic), set before any CUDA work: cuBLAS reads its
+    workspace config when it starts. An op with no deterministic kernel then raises, naming it."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
 
 
 def cache_dtype(device: torch.device) -> torch.dtype:

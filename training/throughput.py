@@ -11,8 +11,8 @@ window since the last report:
   run on the device, asynchronously; their device time counts as step time, not
   as data wait, and a copy that the step has to wait for shows as a slower step.
 - `mfu`: model FLOPs per second over the peak of one device, per rank. The peak
-  on CUDA comes from a table of dense bf16/fp32 figures keyed by device name
-  (a timed GEMM when the device is not in the table); on CPU it is a timed
+  on CUDA comes from a table of dense 16-bit/fp32 figures keyed by the exact
+  device name, at the run's precision (a timed GEMM when the name is not in the table); on CPU it is a timed
   fp32 GEMM measured at start-up.
 
 On CUDA the device is synchronised at `report()` only (once per log window),
@@ -26,20 +26,31 @@ import time
 
 import torch
 
-# Dense (no sparsity) peak FLOP/s per device, from the vendors' data sheets: (bf16/fp16 tensor, fp32).
+# Dense (no sparsity) peak FLOP/s, keyed by the exact torch.cuda.get_device_name(): (16-bit tensor, fp32).
+# Sources: NVIDIA data sheets (H100 and H200 product pages' spec tables, the A100 data sheet, the
+# L40S, L40, L4 and A10 data sheets; the Ada and Ampere GeForce whitepapers for the RTX cards, fp16
+# with fp32 accumulate; V100 and T4 data sheets, fp16). Half the sheets' "with sparsity" figures.
+# Exact names only: an H200 NVL, an L40 or an A10G is a different part from an H200, an L40S or
+# an A10; a name not here gets a timed GEMM instead of a neighbour's figure.
 PEAK_FLOPS = {
-    "H200": (989e12, 67e12),
-    "H100 NVL": (835e12, 60e12),
-    "H100 PCIe": (756e12, 51e12),
-    "H100": (989e12, 67e12),  # SXM: "NVIDIA H100 80GB HBM3"
-    "A100": (312e12, 19.5e12),
-    "L40S": (362e12, 91.6e12),
-    "L4": (121e12, 30.3e12),
-    "A10": (125e12, 31.2e12),
-    "RTX 4090": (165e12, 82.6e12),
-    "RTX 3090": (71e12, 35.6e12),
-    "V100": (125e12, 15.7e12),
-    "T4": (65e12, 8.1e12),
+    "NVIDIA H100 80GB HBM3": (989e12, 67e12),  # SXM
+    "NVIDIA H100 PCIe": (756e12, 51e12),
+    "NVIDIA H100 NVL": (835e12, 60e12),
+    "NVIDIA H200": (989e12, 67e12),  # SXM
+    "NVIDIA H200 NVL": (835e12, 60e12),
+    "NVIDIA A100-SXM4-80GB": (312e12, 19.5e12),
+    "NVIDIA A100-SXM4-40GB": (312e12, 19.5e12),
+    "NVIDIA A100-PCIE-40GB": (312e12, 19.5e12),
+    "NVIDIA A100 80GB PCIe": (312e12, 19.5e12),
+    "NVIDIA L40S": (362e12, 91.6e12),
+    "NVIDIA L40": (181e12, 90.5e12),
+    "NVIDIA L4": (121e12, 30.3e12),
+    "NVIDIA A10": (125e12, 31.2e12),
+    "NVIDIA GeForce RTX 4090": (165e12, 82.6e12),
+    "NVIDIA GeForce RTX 3090": (71e12, 35.6e12),
+    "Tesla V100-SXM2-16GB": (125e12, 15.7e12),  # fp16 only: no bf16
+    "Tesla V100-SXM2-32GB": (125e12, 15.7e12),
+    "Tesla T4": (65e12, 8.1e12),  # fp16 only: no bf16
 }
 
 
@@ -65,14 +76,15 @@ def measured_gemm_flops(device: torch.device, dtype: torch.dtype = torch.float32
 
 
 def peak_flops(device: torch.device, amp_dtype: torch.dtype | None) -> tuple[float, str]:
-    """(peak FLOP/s of one device, where the figure comes from)."""
+    """(peak FLOP/s of one device at the precision the model computes in, where the figure comes from)."""
+    precision = "fp32" if amp_dtype is None else str(amp_dtype).replace("torch.", "")
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, (half, single) in PEAK_FLOPS.items():  # specific names first: "A100" before "A10", "L40S" before "L4"
-            if key in name:
-                return (half if amp_dtype is not None else single), f"data sheet for {name}"
+        if name in PEAK_FLOPS:
+            half, single = PEAK_FLOPS[name]
+            return (single if amp_dtype is None else half), f"{precision} dense peak from the data sheet of {name}"
         dtype = amp_dtype or torch.float32
-        return measured_gemm_flops(device, dtype, size=4096), f"timed {dtype} GEMM on {name}"
+        return measured_gemm_flops(device, dtype, size=4096), f"timed {precision} GEMM on {name} (not in the table)"
     return measured_gemm_flops(device), "timed fp32 GEMM on the CPU"
 
 

@@ -1,0 +1,389 @@
+"""The first run on a GPU machine: every CUDA path of the trainer, in order of what it proves per minute.
+
+Each step prints one line, PASS, FAIL or SKIP, with its figure (or the reason it was skipped), and the
+whole run is written to benchmarks/results/gpu_smoke_<device>.json. Steps that need CUDA say SKIP with
+the reason on a machine without it; --cpu-only runs only what a CPU can check (the test suite does).
+
+    bash benchmarks/gpu_smoke.sh [WHEEL_DIR]       # installs what is missing, then runs this
+    python benchmarks/gpu_smoke.py [--cpu-only] [--only NAME ...] [--steps 120]
+
+Exit code: 0 when no step failed, 1 otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+TRAINER = [sys.executable, str(REPO / "rvq_seamless_gpu_cache_nccl.py")]
+PRESETS = ("basic", "gpu_cache", "prefetch", "conservative")
+# fp32 losses against the host path's, relative: the prefetcher gives the same data (kernels may reduce in
+# another order); the device cache stores features in bf16 (fp16), which moves the loss by its rounding
+LOSS_RTOL = {"prefetch": 1e-4, "cache": 1e-2}
+RESUME_ATOL = 1e-3  # max |weight difference| after stop and resume without --deterministic
+W2V_MIN_COSINE = 0.99  # bf16 against fp32 features of a random w2v-BERT, per frame
+
+
+class Skip(Exception):
+    """The step cannot run here; the message says why."""
+
+
+def needs_cuda() -> None:
+    if not torch.cuda.is_available():
+        raise Skip("needs CUDA: no GPU visible")
+
+
+def run(cmd, *, env=None, timeout=900, cwd=REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                          env={**os.environ, **(env or {})})
+
+
+def events(out_dir: Path, kind: str) -> list[dict]:
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["event"] == kind]
+
+
+def last_weights(out_dir: Path) -> dict:
+    last = sorted((out_dir / "checkpoints").glob("*.pt"), key=lambda p: p.stat().st_mtime)[-1]
+    return torch.load(last, map_location="cpu", weights_only=False)["model"]
+
+
+def max_weight_diff(a: dict, b: dict) -> float:
+    return max(float((a[k].float() - b[k].float()).abs().max()) if a[k].is_floating_point() else
+               float((a[k] != b[k]).any()) for k in a)
+
+
+# ---- the steps: each returns (passed, figure, details)
+
+def step_versions(args):
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
+    if torch.cuda.is_available():
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        info["gpus"] = torch.cuda.device_count()
+    try:
+        import vector_quantize_pytorch  # noqa: F401
+        from importlib.metadata import version
+        info["vector_quantize_pytorch"] = version("vector-quantize-pytorch")
+    except ImportError:
+        return False, "vector-quantize-pytorch is missing: give gpu_smoke.sh a wheel folder", info
+    return True, ", ".join(f"{k} {v}" for k, v in info.items()), info
+
+
+def step_doctor(args):
+    out = run([sys.executable, "-m", "tools.doctor"], timeout=300)
+    tail = (out.stdout + out.stderr).strip().splitlines()[-1:] or [""]
+    return out.returncode == 0, f"exit {out.returncode}: {tail[0]}", {"output": (out.stdout + out.stderr)[-4000:]}
+
+
+def step_host_syncs(args):
+    """The trainer's own host syncs per step (CPU proxy; on CUDA also torch.cuda.set_sync_debug_mode)."""
+    from benchmarks.host_syncs import one_step_syncs
+    from models.codec import CodecConfig, RVQCodec
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu_only else "cpu")
+    torch.manual_seed(0)
+    model = RVQCodec(CodecConfig(feature_dim=160)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler(device.type, enabled=False)
+    x = torch.randn(4, 256, 160, device=device)
+    for _ in range(3):  # past the k-means init
+        model_syncs, step_syncs, seconds = one_step_syncs(model, x, optimizer, scaler)
+    details = {"trainer": step_syncs.total, "library": dict(model_syncs.by_caller), "step_s": seconds}
+    if device.type == "cuda":  # the driver's own count: every sync warns once
+        import warnings
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            one_step_syncs(model, x, optimizer, scaler)
+        torch.cuda.set_sync_debug_mode(0)
+        details["cuda_sync_warnings"] = len(caught)
+    figure = f"{step_syncs.total} in the trainer's step, {model_syncs.total} in the library ({device}, {seconds * 1e3:.0f} ms)"
+    return step_syncs.total == 1, figure, details
+
+
+def open_demo(world_size=1):
+    from data.training_data import DataConfig, open_training_data
+
+    cfg = DataConfig()
+    return cfg, open_training_data(cfg, rank=0, world_size=world_size, seed=0, multiple_of=1)
+
+
+def step_batch_equality(args):
+    """Prefetcher and device cache (fully and partly cached) give the host path's batches, step by step."""
+    import dataclasses
+
+    from data.training_data import batch_source
+    from training.device import cache_dtype
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu_only else "cpu")
+    cfg, data = open_demo()
+    dtype = cache_dtype(device)
+    gb = data.shard.total_frames * data.shard.dim * torch.finfo(dtype).bits / 8 / 1e9
+    variants = {"host": dict(), "prefetch": dict(prefetch=True, num_workers=1),
+                "cache (all)": dict(use_gpu_cache=True),
+                "cache (half) + prefetch": dict(use_gpu_cache=True, gpu_cache_gb=gb / 2, prefetch=True, num_workers=1)}
+    steps = min(args.steps, data.plan.steps_per_epoch)
+    got = {}
+    for name, flags in variants.items():
+        source = batch_source(dataclasses.replace(cfg, **flags), data.shard, data.plan, device, start_step=0,
+                              cache_dtype=dtype, show_progress=False)
+        try:
+            # a copy now: the sources reuse their buffers once the step is done with a batch
+            got[name] = [source.get(i)[1].to("cpu", torch.float32, copy=True) for i in range(steps)]
+        finally:
+            getattr(source, "close", lambda: None)()
+    # cached features are stored in the cache's dtype: the host batch rounded the same way is the reference
+    ref = [b.to(dtype).float() for b in got["host"]]
+    diffs = {name: max(float((a - b).abs().max()) for a, b in zip(ref if "cache" in name else got["host"], batches))
+             for name, batches in got.items() if name != "host"}
+    return all(d == 0 for d in diffs.values()), f"{steps} steps, max |diff| {diffs} on {device} ({dtype})", diffs
+
+
+def trainer_flags(out: Path, steps: int, *extra) -> list:
+    return ["--output_dir", out, "--resume", "none", "--max_steps", steps, "--eval_every", max(1, steps // 2),
+            "--save_every", max(1, steps // 2), "--log_every", 10, *extra]
+
+
+def step_presets(args):
+    """Each preset for --steps steps with eval, refit and checkpoint, in bf16 and fp16, with and without
+    --multi_length_training."""
+    needs_cuda()
+    results, failed = {}, []
+    for preset in PRESETS:
+        for precision in ("bf16", "fp16"):
+            for multi in (False, True):
+                name = f"{preset} {precision}{' multi-length' if multi else ''}"
+                with tempfile.TemporaryDirectory(prefix="smoke") as out:
+                    extra = ["--precision", precision] + (["--multi_length_training"] if multi else [])
+                    began = time.perf_counter()
+                    job = run(["bash", "run_nccl_optimized.sh", preset,
+                               *trainer_flags(Path(out), args.steps, *extra)], env={"NPROC_PER_NODE": "1"})
+                    ok = job.returncode == 0 and (Path(out) / "checkpoints").is_dir()
+                    train = events(Path(out), "train") if (Path(out) / "metrics.jsonl").exists() else []
+                    ok = ok and bool(events(Path(out), "eval")) and bool(train)
+                    results[name] = {"exit": job.returncode, "seconds": round(time.perf_counter() - began, 1),
+                                     "frames_per_sec": train[-1]["frames_per_sec"] if train else None,
+                                     "mfu": train[-1]["mfu"] if train else None,
+                                     "data_wait_frac": train[-1]["data_wait_frac"] if train else None,
+                                     "bad_steps": train[-1]["bad_steps"] if train else None}
+                    if not ok:
+                        failed.append(name)
+                        results[name]["stderr"] = job.stderr[-3000:]
+    return not failed, f"{len(results) - len(failed)}/{len(results)} runs passed {failed or ''}", results
+
+
+def step_fp32_losses(args):
+    needs_cuda()
+    losses = {}
+    for name, extra in {"host": [], "prefetch": ["--prefetch", "--num_workers", "1"],
+                        "cache": ["--use_gpu_cache"]}.items():
+        with tempfile.TemporaryDirectory(prefix="smoke") as out:
+            job = run([*TRAINER, *trainer_flags(Path(out), 40, "--precision", "fp32", *extra)])
+            if job.returncode:
+                return False, f"{name}: exit {job.returncode}", {"stderr": job.stderr[-3000:]}
+            losses[name] = [e["loss"] for e in events(Path(out), "train")]
+    worst = {name: max(abs(a - b) / abs(b) for a, b in zip(losses[name], losses["host"], strict=True))
+             for name in LOSS_RTOL}
+    return all(worst[n] <= LOSS_RTOL[n] for n in LOSS_RTOL), \
+        "max relative loss difference to the host path: " + \
+        ", ".join(f"{n} {worst[n]:.1e} (tolerance {LOSS_RTOL[n]})" for n in LOSS_RTOL), losses
+
+
+def step_resume(args):
+    """Stopped by SIGTERM at step 20 and resumed: the same weights as an unbroken 40-step run."""
+    needs_cuda()
+    figures = {}
+    for deterministic in (True, False):
+        extra = ["--deterministic"] if deterministic else []
+        with tempfile.TemporaryDirectory(prefix="smoke") as a, tempfile.TemporaryDirectory(prefix="smoke") as b:
+            flags = ["--max_steps", 40, "--save_every", 1000, "--eval_every", 1000, *extra]
+            whole = run([*TRAINER, "--output_dir", a, *flags])
+            first = run([*TRAINER, "--output_dir", b, *flags], env={"RVQ_FAULT": "signal:rank=0:step=20:sig=TERM"})
+            second = run([*TRAINER, "--output_dir", b, *flags])
+            if whole.returncode or first.returncode or second.returncode:
+                return False, "a run failed", {"stderr": (whole.stderr + first.stderr + second.stderr)[-3000:]}
+            figures["deterministic" if deterministic else "default"] = max_weight_diff(last_weights(Path(a)),
+                                                                                       last_weights(Path(b)))
+    ok = figures["deterministic"] == 0 and figures["default"] <= RESUME_ATOL
+    return ok, f"max |weight diff|: {figures['deterministic']:.1e} deterministic (must be 0), " \
+               f"{figures['default']:.1e} default (tolerance {RESUME_ATOL})", figures
+
+
+NCCL_SCRIPT = r"""
+import datetime, os, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=60), device_id=torch.device("cuda", 0))
+control = dist.new_group(backend="gloo")
+t = torch.ones(4, device="cuda")
+dist.all_reduce(t); dist.broadcast(t, 0); dist.barrier()
+gathered = [torch.empty_like(t)]; dist.all_gather(gathered, t)
+objs = [None]; dist.all_gather_object(objs, {"step": 1}, group=control)
+dist.monitored_barrier(group=control, timeout=datetime.timedelta(seconds=10))
+model = DDP(torch.nn.Linear(4, 4).cuda())
+with model.no_sync():
+    model(t[None]).sum().backward()
+model(t[None]).sum().backward()
+from vector_quantize_pytorch import ResidualVQ
+rvq = ResidualVQ(dim=16, num_quantizers=2, codebook_size=32, kmeans_init=True, threshold_ema_dead_code=2,
+                 sync_codebook=True).cuda().train()
+rvq(torch.randn(2, 64, 16, device="cuda"))
+torch.cuda.synchronize()
+print("collectives ok")
+dist.destroy_process_group()
+"""
+
+DRILL_SCRIPT = r"""
+import datetime, os, torch, torch.distributed as dist
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=5), device_id=torch.device("cuda", 0))
+if int(os.environ["RANK"]) == 0:
+    t = torch.ones(1, device="cuda"); dist.all_reduce(t); torch.cuda.synchronize()
+import time; time.sleep(60)
+"""
+
+
+def torchrun(script: str, nproc: int, out: Path, timeout: int):
+    path = out / "script.py"
+    path.write_text(script)
+    env = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+           "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(out / "nccl_trace_rank_"), "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+           "PYTHONPATH": str(REPO)}
+    return run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", nproc, "--max_restarts", 0,
+                path], env=env, timeout=timeout)
+
+
+def step_nccl_one_rank(args):
+    """One NCCL rank: the collectives, DDP no_sync, monitored_barrier, the quantizer's distributed k-means
+    and dead-code expiry; then the trainer itself under torchrun with one rank."""
+    needs_cuda()
+    with tempfile.TemporaryDirectory(prefix="smoke") as out:
+        job = torchrun(NCCL_SCRIPT, 1, Path(out), 300)
+        if job.returncode or "collectives ok" not in job.stdout:
+            return False, f"collectives: exit {job.returncode}", {"stderr": job.stderr[-3000:]}
+        trainer = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", 1, *TRAINER[1:],
+                       *trainer_flags(Path(out) / "run", 40)], timeout=600)
+    return trainer.returncode == 0, f"collectives ok; trainer under torchrun x1: exit {trainer.returncode}", \
+        {"stderr": trainer.stderr[-3000:]}
+
+
+def step_timeout_drill(args):
+    """A collective that cannot finish (its peer never joins) under a 5 s timeout ends the process
+    within a minute and leaves a flight-recorder dump."""
+    needs_cuda()
+    if torch.cuda.device_count() < 2:
+        raise Skip("needs 2 GPUs: one NCCL rank has no peer to wait for")
+    with tempfile.TemporaryDirectory(prefix="smoke") as out:
+        began = time.perf_counter()
+        job = torchrun(DRILL_SCRIPT, 2, Path(out), 120)
+        seconds = time.perf_counter() - began
+        dumps = list(Path(out).glob("nccl_trace_rank_*"))
+    ok = job.returncode != 0 and seconds < 60 and bool(dumps)
+    return ok, f"exit {job.returncode} after {seconds:.0f} s, {len(dumps)} dump(s)", {"seconds": seconds}
+
+
+def step_benchmarks(args):
+    needs_cuda()
+    figures = {}
+    # bench_data measures the host side of batch assembly; bench_train trains on the GPU, against the plain loop
+    for script, extra in (("bench_data.py", []), ("bench_train.py", ["--device", "cuda"])):
+        out = REPO / "benchmarks" / "results" / f"gpu_{script.replace('.py', '.json')}"
+        job = run([sys.executable, REPO / "benchmarks" / script, "--out", out, *extra], timeout=900)
+        if job.returncode:
+            return False, f"{script}: exit {job.returncode}", {"stderr": job.stderr[-3000:]}
+        figures[script] = json.loads(out.read_text())
+    return True, "results in benchmarks/results/gpu_bench_*.json", figures
+
+
+def step_w2v_bert_bf16(args):
+    """A tiny random w2v-BERT's features in bf16 against fp32: per-frame cosine and relative MSE."""
+    import numpy as np
+    from transformers import Wav2Vec2BertConfig, Wav2Vec2BertModel
+
+    from data.audio_features import W2vBertLayer
+    from training.device import bf16_supported
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu_only else "cpu")
+    if device.type == "cuda" and not bf16_supported(device):
+        raise Skip("this GPU has no native bf16")
+    torch.manual_seed(0)
+    config = Wav2Vec2BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                                output_hidden_size=64, feature_projection_input_dim=160, conv_depthwise_kernel_size=5)
+    rng = np.random.default_rng(0)
+    fbanks = [rng.standard_normal((n, 160)).astype(np.float32) for n in (120, 300)]
+    with tempfile.TemporaryDirectory(prefix="smoke") as folder:
+        Wav2Vec2BertModel(config).eval().save_pretrained(folder)
+        feats = {dtype: W2vBertLayer(Path(folder), 2, device=device, dtype=dtype, max_chunk_seconds=30,
+                                     batch_size=2)(fbanks) for dtype in (torch.float32, torch.bfloat16)}
+    ref, low = (torch.from_numpy(np.concatenate(feats[d])).double() for d in (torch.float32, torch.bfloat16))
+    cosine = float(torch.nn.functional.cosine_similarity(ref, low, dim=1).min())
+    rel_mse = float((ref - low).square().mean() / ref.square().mean())
+    return cosine >= W2V_MIN_COSINE, f"lowest per-frame cosine {cosine:.4f} (>= {W2V_MIN_COSINE}), " \
+                                     f"relative MSE {rel_mse:.2e} on {device}", {"cosine": cosine, "rel_mse": rel_mse}
+
+
+# in order of what each proves per minute; True: the step can run on a CPU
+STEPS = [
+    ("versions", step_versions, True),
+    ("doctor", step_doctor, True),
+    ("host syncs", step_host_syncs, True),
+    ("batch equality", step_batch_equality, True),
+    ("w2v-bert bf16", step_w2v_bert_bf16, True),
+    ("nccl one rank", step_nccl_one_rank, False),
+    ("timeout drill", step_timeout_drill, False),
+    ("fp32 losses", step_fp32_losses, False),
+    ("resume", step_resume, False),
+    ("presets", step_presets, False),
+    ("benchmarks", step_benchmarks, False),
+]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu-only", action="store_true", help="run the CPU-runnable steps; SKIP the CUDA ones")
+    parser.add_argument("--only", nargs="*", choices=[name for name, _, _ in STEPS], help="run these steps only")
+    parser.add_argument("--steps", type=int, default=120, help="training steps per preset run")
+    parser.add_argument("--out", type=Path, help="results JSON (default benchmarks/results/gpu_smoke_<device>.json)")
+    args = parser.parse_args(argv)
+    device = "cpu" if args.cpu_only or not torch.cuda.is_available() else torch.cuda.get_device_name(0)
+    out = args.out or REPO / "benchmarks" / "results" / f"gpu_smoke_{re.sub(r'[^A-Za-z0-9]+', '_', device)}.json"
+    results, failed = {}, 0
+    for name, fn, cpu_ok in STEPS:
+        if args.only and name not in args.only:
+            continue
+        began = time.perf_counter()
+        try:
+            if args.cpu_only and not cpu_ok:
+                raise Skip("needs CUDA (--cpu-only)")
+            passed, figure, details = fn(args)
+            status = "PASS" if passed else "FAIL"
+        except Skip as why:
+            status, figure, details = "SKIP", str(why), {}
+        except Exception as e:  # noqa: BLE001 - a step that crashes is a failed step; the others still run
+            status, figure, details = "FAIL", f"{type(e).__name__}: {e}", {}
+        failed += status == "FAIL"
+        seconds = time.perf_counter() - began
+        print(f"{status} {name}: {figure} [{seconds:.0f} s]", flush=True)
+        results[name] = {"status": status, "figure": figure, "seconds": round(seconds, 1), "details": details}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"device": device, "torch": torch.__version__, "steps": results}, indent=1,
+                              default=str) + "\n")
+    print(f"{'FAILED' if failed else 'OK'}: {failed} step(s) failed; results in {out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
