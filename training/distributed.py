@@ -167,3 +167,24 @@ def is_distributed_error(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(
         mark in text for mark in ("gloo", "Gloo", "NCCL", "Connection closed by peer", "Connection reset",
                                   "timed out", "Timed out", "monitoredBarrier"))
+
+
+FR_ANALYSER = "python -m torch.distributed.flight_recorder.fr_trace"
+
+
+def dump_flight_recorder(ctx: DistContext, output_dir: Path) -> str:
+    """On NCCL, write this rank's flight recorder (its last collectives) where PyTorch's own timeout dump goes,
+    and say where the dumps are and how to read them; on gloo, nothing."""
+    if ctx.backend != "nccl":
+        return ""
+    from torch._C import _distributed_c10d as c10d
+
+    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)  # 2.13 / 2.11 names
+    if dump is None:
+        return ""
+    prefix = trainer_nccl_env(output_dir)["TORCH_FR_DUMP_TEMP_FILE"]
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{prefix}{ctx.rank}").write_bytes(dump())
+    folder = Path(prefix).parent
+    return (f". Flight-recorder dumps: {folder}/{Path(prefix).name}<rank>; read them with "
+            f"`{FR_ANALYSER} {folder} --prefix {Path(prefix).name}`")
