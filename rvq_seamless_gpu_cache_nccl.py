@@ -35,7 +35,7 @@ from training.distributed import (DistContext, destroy, detect_launch, dump_flig
 from training.evaluate import evaluate
 from training.faults import FaultInjector
 from training.metrics_log import MetricsLog, require_tensorboard
-from training.progress import Progress
+from training.progress import FAILED, Progress
 from training.signals import StopRequest
 from training.sync_check import sync_check
 from training.throughput import start_step_timer
@@ -110,7 +110,7 @@ class Trainer:
 
     def slow_phase(self):
         """The process group's timeout for a legitimately slow phase: k-means init, eval, refit."""
-        return phase_timeout(self.ctx, self.cfg.dist.slow_phase_s, self.cfg.dist.nccl_timeout)
+        return phase_timeout(self.ctx, self.cfg.dist.slow_phase_s)
 
     # ---- set up
 
@@ -290,6 +290,7 @@ class Trainer:
     def lost_peer(self, error: Exception) -> DistributedFailure:
         """A collective failed: a peer is probably gone; the watchdog names it and exits the process."""
         log.error("rank %d at step %d: a collective failed: %s", self.ctx.rank, self.progress.step, error)
+        self.progress.phase = FAILED
         if self.watchdog is not None:
             self.watchdog.await_verdict(self.cfg.dist.sync_timeout + 10)
         return DistributedFailure(f"rank {self.ctx.rank} stopped at step {self.progress.step}: {error}")

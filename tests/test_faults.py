@@ -170,3 +170,27 @@ def test_checkpoint_write_longer_than_sync_timeout_is_no_alarm(tmp_path, data, r
     assert job.wait(timeout=240) == [0, 0], job.output(0) + job.output(1)
     assert "this checkpoint write takes 18s longer" in job.output(0)
     assert [e["step"] for e in events(out, "checkpoint")] == [8, 16]
+
+
+@pytest.mark.parametrize("fault", [f"stall:rank=1:step=0:at=forward:seconds={SYNC_TIMEOUT + 5}",  # a slow first step
+                                   f"stall:rank=1:step=8:at=eval:seconds={SYNC_TIMEOUT + 5}"])  # a long eval
+def test_slow_phase_longer_than_sync_timeout_is_no_alarm(tmp_path, data, ranks, fault):
+    out = tmp_path / "run"
+    job = ranks(flags(data, out, "--max_steps", 16), extra_env={"RVQ_FAULT": fault})
+    assert job.wait(timeout=240) == [0, 0], job.output(0) + job.output(1)
+    assert "for 15s" in job.output(1)
+    assert [e["step"] for e in events(out, "eval")] == [8, 16]
+
+
+def test_rank_in_a_collective_the_others_never_join_is_named_as_a_desync(tmp_path, data, ranks):
+    out = tmp_path / "run"
+    job = ranks(flags(data, out, "--max_steps", 60), extra_env={"RVQ_FAULT": "extra_collective:rank=1:step=30"},
+                log_dir=tmp_path / "logs")
+    entered = job.wait_for(1, "enters an all-reduce the other ranks never join", timeout=200)
+    assert job.wait(timeout=SYNC_TIMEOUT + 60) == [3, 3], job.output(0) + job.output(1)
+    assert max(job.ended.values()) - entered <= SYNC_TIMEOUT + 30
+    for r in (0, 1):
+        assert "ranks in different collectives (a desync), rank(s) [1] stuck longest: " in job.output(r), job.output(r)
+        assert re.search(r"rank 0 in \w+ at step 30 for \d+s, at \S+ in all_reduce", job.output(r))
+        assert re.search(r"rank 1 in data at step 30 for \d+s, at \S+ in all_reduce, called from "
+                         r"training/faults.py:\d+ in on_phase", job.output(r))

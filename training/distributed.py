@@ -40,6 +40,7 @@ class DistContext:
     device: torch.device
     backend: str | None = None
     control: object | None = None  # the gloo control-plane group
+    timeouts: tuple = ()  # (process group, control plane) timeouts in seconds, restored after a slow phase
 
     @property
     def is_distributed(self) -> bool:
@@ -94,6 +95,7 @@ def init_distributed(launch: Launch, device: torch.device, *, timeout_s: int, co
         device_id=device if device.type == "cuda" else None,
     )
     ctx.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=control_timeout_s))
+    ctx.timeouts = (timeout_s, control_timeout_s)
     log.info("process group up: %s, world size %d, timeout %ds; control plane on gloo (%ds)",
              ctx.backend, ctx.world_size, timeout_s, control_timeout_s)
     return ctx
@@ -146,17 +148,20 @@ def wrap_ddp(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def phase_timeout(ctx: DistContext, seconds: int, normal_seconds: int):
-    """Give the main process group a longer timeout for a slow phase (k-means init, eval), then restore it."""
+def phase_timeout(ctx: DistContext, seconds: int):
+    """Give both process groups a longer timeout for a slow phase (k-means init, eval, refit), then restore them:
+    a peer may legitimately be that long before the next exchange, and the watchdog still names a stuck one."""
     setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     if not ctx.is_distributed or setter is None:
         yield
         return
     setter(timedelta(seconds=seconds))
+    setter(timedelta(seconds=seconds), ctx.control)
     try:
         yield
     finally:
-        setter(timedelta(seconds=normal_seconds))
+        setter(timedelta(seconds=ctx.timeouts[0]))
+        setter(timedelta(seconds=ctx.timeouts[1]), ctx.control)
 
 
 def is_distributed_error(error: BaseException) -> bool:

@@ -79,6 +79,7 @@ class FaultInjector:
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             self.faults = []
         self._fired: set = set()
+        self._extra_group = None
 
     def _take(self, kind: str, step: int, at: str = "step") -> Fault | None:
         """The fault of this kind due now, once: at its step, or at the first chance when it names none."""
@@ -122,10 +123,14 @@ class FaultInjector:
                     log.warning("RVQ_FAULT: rank %d's main thread stalls in %s at step %d for %s", self.rank, phase,
                                 step, f"{fault.seconds}s" if fault.seconds is not None else "good")
                     stall(fault.seconds)
+        if phase == "data" and self._extra_group is None and any(f.kind == "extra_collective" for f in self.faults):
+            # a group of its own, made by every rank: on the main group the others' next collective would pair
+            # with it, and gloo would abort on the size mismatch instead of hanging as NCCL does
+            self._extra_group = dist.new_group(backend="gloo")
         if phase == "data" and self._take("extra_collective", step):
             log.warning("RVQ_FAULT: rank %d enters an all-reduce the other ranks never join, at step %d",
                         self.rank, step)
-            dist.all_reduce(torch.zeros(3))
+            dist.all_reduce(torch.zeros(3), group=self._extra_group)
 
     def before_write(self, step: int) -> None:
         """Called on rank 0 as it starts writing a checkpoint."""

@@ -16,6 +16,7 @@ SLOW_PHASES = ("setup", "k-means init", "eval", "refit", "checkpoint", "teardown
 IN_STEP = ("data", "forward", "backward", "optimizer")
 # ... then after the step's count went up.
 AFTER_STEP = ("train", "sync check", "refit", "eval", "checkpoint", "teardown")
+FAILED = "failed collective"  # the main thread saw a collective fail and waits for the watchdog's verdict
 
 
 def order(step: int, phase: str) -> tuple:

@@ -32,7 +32,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from errors import EXIT_DISTRIBUTED
-from training.progress import SLOW_PHASES, order
+from training.progress import FAILED, SLOW_PHASES, order
 
 log = logging.getLogger(__name__)
 
@@ -52,20 +52,39 @@ def _process_gone(pid: int) -> bool:
         return False
 
 
+PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _frame_text(frame) -> str:
+    path = frame.f_code.co_filename
+    if path.startswith(PROJECT + os.sep):
+        path = os.path.relpath(path, PROJECT)
+    return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
 def where(thread_id: int) -> str:
-    """The innermost Python frame of a thread, as `file:line in function`."""
+    """A thread's innermost Python frame as `file:line in function`, and the project's frame that led there."""
     frame = sys._current_frames().get(thread_id)
     if frame is None:
         return "unknown"
-    path = frame.f_code.co_filename
-    with contextlib.suppress(ValueError):
-        path = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else path
-    return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
+    text, caller = _frame_text(frame), frame
+    while caller is not None and not caller.f_code.co_filename.startswith(PROJECT + os.sep):
+        caller = caller.f_back
+    if caller is not None and caller is not frame:
+        text += f", called from {_frame_text(caller)}"
+    return text
+
+
+def in_collective(state: dict) -> bool:
+    return "torch/distributed/" in state["where"].split(", called from")[0]
 
 
 def stuck_ranks(states: dict, allowance) -> tuple[list, bool]:
     """The ranks the others wait for that have overstayed their phase (empty: none), and whether every rank
     is at the same point (then they are all inside one collective that does not complete)."""
+    states = {r: s for r, s in states.items() if s["phase"] != FAILED}  # reported already; the watchdog judges
+    if not states:
+        return [], False
     keys = {r: order(s["step"], s["phase"]) for r, s in states.items()}
     behind = [r for r, k in keys.items() if k == min(keys.values())]
     late = [r for r in behind if states[r]["for"] > allowance(states[r]["phase"], states[r]["step"])]
@@ -167,14 +186,17 @@ class PeerWatchdog:
                                f"answered for {now - store_ok:.0f}s ({e})")
                 continue
             dead = [r for r, pid in local_pids.items() if _process_gone(pid)]
+            silent = [r for r, (_, t) in seen.items() if now - t > self.timeout_s]
+            if (dead or silent) and not verdict:  # a rank that wrote a verdict exits at once: it explains the loss
+                with contextlib.suppress(Exception):
+                    verdict = self.store.get(verdict_key) if self.store.check([verdict_key]) else None
+            if verdict:
+                self._stuck(json.loads(verdict))
             if dead:
                 self._fail(f"rank(s) {dead} lost: the process is gone")
-            silent = [r for r, (_, t) in seen.items() if now - t > self.timeout_s]
             if silent:
                 self._fail(f"rank(s) {silent} silent: no heartbeat for more than {self.timeout_s:.0f}s "
                            "(stopped, hung or unreachable)")
-            if verdict:
-                self._stuck(json.loads(verdict))
 
     def paragraph(self, verdict: dict) -> str:
         states = {int(r): s for r, s in verdict["states"].items()}
@@ -188,6 +210,9 @@ class PeerWatchdog:
             head = (f"ranks {late} have all waited in the same place longer than its allowance "
                     f"({self.allowance(states[late[0]]['phase'], states[late[0]]['step']):.0f}s): "
                     "a collective that does not complete (ranks in different collectives, or a network fault): ")
+            return head + "; ".join(at(r) for r in sorted(states))
+        if all(in_collective(s) for s in states.values()):
+            head = f"ranks in different collectives (a desync), rank(s) {late} stuck longest: "
             return head + "; ".join(at(r) for r in sorted(states))
         stuck = "; ".join(f"{at(r)} (allowance {self.allowance(states[r]['phase'], states[r]['step']):.0f}s)"
                           for r in late)
