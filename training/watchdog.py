@@ -94,8 +94,8 @@ def stuck_ranks(states: dict, allowance) -> tuple[list, bool]:
 class PeerWatchdog:
     def __init__(self, rank: int, world_size: int, *, timeout_s: float, slow_timeout_s: float, progress,
                  interval_s: float | None = None, on_verdict=None):
-        """progress: where the main loop is (its step and phase). on_verdict(paragraph) runs before the exit
-        (the flight-recorder dump on NCCL)."""
+        """progress: where the main loop is (its step and phase). on_verdict() runs before any exit and returns
+        text for the message (the flight-recorder dump on NCCL)."""
         self.rank, self.world_size, self.timeout_s, self.progress = rank, world_size, timeout_s, progress
         self.slow_timeout_s, self.on_verdict = slow_timeout_s, on_verdict
         self.interval_s = interval_s or max(0.5, min(5.0, timeout_s / 6))
@@ -221,9 +221,6 @@ class PeerWatchdog:
 
     def _stuck(self, verdict: dict) -> None:
         text = self.paragraph(verdict)
-        if self.on_verdict is not None:
-            with contextlib.suppress(Exception):
-                text += self.on_verdict()
         if self.rank in verdict["late"]:
             log.error("rank %d is stuck; the stacks of all its threads follow (the main thread is the one in %s)",
                       self.rank, self.progress.phase)
@@ -240,6 +237,9 @@ class PeerWatchdog:
 
     def _fail(self, what: str) -> None:
         self._verdict.set()
+        if self.on_verdict is not None:
+            with contextlib.suppress(Exception):  # the exit must not depend on a diagnostic
+                what += self.on_verdict()
         log.error("rank %d stopping at step %s: %s. Exit code 3; restart with --resume auto to continue from the "
                   "last checkpoint", self.rank, self.progress, what)
         for handler in logging.getLogger().handlers:
