@@ -31,12 +31,12 @@ from training.checkpoint import Checkpointer, Resume, find_resume
 from training.codebooks import feature_stats, init_codebooks, refit
 from training.config import OptimConfig, TrainConfig, parse_args, save_config
 from training.device import cache_dtype, compute_dtype, make_deterministic, select_device
-from training.distributed import (DistContext, all_reduce_sum, destroy, detect_launch, final_barrier,
-                                  init_distributed, is_distributed_error, phase_timeout, wrap_ddp)
+from training.distributed import (DistContext, all_reduce_sum, destroy, detect_launch, dump_flight_recorder,
+                                  final_barrier, init_distributed, is_distributed_error, phase_timeout, wrap_ddp)
 from training.evaluate import evaluate
 from training.faults import FaultInjector
 from training.metrics_log import MetricsLog, require_tensorboard
-from training.progress import Progress
+from training.progress import FAILED, Progress
 from training.signals import StopRequest
 from training.step_guard import StepOutcome, guarded_step
 from training.sync_check import sync_check
@@ -106,12 +106,15 @@ class Trainer:
         self.batches = None
         self.failed = False  # a collective failed: the process groups are left to the process exit
         self.exit_code = EXIT_OK
+        self.progress.on_enter.append(faults.on_phase)
         self.watchdog = (PeerWatchdog(ctx.rank, ctx.world_size, timeout_s=cfg.dist.sync_timeout,
-                                      progress=self.progress).start() if ctx.is_distributed else None)
+                                      slow_timeout_s=cfg.dist.slow_phase_s, progress=self.progress,
+                                      on_verdict=lambda: dump_flight_recorder(ctx, self.out_dir)).start()
+                         if ctx.is_distributed else None)
 
     def slow_phase(self):
         """The process group's timeout for a legitimately slow phase: k-means init, eval, refit."""
-        return phase_timeout(self.ctx, self.cfg.dist.slow_phase_s, self.cfg.dist.nccl_timeout)
+        return phase_timeout(self.ctx, self.cfg.dist.slow_phase_s)
 
     # ---- set up
 
@@ -179,16 +182,19 @@ class Trainer:
         # the first step may run the k-means init across ranks: it gets the slow-phase timeout
         with self.slow_phase() if p.step == 0 else contextlib.nullcontext():
             for micro in range(accum):
-                with self.timer.waiting_for_data():
+                with self.timer.waiting_for_data(), p.phase_of("data"):
                     batch, x = self.batches.get(p.step * accum + micro)
                 keep = self.bad_crops.check(batch, x)  # crops with a NaN or Inf frame are dropped on the device
                 # gradients are all-reduced once per step, on the last micro-batch
                 with self.ddp_model.no_sync() if ctx.is_distributed and micro < accum - 1 else contextlib.nullcontext():
-                    with torch.autocast(ctx.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                    with p.phase_of("forward"), torch.autocast(ctx.device.type, dtype=self.amp_dtype,
+                                                               enabled=self.amp_dtype is not None):
                         out = self.ddp_model(x, keep)
-                    self.scaler.scale(self.faults.loss(p.step, out.loss) / accum).backward()
+                    with p.phase_of("backward"):  # the gradient all-reduce
+                        self.scaler.scale(self.faults.loss(p.step, out.loss) / accum).backward()
                 p.samples_seen += len(batch.utterances)
                 self.timer.add_frames(batch.frames * ctx.world_size)
+        p.enter("optimizer")
         self.scaler.unscale_(self.optimizer)
         # The gradients are all-reduced, so this norm is the same on every rank: a NaN on any
         # rank skips the step on all of them, with no extra collective.
@@ -205,6 +211,7 @@ class Trainer:
             log.warning("step %d: non-finite loss or gradient, update skipped on every rank (%d so far)",
                         p.step + 1, p.bad_steps)
         p.step += 1
+        p.enter("train")
         self.bar.update(1)
         self.last = (out, batch)
 
@@ -275,7 +282,8 @@ class Trainer:
         if p.step % self.cfg.run.save_every and p.stop_reason is None:
             return
         with p.phase_of("checkpoint"):
-            path = self.checkpointer.save(self.model, self.optimizer, self.scaler, p)
+            path = self.checkpointer.save(self.model, self.optimizer, self.scaler, p,
+                                          before_write=self.faults.before_write)
         if path is not None:
             self.metrics.write("checkpoint", p.step, path=str(path))
             log.info("checkpoint: %s", path)
@@ -286,6 +294,7 @@ class Trainer:
         p = self.progress
         self.bar.close()
         self.metrics.write("stop", p.step, reason=p.stop_reason)
+        p.phase = "teardown"
         final_barrier(self.ctx, self.cfg.dist.sync_timeout)
         if self.exit_code == EXIT_OK:
             log.info("finished at step %d: %s", p.step, p.stop_reason)
@@ -297,6 +306,7 @@ class Trainer:
     def lost_peer(self, error: Exception) -> DistributedFailure:
         """A collective failed: a peer is probably gone; the watchdog names it and exits the process."""
         log.error("rank %d at step %d: a collective failed: %s", self.ctx.rank, self.progress.step, error)
+        self.progress.phase = FAILED
         if self.watchdog is not None:
             self.watchdog.await_verdict(self.cfg.dist.sync_timeout + 10)
         return DistributedFailure(f"rank {self.ctx.rank} stopped at step {self.progress.step}: {error}")

@@ -134,6 +134,14 @@ class Ranks:
             self._time.sleep(0.2)
         return [p.poll() for p in self.procs]
 
+    def wait_for(self, rank, text, timeout) -> float:
+        """When `text` first appeared in `rank`'s log (time.monotonic()); fails after `timeout` s."""
+        deadline = self._time.monotonic() + timeout
+        while text not in self.output(rank):
+            assert self._time.monotonic() < deadline and self.procs[rank].poll() is None, self.output(rank)
+            self._time.sleep(0.1)
+        return self._time.monotonic()
+
     def output(self, rank) -> str:
         return (self.log_dir / f"rank{rank}.log").read_text()
 

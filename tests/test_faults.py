@@ -1,4 +1,6 @@
 """Every fault on 2 gloo ranks: each run ends within its bound, with the right exit code, message and files."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -148,3 +150,62 @@ def test_other_launchers_environments(tmp_path, data, ranks, style):
     assert job.wait(timeout=200) == [0, 0], job.output(0) + job.output(1)
     assert "world size 2" in job.output(0) and "in 2 micro-batch(es)" in job.output(0)
     assert events(out, "stop")[-1]["step"] == 8
+
+
+@pytest.mark.parametrize("stuck", [1, 0])  # rank 0 hosts the rendezvous store
+def test_rank_whose_main_thread_stalls_is_named_by_every_rank(tmp_path, data, ranks, stuck):
+    out = tmp_path / "run"
+    job = ranks(flags(data, out, "--max_steps", 60), extra_env={"RVQ_FAULT": f"stall:rank={stuck}:step=30"},
+                log_dir=tmp_path / "logs")
+    stalled = job.wait_for(stuck, "stalls in data at step 30", timeout=200)
+    assert job.wait(timeout=SYNC_TIMEOUT + 60) == [3, 3], job.output(0) + job.output(1)
+    assert max(job.ended.values()) - stalled <= SYNC_TIMEOUT + 30
+    other = 1 - stuck
+    for r in (0, 1):
+        assert f"rank(s) [{stuck}] stuck: rank {stuck} in data at step 30 for" in job.output(r), job.output(r)
+        assert "in stall (allowance 10s). The others wait: rank %d in " % other in job.output(r)
+    assert re.search(r'Thread 0x[0-9a-f]+ \(most recent call first\):\n  File ".*faults.py", line \d+ in stall',
+                     job.output(stuck))  # every thread's stack, its main thread's in the fault's sleep
+    assert "Thread 0x" not in job.output(other)
+
+
+def test_stall_shorter_than_sync_timeout_is_no_alarm(tmp_path, data, ranks):
+    out = tmp_path / "run"
+    job = ranks(flags(data, out, "--max_steps", 20),
+                extra_env={"RVQ_FAULT": f"stall:rank=1:step=10:seconds={SYNC_TIMEOUT // 2}"})
+    assert job.wait(timeout=200) == [0, 0], job.output(0) + job.output(1)
+    assert "stalls in data at step 10 for 5s" in job.output(1)
+    assert events(out, "stop")[-1]["step"] == 20
+
+
+def test_checkpoint_write_longer_than_sync_timeout_is_no_alarm(tmp_path, data, ranks):
+    out = tmp_path / "run"
+    job = ranks(flags(data, out, "--max_steps", 16, "--save_every", 8),
+                extra_env={"RVQ_FAULT": f"slow_save:seconds={SYNC_TIMEOUT + 8}"})
+    assert job.wait(timeout=240) == [0, 0], job.output(0) + job.output(1)
+    assert "this checkpoint write takes 18s longer" in job.output(0)
+    assert [e["step"] for e in events(out, "checkpoint")] == [8, 16]
+
+
+@pytest.mark.parametrize("fault", [f"stall:rank=1:step=0:at=forward:seconds={SYNC_TIMEOUT + 5}",  # a slow first step
+                                   f"stall:rank=1:step=8:at=eval:seconds={SYNC_TIMEOUT + 5}"])  # a long eval
+def test_slow_phase_longer_than_sync_timeout_is_no_alarm(tmp_path, data, ranks, fault):
+    out = tmp_path / "run"
+    job = ranks(flags(data, out, "--max_steps", 16), extra_env={"RVQ_FAULT": fault})
+    assert job.wait(timeout=240) == [0, 0], job.output(0) + job.output(1)
+    assert "for 15s" in job.output(1)
+    assert [e["step"] for e in events(out, "eval")] == [8, 16]
+
+
+def test_rank_in_a_collective_the_others_never_join_is_named_as_a_desync(tmp_path, data, ranks):
+    out = tmp_path / "run"
+    job = ranks(flags(data, out, "--max_steps", 60), extra_env={"RVQ_FAULT": "extra_collective:rank=1:step=30"},
+                log_dir=tmp_path / "logs")
+    entered = job.wait_for(1, "enters an all-reduce the other ranks never join", timeout=200)
+    assert job.wait(timeout=SYNC_TIMEOUT + 60) == [3, 3], job.output(0) + job.output(1)
+    assert max(job.ended.values()) - entered <= SYNC_TIMEOUT + 30
+    for r in (0, 1):
+        assert "ranks in different collectives (a desync), rank(s) [1] stuck longest: " in job.output(r), job.output(r)
+        assert re.search(r"rank 0 in \w+ at step 30 for \d+s, at \S+ in all_reduce", job.output(r))
+        assert re.search(r"rank 1 in data at step 30 for \d+s, at \S+ in all_reduce, called from "
+                         r"training/faults.py:\d+ in on_phase", job.output(r))

@@ -103,11 +103,14 @@ class Checkpointer:
         self.folder, self.keep, self.ctx = Path(folder), keep, ctx
         self.codec, self.config, self.steps_per_epoch = codec, config, steps_per_epoch
 
-    def save(self, model, optimizer, scaler, progress: Progress) -> Path | None:
-        """Every rank calls it (the RNG states are gathered); rank 0 writes. Returns the path on rank 0."""
+    def save(self, model, optimizer, scaler, progress: Progress, before_write=None) -> Path | None:
+        """Every rank calls it (the RNG states are gathered); rank 0 writes. Returns the path on rank 0.
+        before_write(step) runs on rank 0 first (fault injection)."""
         rng = gather_rng_states(self.ctx)
         if self.ctx.rank != 0:
             return None
+        if before_write is not None:
+            before_write(progress.step)
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
                  "step": progress.step, "samples_seen": progress.samples_seen,
                  "epoch": progress.step // self.steps_per_epoch, "codec": self.codec.to_dict(),

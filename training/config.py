@@ -126,10 +126,11 @@ class DistConfig:
     nccl_timeout: int | None = flag(None, f"process-group timeout in seconds (default {DEFAULT_NCCL_TIMEOUT}, "
                                           "or $NCCL_TIMEOUT)")
     sync_check_every: int = flag(50, "steps between cross-rank sync checks")
-    sync_timeout: int = flag(300, "seconds a sync check waits for a silent rank before every rank stops")
+    sync_timeout: int = flag(300, "seconds a sync check waits, a peer may stay silent, and a rank may stay in one "
+                                  "training phase, before every rank stops")
     slow_phase_timeout: int | None = flag(
-        None, "process-group timeout in seconds for the first step (k-means init) and eval; default twice "
-              "--nccl_timeout")
+        None, "seconds allowed for a slow phase (setup, k-means init and the first step, eval, refit, checkpoint "
+              "save), as a phase and as the process groups' timeout; default twice --nccl_timeout")
 
     @property
     def slow_phase_s(self) -> int:

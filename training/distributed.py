@@ -40,6 +40,7 @@ class DistContext:
     device: torch.device
     backend: str | None = None
     control: object | None = None  # the gloo control-plane group
+    timeouts: tuple = ()  # (process group, control plane) timeouts in seconds, restored after a slow phase
 
     @property
     def is_distributed(self) -> bool:
@@ -94,6 +95,7 @@ def init_distributed(launch: Launch, device: torch.device, *, timeout_s: int, co
         device_id=device if device.type == "cuda" else None,
     )
     ctx.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=control_timeout_s))
+    ctx.timeouts = (timeout_s, control_timeout_s)
     log.info("process group up: %s, world size %d, timeout %ds; control plane on gloo (%ds)",
              ctx.backend, ctx.world_size, timeout_s, control_timeout_s)
     return ctx
@@ -146,17 +148,20 @@ def wrap_ddp(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def phase_timeout(ctx: DistContext, seconds: int, normal_seconds: int):
-    """Give the main process group a longer timeout for a slow phase (k-means init, eval), then restore it."""
+def phase_timeout(ctx: DistContext, seconds: int):
+    """Give both process groups a longer timeout for a slow phase (k-means init, eval, refit), then restore them:
+    a peer may legitimately be that long before the next exchange, and the watchdog still names a stuck one."""
     setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     if not ctx.is_distributed or setter is None:
         yield
         return
     setter(timedelta(seconds=seconds))
+    setter(timedelta(seconds=seconds), ctx.control)
     try:
         yield
     finally:
-        setter(timedelta(seconds=normal_seconds))
+        setter(timedelta(seconds=ctx.timeouts[0]))
+        setter(timedelta(seconds=ctx.timeouts[1]), ctx.control)
 
 
 def is_distributed_error(error: BaseException) -> bool:
@@ -167,3 +172,24 @@ def is_distributed_error(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(
         mark in text for mark in ("gloo", "Gloo", "NCCL", "Connection closed by peer", "Connection reset",
                                   "timed out", "Timed out", "monitoredBarrier"))
+
+
+FR_ANALYSER = "python -m torch.distributed.flight_recorder.fr_trace"
+
+
+def dump_flight_recorder(ctx: DistContext, output_dir: Path) -> str:
+    """On NCCL, write this rank's flight recorder (its last collectives) where PyTorch's own timeout dump goes,
+    and say where the dumps are and how to read them; on gloo, nothing."""
+    if ctx.backend != "nccl":
+        return ""
+    from torch._C import _distributed_c10d as c10d
+
+    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)  # 2.13 / 2.11 names
+    if dump is None:
+        return ""
+    prefix = trainer_nccl_env(output_dir)["TORCH_FR_DUMP_TEMP_FILE"]
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{prefix}{ctx.rank}").write_bytes(dump())
+    folder = Path(prefix).parent
+    return (f". Flight-recorder dumps: {folder}/{Path(prefix).name}<rank>; read them with "
+            f"`{FR_ANALYSER} {folder} --prefix {Path(prefix).name}`")

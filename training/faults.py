@@ -12,18 +12,28 @@ rank defaults to every rank, step to the first chance:
     desync:rank=1:step=20        perturb this rank's first codebook (and its EMA state) at step 20
     eval_error:rank=1[:step=S]   raise inside evaluation
     signal:rank=0:step=10[:sig=TERM]  send this rank a signal at step 10 (TERM, INT or USR1)
+    stall:rank=1:step=30[:seconds=N][:at=PHASE]  this rank's main thread sleeps (N s, or for good) as it enters
+                                 PHASE (default data) at step 30; its other threads and the process live on
+    extra_collective:rank=1:step=30  this rank enters an all-reduce the others never join, at step 30
+    slow_save:seconds=N[:step=S]   rank 0's checkpoint write takes N s longer
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from errors import BadInputError
+from training.progress import AFTER_STEP, IN_STEP, SLOW_PHASES
 
-KINDS = ("kill", "hang", "nan", "desync", "eval_error", "signal")
+KINDS = ("kill", "hang", "nan", "desync", "eval_error", "signal", "stall", "extra_collective", "slow_save")
+STALL_PHASES = tuple(dict.fromkeys(IN_STEP + AFTER_STEP + SLOW_PHASES))
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -32,7 +42,8 @@ class Fault:
     rank: int | None = None
     step: int | None = None
     sig: str = "TERM"
-    at: str = "step"  # "step": before the step; "backward": between the forward and backward passes
+    at: str = "step"  # "step": before the step; "backward": between the forward and backward passes; a phase
+    seconds: int | None = None  # stall, slow_save: how long (a stall without it lasts for good)
 
     def applies(self, rank: int, step: int) -> bool:
         return (self.rank is None or self.rank == rank) and (self.step is None or self.step == step)
@@ -47,11 +58,11 @@ def parse_faults(text: str | None) -> list[Fault]:
         fields = {}
         for pair in pairs:
             key, _, value = pair.partition("=")
-            if key in ("rank", "step") and value.isdigit():
+            if key in ("rank", "step", "seconds") and value.isdigit():
                 fields[key] = int(value)
             elif key == "sig" and value in ("TERM", "INT", "USR1"):
                 fields[key] = value
-            elif key == "at" and value in ("step", "backward"):
+            elif key == "at" and value in ("step", "backward") + (STALL_PHASES if kind == "stall" else ()):
                 fields[key] = value
             else:
                 raise BadInputError(f"RVQ_FAULT: cannot read {pair!r} in {item!r}")
@@ -68,6 +79,7 @@ class FaultInjector:
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             self.faults = []
         self._fired: set = set()
+        self._extra_group = None
 
     def _take(self, kind: str, step: int, at: str = "step") -> Fault | None:
         """The fault of this kind due now, once: at its step, or at the first chance when it names none."""
@@ -101,3 +113,35 @@ class FaultInjector:
     def in_eval(self, step: int) -> None:
         if self._take("eval_error", step):
             raise RuntimeError(f"injected eval error on rank {self.rank} at step {step}")
+
+    def on_phase(self, step: int, phase: str) -> None:
+        """Called as the main thread enters a phase (Progress.on_enter)."""
+        for fault in self.faults:
+            if fault.kind == "stall" and phase == (fault.at if fault.at in STALL_PHASES else "data"):
+                if fault not in self._fired and fault.applies(self.rank, step):
+                    self._fired.add(fault)
+                    log.warning("RVQ_FAULT: rank %d's main thread stalls in %s at step %d for %s", self.rank, phase,
+                                step, f"{fault.seconds}s" if fault.seconds is not None else "good")
+                    stall(fault.seconds)
+        if phase == "data" and self._extra_group is None and any(f.kind == "extra_collective" for f in self.faults):
+            # a group of its own, made by every rank: on the main group the others' next collective would pair
+            # with it, and gloo would abort on the size mismatch instead of hanging as NCCL does
+            self._extra_group = dist.new_group(backend="gloo")
+        if phase == "data" and self._take("extra_collective", step):
+            log.warning("RVQ_FAULT: rank %d enters an all-reduce the other ranks never join, at step %d",
+                        self.rank, step)
+            dist.all_reduce(torch.zeros(3), group=self._extra_group)
+
+    def before_write(self, step: int) -> None:
+        """Called on rank 0 as it starts writing a checkpoint."""
+        fault = self._take("slow_save", step)
+        if fault and fault.seconds:
+            log.warning("RVQ_FAULT: this checkpoint write takes %ds longer", fault.seconds)
+            time.sleep(fault.seconds)
+
+
+def stall(seconds: int | None) -> None:
+    """Sleep in the calling thread: N seconds, or for good."""
+    end = time.monotonic() + seconds if seconds is not None else float("inf")
+    while time.monotonic() < end:
+        time.sleep(min(1.0, end - time.monotonic()))

@@ -39,13 +39,12 @@ PRESETS = {
     ),
 }
 
-# PyTorch's async error handling and NCCL flight recorder, documented in PyTorch's "ProcessGroupNCCL
-# Environment Variables". Every preset gets them: the trainer sets them when it creates an NCCL process
+# The NCCL flight recorder, documented in PyTorch's "ProcessGroupNCCL Environment Variables"; async error
+# handling keeps PyTorch's own default (3: abort the process, since ncclCommAbort can hang). Every preset gets them: the trainer sets them when it creates an NCCL process
 # group (values the user set win). The launcher shows them but does not export them, because the dump
 # path depends on the output dir, which a later --output_dir flag can change.
 FLIGHT_RECORDER_DIR = "nccl_traces"  # dumps land in OUTPUT_DIR/nccl_traces/rank_<rank>
 TRAINER_NCCL_ENV = {
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
     "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": None,  # OUTPUT_DIR/nccl_traces/rank_

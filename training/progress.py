@@ -1,12 +1,31 @@
 """Where the training loop is: its step, counters and current phase, in one small object.
 
 The loop updates it; checkpoints, sync checks and log lines read it, and so does
-the watchdog thread, which names the step and phase a rank was in when it stopped.
+the watchdog thread, which publishes the phase and how long the main thread has
+been in it, and names the step and phase a rank was in when it stopped.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+
+# Phases that may legitimately take long: they get --slow_phase_timeout, every other phase --sync_timeout.
+SLOW_PHASES = ("setup", "k-means init", "eval", "refit", "checkpoint", "teardown")
+# Within a step (counted as step + 1, the step being done), in the order the main thread enters them ...
+IN_STEP = ("data", "forward", "backward", "optimizer")
+# ... then after the step's count went up.
+AFTER_STEP = ("train", "sync check", "refit", "eval", "checkpoint", "teardown")
+FAILED = "failed collective"  # the main thread saw a collective fail and waits for the watchdog's verdict
+
+
+def order(step: int, phase: str) -> tuple:
+    """How far a rank has come: a rank with a smaller value is one the others wait for."""
+    if phase in IN_STEP:
+        return step + 1, IN_STEP.index(phase)
+    if phase in AFTER_STEP:
+        return step, len(IN_STEP) + AFTER_STEP.index(phase)
+    return step, -1  # setup, k-means init: before the first step of this run
 
 
 @dataclass
@@ -15,13 +34,27 @@ class Progress:
     samples_seen: int = 0  # crops trained on by this rank
     bad_steps: int = 0  # non-finite steps skipped so far
     bad_in_a_row: int = 0
-    phase: str = "setup"  # what the main thread is doing: setup, train, eval, refit, checkpoint, teardown ...
+    phase: str = "setup"  # what the main thread is doing: setup, data, forward, backward, eval, checkpoint ...
     stop_reason: str | None = None  # set when the loop is to end after this step
+    since: float = field(default_factory=time.monotonic)  # when the main thread entered `phase`
+    on_enter: list = field(default_factory=list)  # callables(step, phase) run as a phase starts (fault injection)
+
+    def __setattr__(self, name, value):
+        if name == "phase":  # every phase change restarts the phase's clock, however it is made
+            object.__setattr__(self, "since", time.monotonic())
+        object.__setattr__(self, name, value)
+
+    def enter(self, name: str) -> None:
+        """Mark the main thread as inside `name` from now on."""
+        self.phase = name
+        for hook in self.on_enter:
+            hook(self.step, name)
 
     @contextlib.contextmanager
     def phase_of(self, name: str):
         """Mark the main thread as inside `name` until the block ends."""
-        outer, self.phase = self.phase, name
+        outer = self.phase
+        self.enter(name)
         try:
             yield
         finally:

@@ -1,4 +1,4 @@
-"""The peer watchdog: a thread that notices a lost or silent rank while the main thread is blocked.
+"""The peer watchdog: a thread that notices a lost, silent or stuck rank while the main thread is blocked.
 
 Each rank bumps a heartbeat counter in the rendezvous store (through its own
 client connection, with short timeouts) every few seconds and watches its
@@ -7,9 +7,20 @@ stopped or hung process), or whose process is gone (seen at once when it runs
 on this host), ends this rank with exit code 3 and a message naming the peer
 and the step. It runs beside the main thread because that thread may be stuck
 inside a collective whose own timeout is far longer.
+
+A live process whose main thread is stuck beats on, so each rank also publishes
+its main thread's progress: step, phase, how long it has been in that phase and
+where it is (file, line, function). The ranks furthest behind are the ones the
+others wait for; when one of them has overstayed its phase's allowance
+(--sync_timeout, or --slow_phase_timeout for a slow phase) the first rank to see
+it writes a verdict to the store. Every rank then logs the same paragraph, the
+stuck rank writes all its threads' stacks to its log, and all exit 3.
 """
 from __future__ import annotations
 
+import contextlib
+import faulthandler
+import json
 import logging
 import os
 import socket
@@ -21,6 +32,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from errors import EXIT_DISTRIBUTED
+from training.progress import FAILED, SLOW_PHASES, order
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +52,52 @@ def _process_gone(pid: int) -> bool:
         return False
 
 
+PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _frame_text(frame) -> str:
+    path = frame.f_code.co_filename
+    if path.startswith(PROJECT + os.sep):
+        path = os.path.relpath(path, PROJECT)
+    return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+def where(thread_id: int) -> str:
+    """A thread's innermost Python frame as `file:line in function`, and the project's frame that led there."""
+    frame = sys._current_frames().get(thread_id)
+    if frame is None:
+        return "unknown"
+    text, caller = _frame_text(frame), frame
+    while caller is not None and not caller.f_code.co_filename.startswith(PROJECT + os.sep):
+        caller = caller.f_back
+    if caller is not None and caller is not frame:
+        text += f", called from {_frame_text(caller)}"
+    return text
+
+
+def in_collective(state: dict) -> bool:
+    return "torch/distributed/" in state["where"].split(", called from")[0]
+
+
+def stuck_ranks(states: dict, allowance) -> tuple[list, bool]:
+    """The ranks the others wait for that have overstayed their phase (empty: none), and whether every rank
+    is at the same point (then they are all inside one collective that does not complete)."""
+    states = {r: s for r, s in states.items() if s["phase"] != FAILED}  # reported already; the watchdog judges
+    if not states:
+        return [], False
+    keys = {r: order(s["step"], s["phase"]) for r, s in states.items()}
+    behind = [r for r, k in keys.items() if k == min(keys.values())]
+    late = [r for r in behind if states[r]["for"] > allowance(states[r]["phase"], states[r]["step"])]
+    return sorted(late), len(behind) == len(states)
+
+
 class PeerWatchdog:
-    def __init__(self, rank: int, world_size: int, *, timeout_s: float, progress, interval_s: float | None = None):
-        """progress: where the main loop is (its step and phase), for messages."""
+    def __init__(self, rank: int, world_size: int, *, timeout_s: float, slow_timeout_s: float, progress,
+                 interval_s: float | None = None, on_verdict=None):
+        """progress: where the main loop is (its step and phase). on_verdict() runs before any exit and returns
+        text for the message (the flight-recorder dump on NCCL)."""
         self.rank, self.world_size, self.timeout_s, self.progress = rank, world_size, timeout_s, progress
+        self.slow_timeout_s, self.on_verdict = slow_timeout_s, on_verdict
         self.interval_s = interval_s or max(0.5, min(5.0, timeout_s / 6))
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         self.address = f"{host}:{port}"
@@ -52,10 +106,15 @@ class PeerWatchdog:
         self.prefix = "rvq_watchdog/{}/{}".format(os.environ.get("TORCHELASTIC_RUN_ID", "run"),
                                                   os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.host = socket.gethostname()
+        self.main_id = threading.main_thread().ident
         self.store.set(f"{self.prefix}/who/{rank}", f"{self.host} {os.getpid()}")
         self._stop = threading.Event()
         self._verdict = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peer-watchdog", daemon=True)
+
+    def allowance(self, phase: str, step: int) -> float:
+        """How long the main thread may stay in one phase: the first step may run the k-means init."""
+        return self.slow_timeout_s if phase in SLOW_PHASES or step == 0 else self.timeout_s
 
     def start(self) -> "PeerWatchdog":
         self._thread.start()
@@ -77,14 +136,31 @@ class PeerWatchdog:
                     pids[r] = int(pid)
         return pids
 
+    def _my_state(self) -> dict:
+        p = self.progress
+        return {"step": p.step, "phase": p.phase, "for": round(time.monotonic() - p.since, 1),
+                "where": where(self.main_id)}
+
+    def _states(self, mine: dict) -> dict:
+        """Every rank's published state (this rank's fresh), or fewer when some have not published yet."""
+        states = {self.rank: mine}
+        keys = [f"{self.prefix}/state/{r}" for r in range(self.world_size) if r != self.rank]
+        if keys and self.store.check(keys):
+            others = [r for r in range(self.world_size) if r != self.rank]
+            states.update({r: json.loads(v) for r, v in zip(others, self.store.multi_get(keys))})
+        return states
+
     def _run(self) -> None:
         peers = [r for r in range(self.world_size) if r != self.rank]
         start = time.monotonic()
         seen = {r: (-1, start) for r in peers}
         store_ok, local_pids = start, {}
+        verdict_key = f"{self.prefix}/verdict"
         while not self._stop.wait(self.interval_s):
             now = time.monotonic()
             try:
+                mine = self._my_state()
+                self.store.set(f"{self.prefix}/state/{self.rank}", json.dumps(mine))
                 self.store.add(f"{self.prefix}/hb/{self.rank}", 1)
                 for r in peers:
                     count = self.store.add(f"{self.prefix}/hb/{r}", 0)
@@ -92,6 +168,17 @@ class PeerWatchdog:
                         seen[r] = (count, now)
                 if len(local_pids) < len(peers):
                     local_pids = self._peer_pids()
+                verdict = self.store.get(verdict_key) if self.store.check([verdict_key]) else None
+                # a peer whose heartbeat stopped publishes a stale state: the silence check names it instead
+                beating = all(now - t <= 2 * self.interval_s + 1 for _, t in seen.values())
+                if verdict is None and beating:
+                    states = self._states(mine)
+                    late, together = stuck_ranks(states, self.allowance) if len(states) == self.world_size \
+                        else ([], False)
+                    if late:  # the first rank to see it writes the verdict; every rank reads the same one
+                        proposal = json.dumps({"late": late, "together": together, "by": self.rank,
+                                               "states": {str(r): s for r, s in sorted(states.items())}})
+                        verdict = self.store.compare_set(verdict_key, "", proposal)
                 store_ok = now
             except Exception as e:  # noqa: BLE001 - an unreachable store is itself the symptom
                 if now - store_ok > self.timeout_s:
@@ -99,15 +186,60 @@ class PeerWatchdog:
                                f"answered for {now - store_ok:.0f}s ({e})")
                 continue
             dead = [r for r, pid in local_pids.items() if _process_gone(pid)]
+            silent = [r for r, (_, t) in seen.items() if now - t > self.timeout_s]
+            if (dead or silent) and not verdict:  # a rank that wrote a verdict exits at once: it explains the loss
+                with contextlib.suppress(Exception):
+                    verdict = self.store.get(verdict_key) if self.store.check([verdict_key]) else None
+            if verdict:
+                self._stuck(json.loads(verdict))
             if dead:
                 self._fail(f"rank(s) {dead} lost: the process is gone")
-            silent = [r for r, (_, t) in seen.items() if now - t > self.timeout_s]
             if silent:
                 self._fail(f"rank(s) {silent} silent: no heartbeat for more than {self.timeout_s:.0f}s "
                            "(stopped, hung or unreachable)")
 
+    def paragraph(self, verdict: dict) -> str:
+        states = {int(r): s for r, s in verdict["states"].items()}
+        late = verdict["late"]
+
+        def at(r):
+            s = states[r]
+            return f"rank {r} in {s['phase']} at step {s['step']} for {s['for']:.0f}s, at {s['where']}"
+
+        if verdict["together"]:
+            head = (f"ranks {late} have all waited in the same place longer than its allowance "
+                    f"({self.allowance(states[late[0]]['phase'], states[late[0]]['step']):.0f}s): "
+                    "a collective that does not complete (ranks in different collectives, or a network fault): ")
+            return head + "; ".join(at(r) for r in sorted(states))
+        if all(in_collective(s) for s in states.values()):
+            head = f"ranks in different collectives (a desync), rank(s) {late} stuck longest: "
+            return head + "; ".join(at(r) for r in sorted(states))
+        stuck = "; ".join(f"{at(r)} (allowance {self.allowance(states[r]['phase'], states[r]['step']):.0f}s)"
+                          for r in late)
+        others = "; ".join(f"{at(r)}" for r in sorted(states) if r not in late)
+        return f"rank(s) {late} stuck: {stuck}. The others wait: {others}"
+
+    def _stuck(self, verdict: dict) -> None:
+        text = self.paragraph(verdict)
+        if self.rank in verdict["late"]:
+            log.error("rank %d is stuck; the stacks of all its threads follow (the main thread is the one in %s)",
+                      self.rank, self.progress.phase)
+            sys.stderr.flush()
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        with contextlib.suppress(Exception):
+            self.store.add(f"{self.prefix}/acked", 1)
+        if self.rank == 0:  # rank 0 may host the store: the others read the verdict from it before it goes
+            deadline = time.monotonic() + 2 * self.interval_s + 5
+            with contextlib.suppress(Exception):
+                while self.store.add(f"{self.prefix}/acked", 0) < self.world_size and time.monotonic() < deadline:
+                    time.sleep(0.2)
+        self._fail(text)
+
     def _fail(self, what: str) -> None:
         self._verdict.set()
+        if self.on_verdict is not None:
+            with contextlib.suppress(Exception):  # the exit must not depend on a diagnostic
+                what += self.on_verdict()
         log.error("rank %d stopping at step %s: %s. Exit code 3; restart with --resume auto to continue from the "
                   "last checkpoint", self.rank, self.progress, what)
         for handler in logging.getLogger().handlers:
