@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -134,8 +135,8 @@ class Trainer:
         self.ddp_model = wrap_ddp(self.model, ctx)
         self.open_outputs()
         self.batches = batch_source(cfg.data, self.data.shard, self.data.plan, ctx.device,
-                                    start_step=p.step * cfg.optim.grad_accum, cache_dtype=cache_dtype(ctx.device),
-                                    show_progress=self.main_rank)
+                                    start_step=p.step * cfg.optim.grad_accum, show_progress=self.main_rank,
+                                    cache_dtype=cache_dtype(ctx.device, self.data.shard.dtype == np.float16))
         self.bad_crops = BadCrops(self.data.shard, self.data.plan)
         if p.step == 0 and self.codec.kmeans_init and cfg.codebooks.kmeans_init_frames:
             with self.slow_phase(), p.phase_of("k-means init"):

@@ -151,8 +151,6 @@ def batch_source(cfg: DataConfig, store: FeatureStore, plan, device: torch.devic
     prefetch = dict(start_step=start_step, depth=cfg.prefetch_depth, workers=cfg.num_workers,
                     pin_memory=cfg.pin_memory, persistent_workers=cfg.persistent_workers)
     streaming = cfg.prefetch or cfg.num_workers > 0
-    if store.dtype == np.float16:  # a float16 dump is cached as it is stored: no rounding, half the memory
-        cache_dtype = torch.float16
     if cfg.use_gpu_cache:  # with --prefetch, what does not fit under --gpu_cache_gb is prefetched
         return DeviceFeatureCache(store, plan, device, max_bytes=cfg.gpu_cache_gb * 1e9, dtype=cache_dtype,
                                   show_progress=show_progress, stream=prefetch if streaming else None)

@@ -67,9 +67,12 @@ def make_deterministic() -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def cache_dtype(device: torch.device) -> torch.dtype:
-    """The type of features kept on `device` by the feature cache: bf16 where the GPU has it, else fp16;
-    fp32 on a CPU, where the cache is RAM and converting half precision would cost 4x the gather itself."""
+def cache_dtype(device: torch.device, stored_float16: bool = False) -> torch.dtype:
+    """The type of features kept on `device` by the feature cache: float16 for a float16 dump, kept as stored
+    (no rounding, half the memory); else bf16 where the GPU has it, else fp16; fp32 on a CPU, where the cache
+    is RAM and converting half precision would cost 4x the gather itself."""
+    if stored_float16:
+        return torch.float16
     if device.type == "cpu":
         return torch.float32
     return torch.bfloat16 if bf16_supported(device) else torch.float16
