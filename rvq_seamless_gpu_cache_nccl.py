@@ -28,7 +28,7 @@ from data.bad_crops import BadCrops
 from data.training_data import TrainingData, batch_source, open_training_data
 from errors import EXIT_FAILURE, EXIT_OK, BadInputError, DistributedFailure
 from models.codec import CodecConfig, RVQCodec, codebook_tensors
-from training.checkpoint import Checkpointer, Resume, find_resume
+from training.checkpoint import Checkpointer, Resume
 from training.codebooks import feature_stats, init_codebooks, refit
 from training.config import OptimConfig, TrainConfig, parse_args, save_config
 from training.device import cache_dtype, compute_dtype, make_deterministic, select_device
@@ -38,6 +38,7 @@ from training.evaluate import evaluate
 from training.faults import FaultInjector
 from training.metrics_log import MetricsLog, require_tensorboard
 from training.progress import FAILED, Progress
+from training.resume import agree_on_resume
 from training.signals import StopRequest
 from training.step_guard import StepOutcome, guarded_step
 from training.sync_check import sync_check
@@ -59,13 +60,15 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
     data = open_training_data(cfg.data, rank=launch.rank, world_size=launch.world_size, seed=cfg.optim.seed,
                               multiple_of=cfg.codec["downsample"], manifest_dir=Path(cfg.run.output_dir))
     codec = cfg.codec_config(data.train.dim)
-    resume = find_resume(cfg.run.resume, Path(cfg.run.output_dir) / "checkpoints", codec)
     # ---- device and process groups
     if cfg.optim.deterministic:
         make_deterministic()  # before any CUDA work
     device = select_device(cfg.run.device, launch.local_rank, bind_local_rank=launch.world_size > 1)
     ctx = init_distributed(launch, device, timeout_s=cfg.dist.nccl_timeout, control_timeout_s=cfg.dist.sync_timeout,
                            output_dir=Path(cfg.run.output_dir))
+    # ---- rank 0 chooses the checkpoint, every rank loads it (exit 2 on every rank if one cannot), then the model
+    with phase_timeout(ctx, cfg.dist.slow_phase_s):  # each side waits while the other reads a checkpoint
+        resume = agree_on_resume(ctx, cfg.run.resume, Path(cfg.run.output_dir) / "checkpoints", codec)
     trainer = Trainer(cfg, ctx, data, codec, stop, faults)
     try:
         trainer.build(resume)

@@ -93,6 +93,7 @@ def _state(pid: int) -> str:
 class Ranks:
     """Two (or more) trainer ranks started as a launcher would, each process observable on its own.
 
+    args: the trainer's flags, or a function of the rank that returns them (ranks with different flags).
     style: "env" (RANK/WORLD_SIZE/LOCAL_RANK, as torchrun and accelerate set them) or "slurm"
     (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, as srun sets them). Rank 0 hosts the rendezvous store.
     """
@@ -117,7 +118,8 @@ class Ranks:
                     e.update(ACCELERATE_MIXED_PRECISION="no")
             log = open(self.log_dir / f"rank{rank}.log", "w+")
             self.logs.append(log)
-            self.procs.append(subprocess.Popen([sys.executable, str(TRAINER), *map(str, args)], stdout=log,
+            flags = args(rank) if callable(args) else args
+            self.procs.append(subprocess.Popen([sys.executable, str(TRAINER), *map(str, flags)], stdout=log,
                                                stderr=subprocess.STDOUT, env=e, cwd=REPO))
 
     def wait(self, timeout, ranks=None):

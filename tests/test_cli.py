@@ -45,6 +45,7 @@ def test_bad_data_exits_2_names_it_and_writes_nothing(tmp_path, case):
     (["--no_such_flag"], "unrecognized arguments"),
     (["--segment_lengths", "64,x"], "comma-separated"),
     (["--downsample", "4", "--segment_length", "30"], "not multiples of --downsample 4"),
+    (["--resume", "/no/such/step_00000008.pt"], "--resume /no/such/step_00000008.pt: cannot read it"),
 ])
 def test_bad_flags_exit_2(tmp_path, argv, message):
     r = run_trainer([*argv, "--output_dir", tmp_path / "run"], timeout=60)

@@ -1,11 +1,12 @@
 """Every fault on 2 gloo ranks: each run ends within its bound, with the right exit code, message and files."""
 import re
+import shutil
 
 import numpy as np
 import pytest
 import torch
 
-from tests.helpers import TINY, Ranks, events, write_fairseq
+from tests.helpers import TINY, Ranks, events, run_trainer, write_fairseq
 
 SYNC_TIMEOUT = 10
 
@@ -62,6 +63,54 @@ def test_killed_rank_is_named_and_resume_loses_at_most_save_every(tmp_path, data
     assert again.wait(timeout=200) == [0, 0], again.output(0)
     assert "resumed from" in again.output(0) and "at step 8" in again.output(0)  # killed during step 11
     assert events(out, "stop")[-1]["step"] == 30
+
+
+@pytest.fixture(scope="module")
+def checkpointed(data, tmp_path_factory):
+    """An output dir holding checkpoints at steps 4 and 8 (a short single-process run); tests copy it to change it."""
+    out = tmp_path_factory.mktemp("checkpointed")
+    r = run_trainer(flags(data, out, "--max_steps", 8, "--save_every", 4), timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_cannot_read_rank_0s_checkpoint_ends_every_rank_with_exit_2(tmp_path, data, checkpointed, ranks):
+    """Two nodes with different --output_dirs: rank 0 resumes from its step 8, which rank 1 does not have."""
+    elsewhere = tmp_path / "elsewhere"
+    job = ranks(lambda rank: flags(data, checkpointed if rank == 0 else elsewhere, "--max_steps", 12))
+    assert job.wait(timeout=60) == [2, 2], job.output(0) + job.output(1)
+    for r in (0, 1):
+        assert (f"rank 1 cannot read checkpoint {elsewhere}/checkpoints/step_00000008.pt chosen by rank 0 "
+                f"({checkpointed}/checkpoints/step_00000008.pt, step 8): ") in job.output(r), job.output(r)
+        assert "No such file" in job.output(r)
+        assert "--output_dir must be on a filesystem every node sees" in job.output(r)
+    assert not elsewhere.exists()
+
+
+@pytest.mark.timeout(120)
+def test_checkpoints_only_another_rank_sees_are_ignored_with_a_warning(tmp_path, data, checkpointed, ranks):
+    """Rank 0 decides: with none in its --output_dir every rank starts at step 0, and rank 1 says what it ignores."""
+    fresh = tmp_path / "fresh"
+    job = ranks(lambda rank: flags(data, fresh if rank == 0 else checkpointed, "--max_steps", 2))
+    assert job.wait(timeout=90) == [0, 0], job.output(0) + job.output(1)
+    assert (f"rank 1: rank 0 found no checkpoint to resume from, so every rank starts at step 0; the 2 checkpoint(s) "
+            f"in {checkpointed}/checkpoints (newest step_00000008.pt) are ignored") in job.output(1)
+    assert "resumed from" not in job.output(0)
+    assert [e["step"] for e in events(fresh, "train")] == [1, 2]
+
+
+@pytest.mark.timeout(120)
+def test_rank_0s_fallback_from_a_truncated_checkpoint_is_what_every_rank_loads(tmp_path, data, checkpointed, ranks):
+    out = tmp_path / "run"
+    shutil.copytree(checkpointed, out)
+    newest = out / "checkpoints" / "step_00000008.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    job = ranks(flags(data, out, "--max_steps", 10))
+    assert job.wait(timeout=90) == [0, 0], job.output(0) + job.output(1)  # the sync check at step 8 compares steps
+    assert "step_00000008.pt is unreadable" in job.output(0) and "unreadable" not in job.output(1)
+    assert re.search(r"resumed from \S+/step_00000004\.pt at step 4", job.output(0))
+    assert events(out, "stop")[-1]["step"] == 10
 
 
 def test_hung_rank_is_named_while_peer_blocks_in_gradient_allreduce(tmp_path, data, ranks):

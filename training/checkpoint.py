@@ -5,7 +5,8 @@ epoch, the codec's config, every flag, and every rank's RNG states. `Checkpointe
 is the one place that decides that content, both ways. A file is written to a
 temporary name, fsynced, then renamed into place, so the last good checkpoint is
 never overwritten in place; a truncated file is detected on resume and the
-previous checkpoint used instead.
+previous checkpoint used instead. Which checkpoint every rank resumes from is
+rank 0's choice (training/resume.py).
 """
 from __future__ import annotations
 
@@ -82,17 +83,28 @@ class Resume:
 
 
 def find_resume(resume: str, folder: Path, codec: CodecConfig) -> Resume | None:
-    """The checkpoint to continue from (--resume auto, none, or a path), trained with this run's codec."""
+    """The checkpoint to continue from (--resume auto, none, or a path), trained with this run's codec.
+    On several ranks, rank 0 alone calls it and the others load its choice (training/resume.py)."""
     if resume == "none":
         return None
-    found = load_latest(folder) if resume == "auto" else (Path(resume), load_checkpoint(Path(resume)))
+    if resume == "auto":
+        found = load_latest(folder)
+    else:
+        try:
+            found = Path(resume), load_checkpoint(Path(resume))
+        except Exception as e:  # noqa: BLE001 - missing, truncated or not a checkpoint: the flag is wrong
+            raise BadInputError(f"--resume {resume}: cannot read it: {e}") from e
     if found is None:
         return None
     path, state = found
+    check_codec(path, state, codec)
+    return Resume(path, state)
+
+
+def check_codec(path: Path, state: dict, codec: CodecConfig) -> None:
     if state["codec"] != codec.to_dict():
         raise BadInputError(f"checkpoint {path} was trained with codec {state['codec']}, which differs from this "
                             f"run's flags {codec.to_dict()}; use another --output_dir or --resume none")
-    return Resume(path, state)
 
 
 class Checkpointer:

@@ -115,7 +115,8 @@ class RunConfig:
     save_every: int = flag(200)
     keep_checkpoints: int = flag(3)
     log_every: int = flag(10)
-    resume: str = flag("auto", "auto (last checkpoint in --output_dir), none, or a path")
+    resume: str = flag("auto", "auto (last checkpoint in rank 0's --output_dir; every rank loads it), none, "
+                               "or a path")
     tensorboard: bool = flag(False, "also write the metrics as TensorBoard scalars to OUTPUT_DIR/tensorboard "
                                     "(pip install tensorboard)")
     device: str = flag("auto", "auto, cpu, cuda, or cuda:N (single process)")
@@ -237,8 +238,6 @@ def parse_args(argv=None) -> TrainConfig:
     bad = [L for L in config.data.train_lengths if L % downsample]
     if bad:
         parser.error(f"segment length(s) {bad} are not multiples of --downsample {downsample}")
-    if config.run.resume not in ("auto", "none") and not os.path.exists(config.run.resume):
-        parser.error(f"--resume {config.run.resume}: no such checkpoint")
     return config
 
 

@@ -1,0 +1,96 @@
+"""Resume agreement: rank 0 chooses the checkpoint, every rank loads that one.
+
+Ranks that each picked their own newest file (two nodes with different
+`--output_dir`s, or one not on a shared filesystem) would start at different
+steps and deadlock in mismatched collectives. So rank 0 alone chooses, as a
+single process does (`find_resume`: the newest readable checkpoint, a truncated
+one skipped, or the `--resume` path), and broadcasts the path and step over the
+control plane. Every other rank reads that checkpoint where its own flags point
+(its `--output_dir`'s checkpoints/, or its `--resume` path) and checks its step;
+then one all-gather of each rank's outcome ends every rank at once, with exit 2
+and the rank, the path and the cause named, when any of them could not. When
+rank 0 has none, every rank starts from step 0.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from errors import BadInputError
+from models.codec import CodecConfig
+from training.checkpoint import Resume, check_codec, find_resume, list_checkpoints, load_checkpoint
+from training.distributed import DistContext
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Choice:
+    """What rank 0 broadcasts: the checkpoint it chose (no path: start from step 0), or why it could not choose."""
+    path: str | None = None
+    step: int | None = None
+    error: str | None = None
+
+
+def agree_on_resume(ctx: DistContext, resume: str, folder: Path, codec: CodecConfig) -> Resume | None:
+    """The checkpoint every rank continues from, chosen by rank 0 (--resume auto, none, or a path).
+    Raises BadInputError on every rank together when rank 0 could not choose or any rank cannot read the choice."""
+    if not ctx.is_distributed:
+        return find_resume(resume, folder, codec)
+    mine, choice = _choose(ctx, resume, folder, codec)
+    if choice.error:
+        raise BadInputError(choice.error if ctx.rank == 0 else f"rank 0: {choice.error}")
+    if choice.path is None:
+        if ctx.rank != 0 and resume == "auto":
+            _warn_of_ignored_checkpoints(ctx.rank, folder)
+        return None
+    error = None
+    if ctx.rank != 0:
+        path = folder / Path(choice.path).name if resume == "auto" else Path(resume)
+        try:
+            mine = _read_chosen(path, choice.step, codec)
+        except Exception as e:  # noqa: BLE001 - any failure must reach the all-gather, or the others would wait
+            where = "--output_dir" if resume == "auto" else "--resume"
+            error = (f"rank {ctx.rank} cannot read checkpoint {path} chosen by rank 0 ({choice.path}, step "
+                     f"{choice.step}): {e}. {where} must be on a filesystem every node sees")
+    outcomes = [None] * ctx.world_size
+    dist.all_gather_object(outcomes, error, group=ctx.control)
+    failed = [outcome for outcome in outcomes if outcome]
+    if failed:
+        raise BadInputError("; ".join(failed))
+    return mine
+
+
+def _choose(ctx: DistContext, resume: str, folder: Path, codec: CodecConfig) -> tuple[Resume | None, Choice]:
+    """Rank 0's choice, on every rank; rank 0 also returns the checkpoint it loaded to choose it."""
+    mine, choice = None, Choice()
+    if ctx.rank == 0:
+        try:
+            mine = find_resume(resume, folder, codec)
+        except BadInputError as e:
+            choice = Choice(error=str(e))
+        if mine is not None:
+            choice = Choice(path=str(mine.path.absolute()), step=mine.state["step"])
+    sent = [choice]
+    dist.broadcast_object_list(sent, src=0, group=ctx.control)
+    return mine, sent[0]
+
+
+def _read_chosen(path: Path, step: int, codec: CodecConfig) -> Resume:
+    state = load_checkpoint(path)
+    if state["step"] != step:
+        raise ValueError(f"it holds step {state['step']}: another run's checkpoint")
+    check_codec(path, state, codec)
+    return Resume(path, state)
+
+
+def _warn_of_ignored_checkpoints(rank: int, folder: Path) -> None:
+    """Checkpoints this rank sees but rank 0 does not: only rank 0's --output_dir counts."""
+    found = list_checkpoints(folder)
+    if found:
+        log.warning("rank %d: rank 0 found no checkpoint to resume from, so every rank starts at step 0; the %d "
+                    "checkpoint(s) in %s (newest %s) are ignored. Only rank 0's --output_dir counts: it must be on "
+                    "a filesystem every node sees", rank, len(found), folder, found[0].name)
