@@ -13,16 +13,20 @@ else, including too many non-finite steps in a row (checkpoint written).
 """
 from __future__ import annotations
 
-import contextlib
-import logging
-import math
-import sys
 import time
-from pathlib import Path
 
-import numpy as np
-import torch
-from tqdm import tqdm
+STARTED = time.monotonic()  # --max_minutes count from here: imports, data checks and set-up included
+
+import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
+import logging  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 from data.bad_crops import BadCrops
 from data.training_data import TrainingData, batch_source, open_training_data
@@ -30,7 +34,7 @@ from errors import EXIT_FAILURE, EXIT_OK, BadInputError, DistributedFailure
 from models.codec import CodecConfig, RVQCodec, codebook_tensors
 from training.checkpoint import Checkpointer, Resume
 from training.codebooks import feature_stats, init_codebooks, refit
-from training.config import OptimConfig, TrainConfig, parse_args, save_config
+from training.config import TrainConfig, parse_args, save_config
 from training.device import cache_dtype, compute_dtype, make_deterministic, select_device
 from training.distributed import (DistContext, all_reduce_sum, destroy, detect_launch, dump_flight_recorder,
                                   final_barrier, init_distributed, is_distributed_error, phase_timeout, wrap_ddp)
@@ -39,6 +43,7 @@ from training.faults import FaultInjector
 from training.metrics_log import MetricsLog, require_tensorboard
 from training.progress import FAILED, Progress
 from training.resume import agree_on_resume
+from training.schedule import Schedule
 from training.signals import StopRequest
 from training.step_guard import StepOutcome, guarded_step
 from training.sync_check import sync_check
@@ -46,7 +51,7 @@ from training.throughput import start_step_timer
 from training.watchdog import PeerWatchdog
 
 log = logging.getLogger("rvq")
-SCHEDULE_ENDS = ("max_steps", "epochs", "max_minutes")  # stops that get the refit and the final eval
+SCHEDULE_ENDS = ("max_steps", "epochs", "max_minutes", "schedule")  # stops that get the refit and the final eval
 
 
 def train(cfg: TrainConfig, stop: StopRequest) -> int:
@@ -59,6 +64,7 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
         require_tensorboard()  # on every rank: a missing package is bad input
     data = open_training_data(cfg.data, rank=launch.rank, world_size=launch.world_size, seed=cfg.optim.seed,
                               multiple_of=cfg.codec["downsample"], manifest_dir=Path(cfg.run.output_dir))
+    cfg = dataclasses.replace(cfg, data=data.config)  # the automatic segment length decided
     codec = cfg.codec_config(data.train.dim)
     # ---- device and process groups
     if cfg.optim.deterministic:
@@ -102,7 +108,6 @@ class Trainer:
         self.out_dir = Path(cfg.run.output_dir)
         self.progress = Progress()
         self.steps_per_epoch = max(1, data.plan.steps_per_epoch // cfg.optim.grad_accum)
-        self.total_steps = cfg.optim.max_steps or cfg.optim.epochs * self.steps_per_epoch
         self.checkpointer = Checkpointer(self.out_dir / "checkpoints", keep=cfg.run.keep_checkpoints, ctx=ctx,
                                          codec=codec, config=cfg.to_dict(), steps_per_epoch=self.steps_per_epoch)
         self.amp_dtype = compute_dtype(cfg.optim.precision, ctx.device)
@@ -135,6 +140,10 @@ class Trainer:
         torch.manual_seed(cfg.optim.seed + ctx.rank)
         if resume is not None:
             self.checkpointer.restore(resume, self.model, self.optimizer, self.scaler, p)
+        self.schedule = Schedule(cfg.optim, steps_per_epoch=self.steps_per_epoch, world_size=ctx.world_size,
+                                 frames_per_step=cfg.data.frames_per_step * cfg.optim.grad_accum,
+                                 codebook_size=self.codec.codebook_size, started_at=STARTED, start_step=p.step,
+                                 start_fraction=p.schedule_fraction)
         self.ddp_model = wrap_ddp(self.model, ctx)
         self.open_outputs()
         self.batches = batch_source(cfg.data, self.data.shard, self.data.plan, ctx.device,
@@ -146,14 +155,11 @@ class Trainer:
                 init_codebooks(self.model, self.data.shard, frames=cfg.codebooks.kmeans_init_frames,
                                length=min(self.data.plan.segment_lengths), seed=cfg.optim.seed + ctx.rank,
                                batch_frames=cfg.data.frames_per_step, device=ctx.device)
-        self.bar = tqdm(total=self.total_steps, initial=p.step, disable=not self.main_rank, desc="train",
+        self.bar = tqdm(total=self.schedule.steps, initial=p.step, disable=not self.main_rank, desc="train",
                         unit="step", dynamic_ncols=True, mininterval=1.0)
         self.timer = start_step_timer(self.model, ctx.device, self.amp_dtype, ctx.world_size, log)
-        minutes = cfg.optim.max_minutes
-        self.deadline = None if minutes is None else time.perf_counter() + 60 * minutes
         p.phase = "train"
-        if p.step >= self.total_steps:
-            p.stop_reason = "max_steps"
+        p.stop_reason = self.schedule.stop_reason(p.step)
 
     def open_outputs(self) -> None:
         """Rank 0 alone writes: config.json, metrics.jsonl (and TensorBoard), checkpoints/."""
@@ -167,8 +173,8 @@ class Trainer:
                  codec.num_quantizers, codec.codebook_size, codec.latent_dim, codec.downsample,
                  codec.num_quantizers * math.log2(codec.codebook_size) / codec.downsample,
                  sum(p.numel() for p in self.model.parameters()) / 1e6)
-        log.info("training %d steps (%d per epoch), %d frames per rank per step in %d micro-batch(es), lengths %s, "
-                 "on %s x %d", self.total_steps, self.steps_per_epoch,
+        log.info("training for %s; %d steps per epoch, %d frames per rank per step in %d micro-batch(es), "
+                 "lengths %s, on %s x %d", self.schedule.describe(), self.steps_per_epoch,
                  cfg.data.frames_per_step * cfg.optim.grad_accum, cfg.optim.grad_accum,
                  self.data.plan.segment_lengths, self.ctx.device, self.ctx.world_size)
 
@@ -180,7 +186,7 @@ class Trainer:
         accum = cfg.optim.grad_accum
         self.faults.before_step(p.step, self.model)
         for group in self.optimizer.param_groups:
-            group["lr"] = learning_rate(p.step, cfg.optim, self.total_steps)
+            group["lr"] = self.schedule.learning_rate(p.step)
         self.optimizer.zero_grad(set_to_none=True)
         codebooks_before = self.model.codebook_state()  # the forward updates them; a skipped step puts them back
         # the first step may run the k-means init across ranks: it gets the slow-phase timeout
@@ -215,6 +221,7 @@ class Trainer:
             log.warning("step %d: non-finite loss or gradient, update skipped on every rank (%d so far)",
                         p.step + 1, p.bad_steps)
         p.step += 1
+        p.schedule_fraction = self.schedule.fraction(p.step)
         p.enter("train")
         self.bar.update(1)
         self.last = (out, batch)
@@ -243,37 +250,51 @@ class Trainer:
     def decide_stop(self) -> None:
         """Every reason to stop, the same on every rank: the schedule, too many bad steps (both decided alike
         everywhere), and a signal or --max_minutes, agreed in the sync check's one exchange."""
-        cfg, ctx, p = self.cfg, self.ctx, self.progress
-        if p.step >= self.total_steps:
-            p.stop_reason = "max_steps" if cfg.optim.max_steps else "epochs"
+        cfg, ctx, p, schedule = self.cfg, self.ctx, self.progress, self.schedule
         if p.bad_in_a_row > cfg.optim.max_bad_steps:
             p.stop_reason, self.exit_code = f"{p.bad_in_a_row} non-finite steps in a row", EXIT_FAILURE
-        out_of_time = self.deadline is not None and time.perf_counter() >= self.deadline
+        time_total = schedule.estimate(p.step, **self.end_work())
+        out_of_time = schedule.out_of_time()
         if not ctx.is_distributed:
             signal = f"signal {self.stop.reason}" if self.stop else None
             time_up = out_of_time
-        elif p.step % cfg.dist.sync_check_every == 0 or p.stop_reason:
+        elif p.step % cfg.dist.sync_check_every == 0 or p.stop_reason or schedule.stop_reason(p.step):
             with p.phase_of("sync check"):
                 result = sync_check(ctx, step=p.step, epoch=p.step // self.steps_per_epoch,
                                     samples_seen=p.samples_seen, stop=bool(self.stop), out_of_time=out_of_time,
-                                    codebooks=codebook_tensors(self.model))
+                                    time_total=time_total, codebooks=codebook_tensors(self.model))
             signal = f"signal on rank(s) {result.stop_ranks}" if result.stop_ranks else None
-            time_up = result.out_of_time  # rank 0's clock decides for every rank
+            time_up, time_total = result.out_of_time, result.time_total  # rank 0's clock decides for every rank
         else:
-            return
+            time_up, time_total, signal = False, None, None
+        schedule.set_time_total(time_total)
+        if time_total is not None and self.bar.total != schedule.total:
+            self.bar.total = schedule.total
         if p.stop_reason is None:
-            p.stop_reason = signal or ("max_minutes" if time_up else None)
+            p.stop_reason = signal or ("max_minutes" if time_up else schedule.stop_reason(p.step))
+
+    def end_work(self) -> dict:
+        """What the end of the schedule will do: the refit's frames on this rank, the final eval's over all."""
+        refit = self.cfg.codebooks
+        windows = self.data.eval
+        return {"refit_frames": min(refit.refit_frames, self.data.shard.total_frames) if refit.refit_iters else 0,
+                "refit_iters": refit.refit_iters,
+                "eval_frames": len(windows.utterances) * windows.length * self.ctx.world_size}
 
     def end_of_schedule(self) -> None:
         """The codebooks' last pass over whole utterances, then the final eval (a stop on request skips both:
         a preempted job may have seconds left)."""
         cfg, p = self.cfg, self.progress
+        start = time.monotonic()
         if cfg.codebooks.refit_iters:
             with self.slow_phase(), p.phase_of("refit"):
                 refit(self.model, self.data.shard, self.ctx, iters=cfg.codebooks.refit_iters,
                       frames=cfg.codebooks.refit_frames, batch_frames=cfg.data.frames_per_step, seed=cfg.optim.seed,
                       step=p.step, metrics=self.metrics)
         self.evaluate()
+        if self.schedule.deadline is not None:
+            log.info("end of schedule: refit and final eval took %.0f s (%.0f s were kept for them and the "
+                     "checkpoint)", time.monotonic() - start, self.schedule.end_work)
 
     def evaluate(self) -> None:
         with self.slow_phase(), self.progress.phase_of("eval"):
@@ -324,14 +345,6 @@ class Trainer:
         self.metrics.close()
         if not self.failed:  # tearing down groups with a lost peer can block; the process exit frees them
             destroy()
-
-
-def learning_rate(step: int, optim: OptimConfig, total_steps: int) -> float:
-    """Linear warmup, then cosine decay to lr x min_lr_ratio."""
-    if step < optim.warmup_steps:
-        return optim.lr * (step + 1) / optim.warmup_steps
-    progress = min(1.0, (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps))
-    return optim.lr * (optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def setup_logging(rank: int) -> None:

@@ -3,8 +3,9 @@
 On one feature store (the demo corpus when --data_dir is absent), with the same
 levels and codebook size for every method (default 8 x 1024, 80 bits/frame):
 
-- codec: the trainer run as a subprocess (its defaults, plus --max_minutes as the
-  time cap), then models.codec loaded from the last checkpoint;
+- codec: the trainer run as a subprocess with its defaults and --max_minutes alone
+  (the whole run's time, start to exit; extra flags after -- make a named extra
+  row), then models.codec loaded from the last checkpoint;
 - faiss ResidualQuantizer, beam 1 and beam 8 (`rq.max_beam_size`), trained on
   every training frame (the frames the codec trains on), standardised per
   dimension with the codec's own statistics; reconstructions are mapped back;
@@ -49,14 +50,6 @@ from training.codebooks import feature_stats  # noqa: E402
 from training.config import parse_args  # noqa: E402
 
 TRAINER = REPO / "rvq_seamless_gpu_cache_nccl.py"
-# the codec's training budget: the trainer's default codec flags, 2,048 frames a step as 32 crops of 64 frames (on
-# these corpora, median ~200 frames an utterance, 128-frame crops miss a fifth of the utterances and most of their
-# first and last frames: benchmarks/README.md), a step budget for 10 minutes on 2 CPU cores; flags given after --
-# come later and win
-CODEC_BUDGET = ["--segment_length", "64", "--batch_size", "32", "--max_steps", "2000", "--eval_every", "500"]
-# of --max_minutes, what the trainer keeps for the work outside its loop: start-up, the k-means init before the
-# first step, the codebook refit and the final eval and checkpoint after the last
-OUTSIDE_LOOP_MINUTES = 1.0
 
 
 def stats(store, max_utterances: int = 256):
@@ -84,7 +77,7 @@ def score(valid, reconstruct, levels: int, size: int) -> dict:
 
 def run_codec(data_dir, out_dir: Path, max_minutes: float, extra: list[str], valid) -> dict:
     cmd = [sys.executable, str(TRAINER), "--output_dir", str(out_dir), "--resume", "none",
-           "--max_minutes", str(max_minutes - OUTSIDE_LOOP_MINUTES), *extra]
+           "--max_minutes", str(max_minutes), *extra]
     if data_dir:
         cmd += ["--data_dir", str(data_dir)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -204,8 +197,7 @@ def main() -> int:
     parser.add_argument("--data_dir", default=None, help="fairseq dump with train and valid splits; none: demo corpus")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/quality_<corpus>.json)")
     parser.add_argument("--max_minutes", type=float, default=10.0,
-                        help="the codec's budget, start to finish: its training loop gets this less "
-                             f"{OUTSIDE_LOOP_MINUTES} (--max_minutes of the trainer)")
+                        help="the codec's budget, start to exit (the trainer's --max_minutes)")
     parser.add_argument("--methods", default="codec,faiss1,rvq,faiss8", help="run in this order")
     parser.add_argument("--faiss_space", choices=("standardised", "raw"), default="standardised",
                         help="what faiss is trained on: the codec's standardised features, or the raw ones")
@@ -215,12 +207,12 @@ def main() -> int:
     methods = args.methods.split(",")
     corpus = "demo" if args.data_dir is None else Path(args.data_dir).name
     out = Path(args.out or REPO / "benchmarks" / "results" / f"quality_{corpus}.json")
-    args.trainer_flags = CODEC_BUDGET + args.trainer_flags
     trainer_cfg = parse_args(args.trainer_flags)
     train, valid, note = open_stores(args.data_dir or ensure_demo_corpus(), trainer_cfg.data.train_split,
                                      trainer_cfg.data.valid_split, seed=trainer_cfg.optim.seed)
     if note:
         print(note, file=sys.stderr)
+    trainer_cfg.data = trainer_cfg.data.fit_to(train.lengths, trainer_cfg.codec["downsample"])
     mean, std = stats(train)
     levels, size = trainer_cfg.codec["num_quantizers"], trainer_cfg.codec["codebook_size"]
     load = open("/proc/loadavg").read().split()[:3]
@@ -254,6 +246,9 @@ def main() -> int:
                 results.append(run_faiss(train_std, valid, f_mean, f_std, levels, size, int(method[5:])))
                 results[-1]["space"] = args.faiss_space
             elif method == "rvq":
+                if steps is None:
+                    sys.exit("the bare ResidualVQ trains for the codec's steps: run the codec first, or pass "
+                             "-- --max_steps N")
                 results.append(run_bare_rvq(train, valid, mean, std, codec, trainer_cfg, steps))
             else:
                 sys.exit(f"unknown method {method!r}: codec, faiss1, faiss8, rvq")

@@ -11,6 +11,7 @@ read on the main thread.
 from __future__ import annotations
 
 import logging
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,11 @@ from data.stores import FeatureStore, open_stores, save_manifest
 
 log = logging.getLogger(__name__)
 
+# The automatic segment length: the longest of these that nearly every training utterance reaches, so that short
+# utterances are trained on and their first and last frames are in as many crops as the rest (benchmarks/README.md)
+AUTO_LENGTHS = (128, 64, 32, 16)
+AUTO_COVERAGE = 0.98  # the share of training utterances the automatic length must fit
+
 
 @dataclass(kw_only=True)
 class DataConfig:
@@ -35,8 +41,11 @@ class DataConfig:
     train_split: str = "train"
     valid_split: str = field(default="valid", metadata={"help": "when absent, 2%% of training utterances are held out"})
     batch_size: int = field(default=64, metadata={
-        "help": "crops per rank per step at --segment_length; frames per step stay this x that"})
-    segment_length: int = field(default=128, metadata={"help": "frames per crop (the base length)"})
+        "help": f"crops per rank per step at --segment_length; frames per step stay this x that (with the automatic "
+                f"length, this x {AUTO_LENGTHS[0]}: a shorter length gets more crops)"})
+    segment_length: int | None = field(default=None, metadata={
+        "help": f"frames per crop (the base length); none: the longest of {list(AUTO_LENGTHS)} that "
+                f"{AUTO_COVERAGE:.0%} of the training utterances reach"})
     multi_length_training: bool = field(default=False, metadata={
         "help": "draw each step's length from --segment_lengths"})
     segment_lengths: list[int] = field(default_factory=lambda: [64, 128, 256, 512])
@@ -62,6 +71,21 @@ class DataConfig:
     @property
     def train_lengths(self) -> list[int]:
         return list(self.segment_lengths) if self.multi_length_training else [self.segment_length]
+
+    def fit_to(self, lengths: np.ndarray, multiple_of: int) -> "DataConfig":
+        """This config with the automatic segment length decided from the training utterances' lengths (the
+        same on every rank), and as many more crops as keep the frames per step; unchanged when it was given."""
+        if self.segment_length is not None:
+            return self
+        candidates = sorted({L - L % multiple_of for L in AUTO_LENGTHS if L >= multiple_of}, reverse=True)
+        reach = {L: float((lengths >= L).mean()) for L in candidates}
+        length = next((L for L in candidates if reach[L] >= AUTO_COVERAGE), candidates[-1])
+        batch = max(1, self.batch_size * AUTO_LENGTHS[0] // length)
+        log.info("segment length %d (automatic: %.1f%% of the training utterances have at least %d frames%s), "
+                 "%d crops per step", length, 100 * reach[length], length,
+                 "" if length == candidates[0] else f", {100 * reach[candidates[0]]:.1f}% have {candidates[0]}",
+                 batch)
+        return dataclasses.replace(self, segment_length=length, batch_size=batch)
 
 
 @dataclass
@@ -96,6 +120,7 @@ class EvalWindows:
 
 @dataclass
 class TrainingData:
+    config: DataConfig  # the flags, with the automatic segment length decided
     train: FeatureStore  # every training utterance
     shard: FeatureStore  # this rank's training utterances, in the plan's order
     plan: BatchPlan
@@ -116,6 +141,7 @@ def open_training_data(cfg: DataConfig, *, rank: int, world_size: int, seed: int
                                              manifest_dir=manifest_dir, pending=pending)
     if holdout_note:
         log.info("%s", holdout_note)
+    cfg = cfg.fit_to(train.lengths, multiple_of)
     plan = BatchPlan(train.lengths, segment_lengths=cfg.train_lengths, frames_per_step=cfg.frames_per_step,
                      seed=seed, rank=rank, world_size=world_size, multiple_of=multiple_of)
     log.info("train: %s, %d utterances, %d frames, dim %d; held out: %d utterances",
@@ -141,7 +167,7 @@ def open_training_data(cfg: DataConfig, *, rank: int, world_size: int, seed: int
         path.parent.mkdir(parents=True, exist_ok=True)
         save_manifest(path, lengths, dim, digest)
         log.info("the data folder is read-only: its lengths manifest is in %s", path)
-    return TrainingData(train, shard, plan, EvalWindows(valid_shard, utterances[picked], starts[picked], length,
+    return TrainingData(cfg, train, shard, plan, EvalWindows(valid_shard, utterances[picked], starts[picked], length,
                                                         resident=cfg.eval_frames > 0))
 
 

@@ -1,4 +1,6 @@
 """--max_minutes (a clean stop with the final eval and checkpoint, agreed across ranks) and codebook health in evals."""
+import time
+
 import numpy as np
 import pytest
 
@@ -33,6 +35,24 @@ def test_max_minutes_stops_cleanly_with_final_eval_and_checkpoint(tmp_path, data
     assert r.returncode == 0, r.stderr[-2000:]
     assert_stopped_on_time(out)
     assert "finished at step" in r.stderr and "max_minutes" in r.stderr
+
+
+def test_max_minutes_alone_fits_the_whole_run_in_the_budget_and_finishes_the_decay(tmp_path, data):
+    out = tmp_path / "run"
+    budget_s = 30
+    start = time.monotonic()
+    r = run_trainer(["--data_dir", data, "--output_dir", out, *TINY, "--max_minutes", str(budget_s / 60),
+                     "--kmeans_init_frames", "0", "--eval_every", "100000", "--save_every", "100000"], timeout=180)
+    wall = time.monotonic() - start
+    assert r.returncode == 0, r.stderr[-2000:]
+    last = assert_stopped_on_time(out)
+    assert last > 5  # trained, not stopped at once
+    # start to exit within the budget: the refit, the final eval and the checkpoint were kept time for
+    # (the margin: the interpreter's own start before the trainer's clock, and its exit)
+    assert wall < budget_s + 5, (wall, r.stderr[-2000:])
+    lrs = [e["lr"] for e in events(out, "train")]
+    assert lrs[-1] < 0.2 * max(lrs)  # the decay ran to (near) its floor, 0.1 x --lr, as the time ran out
+    assert "--max_minutes" in r.stderr and "refit and final eval took" in r.stderr
 
 
 def test_max_minutes_on_two_ranks_stops_every_rank_at_the_same_step(tmp_path, data):

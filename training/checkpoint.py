@@ -125,6 +125,7 @@ class Checkpointer:
             before_write(progress.step)
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
                  "step": progress.step, "samples_seen": progress.samples_seen,
+                 "schedule_fraction": progress.schedule_fraction,
                  "epoch": progress.step // self.steps_per_epoch, "codec": self.codec.to_dict(),
                  "config": self.config, "rng": rng}
         return save_checkpoint(self.folder, progress.step, state, keep=self.keep)
@@ -135,6 +136,7 @@ class Checkpointer:
         optimizer.load_state_dict(state["optimizer"])
         restore_scaler(scaler, state.get("scaler") or {})
         progress.step, progress.samples_seen = state["step"], state["samples_seen"]
+        progress.schedule_fraction = state.get("schedule_fraction", 0.0)
         restore_rng_states(state["rng"], self.ctx)
         log.info("resumed from %s at step %d", resume.path, progress.step)
 

@@ -86,11 +86,14 @@ class CodebookConfig:
 
 @dataclass(kw_only=True)
 class OptimConfig:
-    max_steps: int | None = flag(None, "none: --epochs decides")
+    max_steps: int | None = flag(None, "steps to train; with none of --max_steps, --epochs and --max_minutes, the "
+                                       "larger of 2000 and one epoch")
     max_minutes: float | None = flag(
-        None, "stop after this many minutes of training, with the codebook refit, the final eval and checkpoint "
-              "(on several ranks rank 0's clock decides, at a sync check)")
-    epochs: int = flag(10)
+        None, "the whole run's time, from the process start to its exit: the loop stops in time for the codebook "
+              "refit, the final eval and the checkpoint, and the learning rate finishes its decay when the time "
+              "runs out (alone: as many steps as fit; with a step budget: whichever ends first; on several ranks "
+              "rank 0's clock decides)")
+    epochs: int | None = flag(None, "passes over the training frames (used when --max_steps is not given)")
     grad_accum: int = flag(1, "micro-batches per step; gradients are all-reduced on the last one only")
     lr: float = flag(2e-3, kind="positive")
     min_lr_ratio: float = flag(0.1, "cosine decay ends at lr x this")
@@ -235,7 +238,7 @@ def parse_args(argv=None) -> TrainConfig:
         local_rank=values["local_rank"],
     )
     downsample = config.codec["downsample"]
-    bad = [L for L in config.data.train_lengths if L % downsample]
+    bad = [L for L in config.data.train_lengths if L is not None and L % downsample]
     if bad:
         parser.error(f"segment length(s) {bad} are not multiples of --downsample {downsample}")
     return config

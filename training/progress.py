@@ -34,6 +34,7 @@ class Progress:
     samples_seen: int = 0  # crops trained on by this rank
     bad_steps: int = 0  # non-finite steps skipped so far
     bad_in_a_row: int = 0
+    schedule_fraction: float = 0.0  # how far along the learning-rate decay (saved, for a resumed time budget)
     phase: str = "setup"  # what the main thread is doing: setup, data, forward, backward, eval, checkpoint ...
     stop_reason: str | None = None  # set when the loop is to end after this step
     since: float = field(default_factory=time.monotonic)  # when the main thread entered `phase`

@@ -1,10 +1,11 @@
 """Sync checks over the control plane: ranks compare where they are and what they hold.
 
 Every `--sync_check_every` steps each rank contributes its step, epoch,
-samples seen, stop request, whether its --max_minutes are up, and a checksum of
-its codebooks; a mismatch ends every rank with DistributedFailure naming the
+samples seen, stop request, whether its --max_minutes are up, the steps its
+clock says fit in them, and a checksum of its codebooks; a mismatch ends every rank with DistributedFailure naming the
 rank(s) and step. A stop requested on any rank (a signal) becomes a stop on all
-of them; rank 0's clock decides --max_minutes for every rank. One exchange
+of them; rank 0's clock decides --max_minutes, and the schedule's length under
+them, for every rank. One exchange
 carries every reason to stop.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from training.distributed import DistContext
 from errors import DistributedFailure
 
-FIELDS = ("step", "epoch", "samples_seen", "stop", "out_of_time", "codebook_sum", "codebook_sq")
+FIELDS = ("step", "epoch", "samples_seen", "stop", "out_of_time", "time_total", "codebook_sum", "codebook_sq")
 CHECKSUM_RTOL = 1e-6
 
 
@@ -36,6 +37,7 @@ def codebook_checksum(codebooks) -> tuple[float, float]:
 class SyncResult:
     stop_ranks: list  # ranks on which a stop was requested (a signal)
     out_of_time: bool  # rank 0's --max_minutes are up
+    time_total: int | None  # the steps rank 0's clock says fit in --max_minutes (None: no estimate)
 
 
 def exchange(ctx: DistContext, values) -> torch.Tensor:
@@ -55,8 +57,9 @@ def _differs(column: torch.Tensor, rtol: float = 0.0) -> list[int]:
 
 
 def sync_check(ctx: DistContext, *, step: int, epoch: int, samples_seen: int, stop: bool, out_of_time: bool,
-               codebooks) -> SyncResult:
-    table = exchange(ctx, [step, epoch, samples_seen, int(stop), int(out_of_time), *codebook_checksum(codebooks)])
+               time_total: int | None, codebooks) -> SyncResult:
+    table = exchange(ctx, [step, epoch, samples_seen, int(stop), int(out_of_time),
+                           -1 if time_total is None else time_total, *codebook_checksum(codebooks)])
     col = {name: table[:, i] for i, name in enumerate(FIELDS)}
     for name in ("step", "epoch", "samples_seen"):
         bad = _differs(col[name])
@@ -71,4 +74,5 @@ def sync_check(ctx: DistContext, *, step: int, epoch: int, samples_seen: int, st
             f"sync check at step {step}: the codebooks of rank(s) {ranks} differ from rank 0's "
             f"(checksums {[round(float(v), 6) for v in col['codebook_sum']]})")
     stop_ranks = [r for r in range(len(table)) if col["stop"][r] > 0]
-    return SyncResult(stop_ranks, bool(col["out_of_time"][0] > 0))
+    total = int(col["time_total"][0])
+    return SyncResult(stop_ranks, bool(col["out_of_time"][0] > 0), None if total < 0 else total)

@@ -1,0 +1,110 @@
+"""The training budget and learning-rate schedule (training/schedule.py), and the automatic crop length."""
+import logging
+import math
+
+import numpy as np
+import pytest
+
+from data.training_data import DataConfig
+from training.config import OptimConfig
+from training.schedule import DEFAULT_STEPS, Schedule
+
+
+def schedule(started_at=0.0, steps_per_epoch=40, frames_per_step=2048, **optim):
+    return Schedule(OptimConfig(**{"warmup_steps": 10, **optim}), steps_per_epoch=steps_per_epoch,
+                    frames_per_step=frames_per_step, world_size=1, codebook_size=1024, started_at=started_at)
+
+
+def test_the_budget_each_flag_gives():
+    assert schedule(max_steps=300).steps == 300 and schedule(max_steps=300).end == "max_steps"
+    assert schedule(epochs=3).steps == 120 and schedule(epochs=3).end == "epochs"
+    assert schedule(max_minutes=5).steps is None  # the clock decides
+    # none given: a small corpus still gets enough steps, a large one trains a whole epoch
+    assert schedule().steps == DEFAULT_STEPS
+    assert schedule(steps_per_epoch=50_000).steps == 50_000
+    both = schedule(max_steps=300, max_minutes=5)
+    assert both.steps == 300 and both.deadline == 300.0
+    assert "whichever ends first" in both.describe()
+
+
+def test_a_short_schedule_is_warned_about(caplog):
+    with caplog.at_level(logging.WARNING):
+        schedule(max_steps=50)
+    assert "pass --max_minutes" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        schedule(max_steps=3000)
+    assert caplog.text == ""
+
+
+def test_steps_alone_warm_up_then_decay_to_the_floor():
+    s = schedule(max_steps=110, lr=1e-3, min_lr_ratio=0.1)
+    assert s.learning_rate(0) == pytest.approx(1e-4)
+    assert s.learning_rate(9) == pytest.approx(1e-3)
+    assert s.learning_rate(10) == pytest.approx(1e-3)
+    assert s.learning_rate(60) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5))
+    assert s.learning_rate(110) == pytest.approx(1e-4)
+    lrs = [s.learning_rate(i) for i in range(10, 111)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    assert s.stop_reason(109) is None and s.stop_reason(110) == "max_steps"
+
+
+def test_time_alone_estimates_the_steps_that_fit_and_keeps_time_for_the_end():
+    s = schedule(started_at=0.0, max_minutes=10, frames_per_step=1000)
+    work = dict(refit_frames=10_000, refit_iters=2, eval_frames=2_000)
+    assert s.estimate(0, now=20.0, **work) is None  # the first call starts the clock (after the slower first step)
+    assert s.estimate(1, now=21.0, **work) is None
+    total = s.estimate(10, now=30.0, **work)  # 1 s a step, 1 ms a frame
+    # the end: 1.5 x 1 ms x (3 x 10,000 + 2,000) frames + 5 s for the checkpoint = 53 s
+    assert s.end_work == pytest.approx(53.0)
+    assert total == 10 + int(600 - 53 - 30)
+    s.set_time_total(total)
+    assert s.total == total and s.stop_reason(total - 1) is None and s.stop_reason(total) == "max_minutes"
+    assert s.learning_rate(total) == pytest.approx(s.optim.lr * s.optim.min_lr_ratio)
+    assert not s.out_of_time(now=540.0) and s.out_of_time(now=550.0)  # the hard stop keeps the end's time
+
+
+def test_with_steps_and_time_the_smaller_total_decides():
+    s = schedule(max_steps=100, max_minutes=10)
+    s.set_time_total(1000)
+    assert s.total == 100
+    s.set_time_total(60)
+    assert s.total == 60 and s.stop_reason(60) == "max_minutes"
+
+
+def test_a_resumed_time_budget_decays_the_rest_of_the_schedule():
+    s = Schedule(OptimConfig(warmup_steps=10, max_minutes=10), steps_per_epoch=40, frames_per_step=2048,
+                 world_size=1, codebook_size=1024, started_at=0.0, start_step=500, start_fraction=0.6)
+    s.set_time_total(900)
+    assert s.fraction(500) == pytest.approx(0.6)
+    assert s.fraction(700) == pytest.approx(0.6 + 0.4 * 0.5)
+    assert s.fraction(900) == pytest.approx(1.0)
+
+
+def test_a_resumed_step_budget_matches_the_unbroken_schedule_exactly():
+    unbroken = schedule(max_steps=300)
+    resumed = Schedule(OptimConfig(warmup_steps=10, max_steps=300), steps_per_epoch=40, frames_per_step=2048,
+                       world_size=1, codebook_size=1024, started_at=0.0, start_step=150,
+                       start_fraction=unbroken.fraction(150))
+    assert all(resumed.learning_rate(i) == unbroken.learning_rate(i) for i in range(150, 301))
+
+
+@pytest.mark.parametrize("lengths, expected", [
+    (np.full(1000, 500), 128),  # long utterances: the base length
+    (np.r_[np.full(10, 60), np.full(990, 500)], 128),  # 1% shorter than 128: 128
+    (np.r_[np.full(30, 60), np.full(970, 500)], 32),  # 3% shorter than 128 and than 64: 32
+    (np.r_[np.full(200, 80), np.full(800, 300)], 64),  # a fifth shorter than 128: 64 covers them
+    (np.full(100, 20), 16),  # shorter than every candidate but the last
+])
+def test_the_automatic_crop_length_fits_nearly_every_utterance(lengths, expected):
+    cfg = DataConfig(batch_size=16).fit_to(lengths, multiple_of=1)
+    assert cfg.segment_length == expected
+    assert cfg.frames_per_step == 16 * 128  # frames per step kept: more crops when they are shorter
+
+
+def test_a_given_crop_length_is_kept_and_the_downsample_respected():
+    lengths = np.full(100, 70)
+    assert DataConfig(segment_length=96, batch_size=8).fit_to(lengths, 1).segment_length == 96
+    fitted = DataConfig(batch_size=8).fit_to(lengths, multiple_of=3)
+    assert fitted.segment_length == 63 and fitted.segment_length % 3 == 0
+    assert math.isclose(fitted.frames_per_step, 8 * 128, rel_tol=0.02)

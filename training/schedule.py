@@ -1,0 +1,146 @@
+"""How long a run trains and how far along its learning-rate schedule is.
+
+The budget is steps (`--max_steps`, or `--epochs` of the plan's steps), time
+(`--max_minutes`, counted from the process start: the k-means init before the
+first step, the codebook refit and the final eval after the last are inside it),
+or both, whichever ends first. With none of them the run trains for the larger of
+DEFAULT_STEPS and one epoch: a few epochs of a small corpus are too few steps for
+the codebooks, and one epoch of a large one is a sensible unit.
+
+Under a time budget the schedule is steps too: the clock gives an estimate of the
+steps that fit (`time_total`), refreshed as the loop runs, and the learning rate
+decays over the smaller of the two totals. On several ranks the estimate is rank
+0's, carried by the sync check, so every rank computes the same learning rate at
+every step. A resumed run starts its schedule where the checkpoint left it
+(`fraction`) and decays the rest over its own budget.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from training.config import OptimConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STEPS = 2000  # with no budget given: at least this many steps, or one epoch if that is more
+# a schedule shorter than this gets a warning: too few updates, or too few frames per code per level
+SHORT_STEPS = 500
+SHORT_FRAMES_PER_CODE = 1000
+# The end of the schedule (codebook refit, final eval, checkpoint) is estimated from the training steps' time per
+# frame: each refit iteration, and its last pass, costs about what training costs per frame (the nearest-code search
+# over every level's codebook dominates both); an eval pass less. Kept with a margin, plus a checkpoint's write.
+# The estimate is high for a small codec, whose steps are mostly fixed overhead: at most END_SHARE of the budget.
+SAFETY = 1.5
+SAVE_S = 5.0
+END_SHARE = 0.25
+
+
+class Schedule:
+    def __init__(self, optim: OptimConfig, *, steps_per_epoch: int, frames_per_step: int, world_size: int,
+                 codebook_size: int, started_at: float, start_step: int = 0, start_fraction: float = 0.0):
+        """frames_per_step: per rank (all micro-batches). started_at: the process start (time.monotonic()), which
+        --max_minutes counts from. start_step, start_fraction: where a resumed run's schedule was."""
+        self.optim = optim
+        if optim.max_steps:
+            self.steps, self.end, why = optim.max_steps, "max_steps", f"--max_steps {optim.max_steps}"
+        elif optim.epochs:
+            self.steps, self.end = optim.epochs * steps_per_epoch, "epochs"
+            why = f"--epochs {optim.epochs} of {steps_per_epoch} steps"
+        elif optim.max_minutes:
+            self.steps, self.end, why = None, "max_minutes", f"--max_minutes {optim.max_minutes:g} alone"
+        else:
+            self.steps, self.end = max(DEFAULT_STEPS, steps_per_epoch), "schedule"
+            why = (f"no --max_steps, --epochs or --max_minutes: the larger of {DEFAULT_STEPS} steps and one epoch "
+                   f"of {steps_per_epoch}")
+        self.deadline = None if optim.max_minutes is None else started_at + 60 * optim.max_minutes
+        self.start_step, self.start_fraction = start_step, start_fraction
+        self.time_total = None  # steps that fit in the time left, estimated from the clock
+        self._warned = False
+        self._origin = None  # (step, time) the step-time clock counts from: after the first step, which is slower
+        self.end_work = 0.0  # estimated seconds for the refit, the final eval and the checkpoint
+        self.frames_per_step, self.world_size = frames_per_step, world_size
+        self.why = why
+        if self.steps is not None:
+            frames_per_code = self.steps * frames_per_step * world_size / codebook_size
+            if self.steps < SHORT_STEPS or frames_per_code < SHORT_FRAMES_PER_CODE:
+                log.warning("the schedule is short for the codebooks: %d steps, %.0f frames per code per level (%s); "
+                            "pass --max_minutes M to train for M minutes, or a larger --max_steps", self.steps,
+                            frames_per_code, why)
+
+    def describe(self) -> str:
+        parts = []
+        if self.steps is not None:
+            parts.append(f"{self.steps} steps")
+        if self.deadline is not None:
+            parts.append(f"{self.optim.max_minutes:g} minutes from the start, refit and final eval included")
+        return f"{' or '.join(parts)}, whichever ends first ({self.why})" if len(parts) > 1 else \
+            f"{parts[0]} ({self.why})"
+
+    @property
+    def total(self) -> float:
+        """The steps the learning rate decays over: the step budget, or what the clock says fits if fewer."""
+        totals = [t for t in (self.steps, self.time_total) if t is not None]
+        return min(totals) if totals else math.inf
+
+    def fraction(self, step: int) -> float:
+        """How far along the decay the run is at `step`, from where a resumed run started."""
+        warmup = self.optim.warmup_steps
+        if self.deadline is None:  # steps alone: a function of the step, so a resumed run matches an unbroken one
+            return min(1.0, max(0, step - warmup) / max(1, self.total - warmup))
+        begin = max(self.start_step, warmup)
+        if step <= begin:
+            return self.start_fraction
+        span = self.total - begin
+        done = 1.0 if span <= 0 else min(1.0, (step - begin) / span)
+        return self.start_fraction + (1 - self.start_fraction) * done
+
+    def learning_rate(self, step: int) -> float:
+        """Linear warmup, then cosine decay to lr x min_lr_ratio over the schedule."""
+        o = self.optim
+        if step < o.warmup_steps:
+            return o.lr * (step + 1) / o.warmup_steps
+        f = self.fraction(step)
+        return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * f)))
+
+    def estimate(self, step: int, *, refit_frames: int, refit_iters: int, eval_frames: int,
+                 now: float | None = None) -> int | None:
+        """The steps that fit before the deadline, keeping time for the end of the schedule (None: no deadline,
+        or too early to tell). refit_frames: this rank's; eval_frames: over all ranks. The trainer shares rank
+        0's answer and passes it to `set_time_total`."""
+        if self.deadline is None:
+            return None
+        now = time.monotonic() if now is None else now
+        if self._origin is None:  # called after every step: the first call starts the clock
+            self._origin = (step, now)
+        if step - self._origin[0] < 2:
+            return None
+        per_step = (now - self._origin[1]) / (step - self._origin[0])
+        per_frame = per_step / self.frames_per_step
+        end_work = SAFETY * per_frame * ((refit_iters + 1) * refit_frames + eval_frames / self.world_size) + SAVE_S
+        cap = END_SHARE * 60 * self.optim.max_minutes
+        if end_work > cap and not self._warned:
+            log.warning("the codebook refit and the final eval may take about %.0f s, more than a quarter of "
+                        "--max_minutes: %.0f s are kept for them; lower --refit_frames or --eval_frames, or raise "
+                        "--max_minutes", end_work, cap)
+            self._warned = True
+        self.end_work = min(end_work, cap)
+        return step + max(0, int((self.deadline - self.end_work - now) / per_step))
+
+    def set_time_total(self, total: int | None) -> None:
+        if total is not None:
+            self.time_total = total
+
+    def stop_reason(self, step: int) -> str | None:
+        """Why the schedule ends after `step` (the same on every rank), or None."""
+        if self.steps is not None and step >= self.steps:
+            return self.end
+        if self.time_total is not None and step >= self.time_total:
+            return "max_minutes"
+        return None
+
+    def out_of_time(self, now: float | None = None) -> bool:
+        """The hard stop: the deadline less the end of the schedule's work is past."""
+        now = time.monotonic() if now is None else now
+        return self.deadline is not None and now >= self.deadline - self.end_work
