@@ -10,11 +10,12 @@
 # NPROC_PER_NODE (default: the visible GPUs; none: one process on CPU), NNODES, NODE_RANK,
 # MASTER_ADDR, MASTER_PORT (default: a free port on one node, 29500 on several), RDZV_ENDPOINT
 # (c10d rendezvous instead of a static master), RDZV_ID, MAX_RESTARTS (elastic restarts, resuming
-# from the last checkpoint), OMP_NUM_THREADS (default: cores / ranks on this node), DRY_RUN=1 (print
+# from the last checkpoint), ALLOW_LOOPBACK_MASTER=1 (every node on this host, a drill: a loopback
+# master is accepted), OMP_NUM_THREADS (default: cores / ranks on this node), DRY_RUN=1 (print
 # the environment and the command, run nothing), PYTHON (default python3).
-# NCCL_* and TORCH_* variables you set win over the preset's.
+# NCCL_*, TORCH_* and GLOO_* variables you set win over the preset's.
 # This script only finds Python; tools/launch.py (python -m tools.launch) reads all of the above, checks it,
-# and replaces itself with the command.
+# and replaces itself with the trainer, or runs torchrun and passes stop signals to this node's ranks.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)

@@ -9,13 +9,13 @@ from tests.helpers import REPO, env, free_port
 from tools import doctor
 
 LAUNCH_VARS = ("NPROC_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "RDZV_ENDPOINT",
-               "MAX_RESTARTS", "DATA_DIR", "OUTPUT_DIR")
+               "MAX_RESTARTS", "ALLOW_LOOPBACK_MASTER", "DATA_DIR", "OUTPUT_DIR")
 
 
 def clean_env(**extra) -> dict:
     e = env(**extra)
     for name in list(e):
-        if (name in LAUNCH_VARS or name.startswith(("NCCL_", "TORCH_NCCL_"))) and name not in extra:
+        if (name in LAUNCH_VARS or name.startswith(("NCCL_", "TORCH_NCCL_", "GLOO_"))) and name not in extra:
             del e[name]
     return e
 
@@ -113,6 +113,58 @@ def test_more_ranks_than_visible_gpus_would_fail_on_a_cuda_machine(capsys):
     ({"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1"}, "loopback address"),
     ({"NPROC_PER_NODE": "0"}, "expected a whole number >= 1"),
     ({"RDZV_ENDPOINT": "no-such-host.invalid:29400", "NNODES": "1:2"}, "does not resolve"),
+    ({"RDZV_ENDPOINT": "localhost:29400", "NNODES": "2"}, "set ALLOW_LOOPBACK_MASTER=1"),
+    ({"RDZV_ENDPOINT": "10.0.0.1:rdzv", "NNODES": "2"}, "RDZV_ENDPOINT=10.0.0.1:rdzv: expected HOST:PORT"),
 ])
 def test_launches_that_cannot_work(environ, message, capsys):
     assert any(message in p for p in problems(environ)), capsys.readouterr().out
+
+
+@pytest.mark.parametrize("node_rank", ["0", "1"])
+def test_a_loopback_master_passes_for_a_drill_with_every_node_on_this_host(node_rank, capsys):
+    environ = {"NNODES": "2", "NODE_RANK": node_rank, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+               "ALLOW_LOOPBACK_MASTER": "1"}
+    assert problems(environ) == []
+    assert "ALLOW_LOOPBACK_MASTER=1: a loopback master, for a drill with every node on this host" in \
+        capsys.readouterr().out
+
+
+# ---- the address gloo binds: GLOO_SOCKET_IFNAME, the trainer's choice across nodes, or the host name's address
+
+ADDRS = {"lo": ["127.0.0.1/8"], "eth0": ["10.0.0.2/24"]}
+DEBIAN_HOSTS = ["127.0.1.1"]  # Debian's /etc/hosts: "127.0.1.1 <hostname>"
+
+
+def gloo_problems(monkeypatch, environ, host_addrs, addrs=ADDRS):
+    monkeypatch.setattr(doctor, "resolve", lambda host, timeout=None: (host_addrs, None))
+    report = doctor.Report()
+    doctor.check_gloo(environ, addrs, report)
+    return report.problems
+
+
+def test_a_host_name_on_a_loopback_address_fails_when_gloo_would_bind_it_across_nodes(monkeypatch, capsys):
+    # NCCL_SOCKET_IFNAME names no interface here, so the trainer has none for gloo: gloo binds the host name's address
+    environ = {"NNODES": "2", "NCCL_SOCKET_IFNAME": "ib"}
+    [problem] = gloo_problems(monkeypatch, environ, DEBIAN_HOSTS)
+    assert "-> 127.0.1.1, a loopback address" in problem and "the other nodes cannot reach it" in problem
+    assert "set GLOO_SOCKET_IFNAME" in problem and "/etc/hosts" in problem
+    assert gloo_problems(monkeypatch, {**environ, "NNODES": "1"}, DEBIAN_HOSTS) == []  # one node: it works
+    assert gloo_problems(monkeypatch, {**environ, "ALLOW_LOOPBACK_MASTER": "1"}, DEBIAN_HOSTS) == []  # a drill
+    assert gloo_problems(monkeypatch, environ, ["10.0.0.2"]) == []
+    capsys.readouterr()
+
+
+def test_across_nodes_gloo_binds_the_interface_the_trainer_picks(monkeypatch, capsys):
+    assert gloo_problems(monkeypatch, {"NNODES": "2"}, DEBIAN_HOSTS) == []
+    out = capsys.readouterr().out
+    assert "gloo binds eth0 (set by the trainer when its ranks span nodes: the interface NCCL picks by default)" in out
+    assert "ranks started without torchrun or srun" in out  # the host name's address still bites those
+
+
+@pytest.mark.parametrize("environ, message", [
+    ({"GLOO_SOCKET_IFNAME": "eth9"}, "GLOO_SOCKET_IFNAME=eth9: no interface eth9 with an address on this host"),
+    ({"GLOO_SOCKET_IFNAME": "lo", "NNODES": "2"}, "gloo would bind lo, a loopback interface"),
+    ({"NCCL_SOCKET_IFNAME": "lo", "NNODES": "2"}, "gloo would bind lo, a loopback interface"),
+])
+def test_a_gloo_interface_that_cannot_work(monkeypatch, environ, message, capsys):
+    assert any(message in p for p in gloo_problems(monkeypatch, environ, ["10.0.0.2"])), capsys.readouterr().out

@@ -40,6 +40,22 @@ def test_extraction_shards_spread_over_the_gpus_of_a_node(monkeypatch, rank, exp
     assert device_mod.shard_device("cuda:2", rank) == torch.device("cuda", 2)  # an explicit GPU is kept
 
 
+@pytest.mark.parametrize("local_id, visible, expected", [
+    ("3", 1, 0),  # srun --gpus-per-task=1: CUDA_VISIBLE_DEVICES holds this task's GPU alone
+    ("3", 2, 1),  # --gpus-per-task=2: the task's GPUs, shared out by local rank
+    ("3", 4, 3),  # every GPU of the node visible to every task
+])
+def test_a_slurm_task_binds_a_gpu_it_sees(monkeypatch, local_id, visible, expected):
+    from training.distributed import detect_launch
+
+    bound = fake_gpus(monkeypatch, visible)
+    monkeypatch.setattr(os, "environ", {"SLURM_PROCID": "7", "SLURM_NTASKS": "8", "SLURM_LOCALID": local_id})
+    launch = detect_launch()
+    assert launch.local_rank == 3
+    device = device_mod.select_device("auto", launch.local_rank, bind_local_rank=launch.world_size > 1)
+    assert device == torch.device("cuda", expected) and bound == [device]
+
+
 def test_bf16_only_where_the_gpu_has_it_natively(monkeypatch):
     gpu = torch.device("cuda", 0)
     fake_gpus(monkeypatch, 1, bf16_native=False)  # e.g. a V100 or T4: bf16 only emulated

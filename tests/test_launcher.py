@@ -13,16 +13,22 @@ from training.presets import PRESETS, TRAINER_NCCL_ENV
 
 # variables of this machine that would change what the launcher prints
 LAUNCH_VARS = ("NPROC_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "RDZV_ENDPOINT", "RDZV_ID",
-               "MAX_RESTARTS", "OMP_NUM_THREADS", "DATA_DIR", "OUTPUT_DIR", "DRY_RUN", "SLURM_JOB_ID")
+               "MAX_RESTARTS", "ALLOW_LOOPBACK_MASTER", "OMP_NUM_THREADS", "DATA_DIR", "OUTPUT_DIR", "DRY_RUN",
+               "SLURM_JOB_ID")
+
+
+def launch_env(**extra_env) -> dict:
+    """This machine's environment without its launch variables, plus `extra_env`."""
+    e = env(**extra_env)
+    for name in list(e):
+        if (name in LAUNCH_VARS or name.startswith(("NCCL_", "TORCH_", "GLOO_"))) and name not in extra_env:
+            del e[name]
+    return e
 
 
 def launch(*args, timeout=240, cwd=REPO, **extra_env):
-    e = env(**extra_env)
-    for name in list(e):
-        if (name in LAUNCH_VARS or name.startswith(("NCCL_", "TORCH_"))) and name not in extra_env:
-            del e[name]
     return subprocess.run(["bash", str(REPO / "run_nccl_optimized.sh"), *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env=e, cwd=cwd)
+                          text=True, timeout=timeout, env=launch_env(**extra_env), cwd=cwd)
 
 
 def dry_run(*args, **extra_env):
@@ -150,12 +156,41 @@ def test_rdzv_endpoint_gives_a_c10d_rendezvous_with_one_id_for_every_node(tmp_pa
     ({"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "10.0.0.1"}, "node ranks run from 0 to 1"),
     ({"NPROC_PER_NODE": "two"}, "NPROC_PER_NODE=two: expected a whole number >= 1"),
     ({"MAX_RESTARTS": "-1"}, "MAX_RESTARTS=-1: expected a whole number >= 0"),
+    ({"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1"},
+     "MASTER_ADDR=127.0.0.1 is a loopback address (127.0.0.1): the other nodes cannot reach it"),
+    ({"NNODES": "2", "RDZV_ENDPOINT": "localhost:29400"}, "set ALLOW_LOOPBACK_MASTER=1"),
+    ({"NNODES": "2", "RDZV_ENDPOINT": "10.0.0.1:rdzv"}, "RDZV_ENDPOINT=10.0.0.1:rdzv: expected HOST:PORT"),
 ])
 def test_a_launch_that_cannot_work_exits_2_before_starting(bad, message, tmp_path):
     r = launch("basic", timeout=60, OUTPUT_DIR=tmp_path / "run", **bad)
     assert r.returncode == 2, r.stderr
     assert any(line.startswith("[run_nccl_optimized] ") and message in line for line in r.stderr.splitlines())
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("node_rank", [0, 1])
+def test_a_loopback_master_is_accepted_for_a_drill_with_every_node_on_this_host(node_rank, tmp_path):
+    exports, command, stderr = dry_run("basic", OUTPUT_DIR=tmp_path / "run", NNODES=2, NODE_RANK=node_rank,
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=29500, ALLOW_LOOPBACK_MASTER=1)
+    assert [value_after(command, f) for f in ("--nnodes", "--node_rank", "--master_addr")] == [
+        "2", str(node_rank), "127.0.0.1"]
+    assert "ALLOW_LOOPBACK_MASTER=1: MASTER_ADDR=127.0.0.1 is a loopback address, so every node must run on this " \
+           "host (a drill)" in stderr
+
+
+def test_across_nodes_the_trainer_binds_gloo_to_the_interface_nccl_uses(tmp_path):
+    nodes = dict(NNODES=2, NODE_RANK=0, MASTER_ADDR="10.0.0.1", MASTER_PORT=29500)
+    exports, command, stderr = dry_run("basic", OUTPUT_DIR=tmp_path / "run", NCCL_SOCKET_IFNAME="lo", **nodes)
+    assert "trainer sets GLOO_SOCKET_IFNAME=lo" in stderr  # shown with the trainer's settings, not exported
+    assert "GLOO_SOCKET_IFNAME" not in exports
+    assert "the trainer sets GLOO_SOCKET_IFNAME=lo (NCCL_SOCKET_IFNAME=lo)" in stderr
+    exports, command, stderr = dry_run("basic", OUTPUT_DIR=tmp_path / "run", NCCL_SOCKET_IFNAME="lo",
+                                       GLOO_SOCKET_IFNAME="lo", **nodes)
+    assert exports["GLOO_SOCKET_IFNAME"] == "lo" and "keeping GLOO_SOCKET_IFNAME=lo" in stderr
+    assert "trainer sets GLOO_SOCKET_IFNAME" not in stderr
+    exports, command, stderr = dry_run("basic", OUTPUT_DIR=tmp_path / "run", NCCL_SOCKET_IFNAME="lo",
+                                       NPROC_PER_NODE=2)
+    assert "GLOO_SOCKET_IFNAME" not in stderr  # one node: gloo's default works
 
 
 def test_max_restarts_uses_torchrun_even_for_one_process_and_resumes(tmp_path):

@@ -4,12 +4,13 @@
     python -m tools.doctor --env           # only the warnings about NCCL_*/TORCH_* variables
 
 Prints torch, CUDA and NCCL versions; the GPUs and their topology; the network
-interfaces and the one NCCL would pick; variables NCCL does not read or that
-PyTorch renamed; whether MASTER_ADDR:MASTER_PORT (or RDZV_ENDPOINT) can be used.
-Reads the launcher's environment: NPROC_PER_NODE, NNODES, NODE_RANK,
-MASTER_ADDR, MASTER_PORT, RDZV_ENDPOINT, MAX_RESTARTS, CUDA_VISIBLE_DEVICES,
-DATA_DIR, OUTPUT_DIR. Exit 0: nothing found that would stop a launch (warnings
-may be printed); 1: a launch would fail, with the reasons.
+interfaces, the one NCCL would pick and the address gloo would bind; variables
+NCCL does not read or that PyTorch renamed; whether MASTER_ADDR:MASTER_PORT (or
+RDZV_ENDPOINT) can be used. Reads the launcher's environment: NPROC_PER_NODE,
+NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, RDZV_ENDPOINT, MAX_RESTARTS,
+ALLOW_LOOPBACK_MASTER, CUDA_VISIBLE_DEVICES, NCCL_SOCKET_IFNAME,
+GLOO_SOCKET_IFNAME, DATA_DIR, OUTPUT_DIR. Exit 0: nothing found that would stop
+a launch (warnings may be printed); 1: a launch would fail, with the reasons.
 
 It only looks: it binds a port for a moment to see whether it is free, and
 tries one TCP connection to a remote master; it never scans. The rules a launch
@@ -29,9 +30,12 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
+from training.interfaces import NCCL_DEFAULT_RULE, gloo_interface, interface_addresses, nccl_interfaces, usable
+
 DEFAULT_MASTER_ADDR = "127.0.0.1"  # one node: the master is this host
 DEFAULT_MULTI_NODE_PORT = 29500  # torchrun's; the launcher uses it when several nodes must agree on one
 DEFAULT_RDZV_PORT = 29400  # torchrun's default port for --rdzv_endpoint without one
+LOOPBACK_DRILL = "ALLOW_LOOPBACK_MASTER"  # =1: every node on this host; see loopback_drill()
 RESOLVE_TIMEOUT_S = 10
 CONNECT_TIMEOUT_S = 3
 
@@ -53,10 +57,6 @@ NOT_READ = {
 }
 # Settings NCCL's troubleshooting guide offers as workarounds; they cost speed when left on.
 WORKAROUNDS = ("NCCL_IB_DISABLE", "NCCL_P2P_DISABLE", "NCCL_BUFFSIZE", "NCCL_NTHREADS")
-
-NCCL_DEFAULT_RULE = ("NCCL_SOCKET_IFNAME unset: NCCL skips lo and docker*, prefers ib*, else takes the first "
-                     "other interface with an address (lo or docker* only when nothing else has one)")
-
 
 @dataclass
 class Report:
@@ -94,66 +94,6 @@ def env_warnings(environ) -> list[str]:
 
 
 # ---- network interfaces
-
-
-def interface_addresses() -> dict[str, list[str]]:
-    """Interface name -> addresses (CIDR), in the kernel's order; from `ip -o addr` when there is one."""
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except OSError:
-        names = sorted(os.listdir("/sys/class/net")) if os.path.isdir("/sys/class/net") else []
-    addrs = {name: [] for name in names}
-    if shutil.which("ip"):
-        try:
-            text = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True, timeout=5).stdout
-        except (OSError, subprocess.SubprocessError):
-            text = ""
-        for line in text.splitlines():
-            parts = line.split()
-            if len(parts) >= 4 and parts[2] in ("inet", "inet6"):
-                addrs.setdefault(parts[1].split("@")[0], []).append(parts[3])
-        return addrs
-    for name in names:  # no `ip`: IPv4 addresses through the SIOCGIFADDR ioctl
-        address = _ipv4_by_ioctl(name)
-        if address:
-            addrs[name].append(address)
-    return addrs
-
-
-def _ipv4_by_ioctl(name: str) -> str | None:
-    import fcntl
-    import struct
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
-        except OSError:
-            return None
-    return socket.inet_ntoa(packed[20:24])
-
-
-def usable(addresses: list[str]) -> list[str]:
-    """Addresses NCCL could bind: not IPv6 link-local."""
-    return [a for a in addresses if not ipaddress.ip_interface(a).ip.is_link_local]
-
-
-def _matches(name: str, token: str) -> bool:
-    return name == token[1:] if token.startswith("=") else name.startswith(token)
-
-
-def nccl_interfaces(addrs: dict[str, list[str]], ifname: str | None) -> list[str]:
-    """The interfaces NCCL would use, following its documented selection (NCCL_SOCKET_IFNAME or the default)."""
-    candidates = [name for name, a in addrs.items() if usable(a)]
-    if ifname:
-        exclude = ifname.startswith("^")
-        tokens = [t for t in ifname.lstrip("^").split(",") if t]
-        return [n for n in candidates if any(_matches(n, t) for t in tokens) != exclude]
-    for pick in (lambda n: n.startswith("ib"), lambda n: not (n == "lo" or n.startswith("docker")),
-                 lambda n: n.startswith("docker"), lambda n: n == "lo"):
-        chosen = [n for n in candidates if pick(n)]
-        if chosen:
-            return chosen[:1]
-    return []
 
 
 def operstate(name: str) -> str:
@@ -321,6 +261,33 @@ def node_rank(environ, nnodes: str, max_nodes: int) -> int:
     return rank
 
 
+def rdzv_endpoint(environ) -> tuple[str, int]:
+    """RDZV_ENDPOINT as (host, port): HOST:PORT, [IPv6]:PORT, or HOST alone for torchrun's default port."""
+    text = environ["RDZV_ENDPOINT"]
+    host, _, port_text = text.rpartition(":") if ":" in text else (text, "", str(DEFAULT_RDZV_PORT))
+    if not host or not port_text.isdigit() or not 0 < int(port_text) <= 65535:
+        raise LaunchEnvError(f"RDZV_ENDPOINT={text}: expected HOST:PORT")
+    return host.strip("[]"), int(port_text)
+
+
+def loopback_drill(environ) -> bool:
+    """ALLOW_LOOPBACK_MASTER=1: every node of the job runs on this host (a drill), so a loopback master works."""
+    return environ.get(LOOPBACK_DRILL, "") not in ("", "0")
+
+
+def reachable_master(environ, name: str, host: str, address: str, *, multi_node: bool) -> None:
+    """Several nodes meet at an address each of them can reach: a loopback address reaches only the node
+    itself, unless every node runs on this host."""
+    if multi_node and is_loopback(address) and not loopback_drill(environ):
+        raise LaunchEnvError(f"{name}={host} is a loopback address ({address}): the other nodes cannot reach it; "
+                             "use this node's address on the network the nodes share (or, when every node runs on "
+                             f"this host, as in a drill, set {LOOPBACK_DRILL}=1)")
+
+
+def is_loopback(address: str) -> bool:
+    return ipaddress.ip_address(address.split("%")[0]).is_loopback
+
+
 def restart_rendezvous(restarts: int, endpoint: str) -> str:
     return (f"MAX_RESTARTS={restarts}: c10d rendezvous at {endpoint} (MASTER_ADDR:MASTER_PORT), so that each "
             "restart starts afresh")
@@ -353,45 +320,42 @@ def check_launch(environ, report: Report, *, cuda: bool, gpus: int) -> None:
     # the host whose address the endpoint names hosts the store; on one node that is this one
     c10d_host_here = None if multi_node else True
 
-    rdzv = environ.get("RDZV_ENDPOINT")
-    if rdzv:
-        host, _, port_text = rdzv.rpartition(":") if ":" in rdzv else (rdzv, "", str(DEFAULT_RDZV_PORT))
-        host = host.strip("[]")
-        rdzv_port = int(port_text) if port_text.isdigit() else None
-        if rdzv_port is None:
-            report.fail(f"RDZV_ENDPOINT={rdzv!r}: expected HOST:PORT")
+    if environ.get("RDZV_ENDPOINT"):
+        host, rdzv_port = ruled(rdzv_endpoint, environ, default=(None, None))
+        if host is None:  # reported above
             return
         print(f"  c10d rendezvous at {host}:{rdzv_port} (RDZV_ENDPOINT), up to {max_nodes} node(s); "
               "node ranks are assigned by the rendezvous")
-        check_endpoint("RDZV_ENDPOINT", host, rdzv_port, report, multi_node=multi_node, hosts_here=c10d_host_here)
+        check_endpoint(environ, "RDZV_ENDPOINT", host, rdzv_port, report, multi_node=multi_node,
+                       hosts_here=c10d_host_here)
         return
 
     if not multi_node and nproc <= 1 and not restarts:
         print("  one process, no torchrun: MASTER_ADDR and MASTER_PORT are not used")
         if environ.get("MASTER_ADDR"):  # checked anyway, for the launch you are preparing; not fatal here
-            check_endpoint("MASTER_ADDR", environ["MASTER_ADDR"], port, report, multi_node=False, hosts_here=True,
-                           fatal=False)
+            check_endpoint(environ, "MASTER_ADDR", environ["MASTER_ADDR"], port, report, multi_node=False,
+                           hosts_here=True, fatal=False)
         return
     host = ruled(master_addr, environ, nnodes, max_nodes)
     if host is None or (port is None and multi_node):  # reported above
         return
     if port is None:
         print(f"  master {host}, MASTER_PORT unset: the launcher picks a free port")
-        check_endpoint("MASTER_ADDR", host, None, report, multi_node=False, hosts_here=True)
+        check_endpoint(environ, "MASTER_ADDR", host, None, report, multi_node=False, hosts_here=True)
         return
     if restarts:
         print(f"  {restart_rendezvous(restarts, f'{host}:{port}')}")
-        check_endpoint("MASTER_ADDR", host, port, report, multi_node=multi_node, hosts_here=c10d_host_here)
+        check_endpoint(environ, "MASTER_ADDR", host, port, report, multi_node=multi_node, hosts_here=c10d_host_here)
         return
     rank = ruled(node_rank, environ, nnodes, max_nodes)
     if rank is None:
         return
     print(f"  master {host}:{port}, node rank {rank} of {max_nodes}"
           + (" (this node hosts the rendezvous store)" if rank == 0 else ""))
-    check_endpoint("MASTER_ADDR", host, port, report, multi_node=multi_node, hosts_here=rank == 0)
+    check_endpoint(environ, "MASTER_ADDR", host, port, report, multi_node=multi_node, hosts_here=rank == 0)
 
 
-def check_endpoint(name: str, host: str, port: int | None, report: Report, *, multi_node: bool,
+def check_endpoint(environ, name: str, host: str, port: int | None, report: Report, *, multi_node: bool,
                    hosts_here: bool | None, fatal: bool = True) -> None:
     """Resolve; when the address is this host's, see that the port is free; else try one connection."""
     fail = report.fail if fatal else report.warn
@@ -402,12 +366,14 @@ def check_endpoint(name: str, host: str, port: int | None, report: Report, *, mu
         return
     address = addrs[0]
     local = is_local(address)
-    loopback = ipaddress.ip_address(address.split("%")[0]).is_loopback
     print(f"  {name}={host} resolves to {', '.join(addrs)}; {'an address of this host' if local else 'another host'}")
-    if multi_node and loopback:
-        fail(f"{name}={host} is a loopback address ({address}): the other nodes cannot reach it; use this "
-             "node's address on the network the nodes share")
+    try:
+        reachable_master(environ, name, host, address, multi_node=multi_node)
+    except LaunchEnvError as e:
+        fail(str(e))
         return
+    if multi_node and is_loopback(address):
+        print(f"  {LOOPBACK_DRILL}=1: a loopback master, for a drill with every node on this host")
     if local:
         if port is None:
             return
@@ -442,6 +408,46 @@ def check_endpoint(name: str, host: str, port: int | None, report: Report, *, mu
                     "this port")
     else:
         report.warn(f"cannot connect to {address}:{port}: {state}")
+
+
+def check_gloo(environ, addrs: dict[str, list[str]], report: Report) -> None:
+    """The address gloo binds (the control plane; every collective on CPUs): GLOO_SOCKET_IFNAME's interfaces;
+    across nodes without it, the one the trainer sets (training/interfaces.py); else the address this host's
+    name resolves to, which Debian's /etc/hosts makes 127.0.1.1, a loopback address other nodes cannot reach."""
+    try:
+        multi_node = node_count(environ)[1] > 1
+    except LaunchEnvError:  # reported with the launch
+        multi_node = False
+    across_nodes = multi_node and not loopback_drill(environ)
+    host = socket.gethostname()
+    host_addrs, _ = resolve(host)
+    resolved = f"{host} -> {', '.join(host_addrs) or 'nothing'}"
+    loopback_name = bool(host_addrs) and is_loopback(host_addrs[0])
+    names, source = [n for n in environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n], "GLOO_SOCKET_IFNAME"
+    by_trainer = not names and multi_node
+    if by_trainer:
+        chosen, why = gloo_interface(environ, addrs)
+        names, source = [chosen] if chosen else [], f"set by the trainer when its ranks span nodes: {why}"
+    if names:
+        missing = [n for n in names if not usable(addrs.get(n, []))]
+        if missing:
+            report.fail(f"GLOO_SOCKET_IFNAME={environ['GLOO_SOCKET_IFNAME']}: no interface {', '.join(missing)} "
+                        "with an address on this host: gloo cannot start; name an interface listed above")
+            return
+        print(f"  gloo binds {', '.join(names)} ({source})")
+        if across_nodes and all(is_loopback(a.split("/")[0]) for n in names for a in usable(addrs[n])):
+            report.fail(f"gloo would bind {', '.join(names)}, a loopback interface: the other nodes cannot reach "
+                        "it; set GLOO_SOCKET_IFNAME (or NCCL_SOCKET_IFNAME) to the interface the nodes share")
+        elif across_nodes and loopback_name and by_trainer:
+            print(f"  note: {resolved} is a loopback address; ranks started without torchrun or srun (RANK and "
+                  "WORLD_SIZE set by hand) bind it unless GLOO_SOCKET_IFNAME is set")
+        return
+    print(f"  gloo binds the address this host's name resolves to: {resolved}")
+    if across_nodes and loopback_name:
+        report.fail(f"{resolved}, a loopback address (Debian's /etc/hosts maps the host name to 127.0.1.1): "
+                    "gloo binds it and the other nodes cannot reach it; set GLOO_SOCKET_IFNAME (or "
+                    f"NCCL_SOCKET_IFNAME, which the trainer follows) to the interface the nodes share, or map {host} "
+                    "to that interface's address in /etc/hosts")
 
 
 def check_paths(environ, report: Report) -> None:
@@ -523,10 +529,7 @@ def main(argv=None) -> int:
         report.fail(f"no interface with an address matches ({rule}): NCCL cannot bootstrap; fix NCCL_SOCKET_IFNAME")
     else:
         report.warn(f"no interface with an address matches ({rule}); NCCL is not used on this CPU-only host")
-    if not cuda:
-        host_addrs, _ = resolve(socket.gethostname())
-        print("  gloo (CPU runs) uses GLOO_SOCKET_IFNAME when set, else the address this host's name resolves to: "
-              f"{socket.gethostname()} -> {', '.join(host_addrs) or 'nothing'}")
+    check_gloo(environ, addrs, report)
 
     print("== NCCL and TORCH variables")
     shown = sorted(k for k in environ if k.startswith(("NCCL_", "TORCH_NCCL_", "TORCH_FR_", "TORCH_DISTRIBUTED_"))

@@ -6,16 +6,21 @@
 Takes the preset from training/presets.py and the environment listed at the top of
 run_nccl_optimized.sh; an environment that cannot work ends with a message and exit 2,
 before anything is started or written. Sets the preset's NCCL variables and
-OMP_NUM_THREADS unless you set them (yours are kept, and named), then becomes the
-command (os.execvpe, as bash's exec: signals reach torchrun or the trainer directly).
+OMP_NUM_THREADS unless you set them (yours are kept, and named). One process: it
+becomes the trainer (os.execvpe, as bash's exec: signals reach the trainer directly).
+Several ranks: it runs torchrun and passes a stop signal to this node's ranks (see
+run_torchrun), then exits with torchrun's code.
 With DRY_RUN=1 it prints the environment and the command instead, and exits 0.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
+import signal
 import socket
+import subprocess
 import sys
 import unicodedata
 import warnings
@@ -23,16 +28,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tools import doctor
-from tools.doctor import (LaunchEnvError, cpu_ranks, master_addr, master_port, max_restarts, node_count, node_rank,
-                          ranks_per_node, restart_rendezvous)
+from tools.doctor import (LOOPBACK_DRILL, LaunchEnvError, cpu_ranks, is_loopback, master_addr, master_port,
+                          max_restarts, node_count, node_rank, ranks_per_node, rdzv_endpoint, reachable_master,
+                          resolve, restart_rendezvous)
+from training.interfaces import gloo_interface, interface_addresses
 from training.presets import FLIGHT_RECORDER_DIR, PRESETS, Preset, trainer_nccl_env
+from training.signals import STOP_SIGNALS
 
 SCRIPT = "run_nccl_optimized.sh"
 TRAINER = Path(os.path.abspath(__file__)).parent.parent / "rvq_seamless_gpu_cache_nccl.py"
 # what the usage message lists; the comment at the top of run_nccl_optimized.sh says what each does
 ENVIRONMENT = ("DATA_DIR", "OUTPUT_DIR", "NPROC_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
-               "RDZV_ENDPOINT", "RDZV_ID", "MAX_RESTARTS", "OMP_NUM_THREADS", "DRY_RUN=1", "PYTHON")
-USER_VARIABLE = re.compile(r"(NCCL|TORCH)_[A-Za-z0-9_]*")
+               "RDZV_ENDPOINT", "RDZV_ID", "MAX_RESTARTS", f"{LOOPBACK_DRILL}=1", "OMP_NUM_THREADS", "DRY_RUN=1",
+               "PYTHON")
+USER_VARIABLE = re.compile(r"(NCCL|TORCH|GLOO)_[A-Za-z0-9_]*")
 WORKAROUND_NOTE = ": a workaround from NCCL's troubleshooting guide, not a tuning"
 
 
@@ -185,8 +194,11 @@ def rendezvous(environ, nodes: Nodes, run_dir: str, exports: Exports) -> list[st
     address when restarts are on (a static master keeps one store for every attempt, and a restarted group would
     read the previous attempt's addresses from it)."""
     endpoint = nodes.rdzv_endpoint
-    if not endpoint:
+    if endpoint:
+        reachable(environ, "RDZV_ENDPOINT", rdzv_endpoint(environ)[0], nodes)
+    else:
         addr = master_addr(environ, nodes.nnodes, nodes.max_nodes)
+        reachable(environ, "MASTER_ADDR", addr, nodes)
         port = master_port(environ, nodes.max_nodes) or free_port()
         if not nodes.max_restarts:
             rank = node_rank(environ, nodes.nnodes, nodes.max_nodes)
@@ -201,6 +213,19 @@ def rendezvous(environ, nodes: Nodes, run_dir: str, exports: Exports) -> list[st
         exports.set("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1",
                     ": each attempt's workers get a store of their own, on a free port of the first node")
     return ["--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", rendezvous_id(environ, run_dir)]
+
+
+def reachable(environ, name: str, host: str, nodes: Nodes) -> None:
+    """Several nodes need a master every node can reach: a loopback one only in a drill (ALLOW_LOOPBACK_MASTER=1,
+    every node on this host). A name that does not resolve here is left to torchrun, which names it."""
+    if nodes.max_nodes <= 1:
+        return
+    addrs, _ = resolve(host)
+    if addrs:
+        reachable_master(environ, name, host, addrs[0], multi_node=True)
+        if is_loopback(addrs[0]):
+            say(f"{LOOPBACK_DRILL}={environ[LOOPBACK_DRILL]}: {name}={host} is a loopback address, so every node "
+                "must run on this host (a drill)")
 
 
 def rendezvous_id(environ, run_dir: str) -> str:
@@ -249,7 +274,7 @@ def command_line(cmd: list[str]) -> str:
     return " ".join(map(bash_quote, cmd))
 
 
-def print_dry_run(environ, exports: Exports, trainer_env: dict, cmd: list[str]) -> None:
+def print_dry_run(environ, exports: Exports, trainer_env: dict, gloo_env: dict, cmd: list[str]) -> None:
     say(f"DRY_RUN={environ['DRY_RUN']}: printing the environment and the command; nothing is started")
     shown = {"PYTHONPATH": environ.get("PYTHONPATH", "")}
     if "CUDA_VISIBLE_DEVICES" in environ:
@@ -258,15 +283,93 @@ def print_dry_run(environ, exports: Exports, trainer_env: dict, cmd: list[str]) 
     lines += [f"export {key}={bash_quote(value)}" for key, value in {**shown, **exports.values}.items()]
     lines.append("# set by the trainer when it creates an NCCL process group (values you set win)")
     lines += [f"#   {key}={value}" for key, value in trainer_env.items()]
+    if gloo_env:
+        lines.append("# set by the trainer when its ranks span nodes, before its process groups exist")
+        lines += [f"#   {key}={value}" for key, value in gloo_env.items()]
     lines += ["# command", command_line(cmd)]
     print("\n".join(lines))
+
+
+# ---- the ranks' interface for gloo
+
+
+def trainer_gloo_env(environ, nodes: Nodes) -> dict:
+    """GLOO_SOCKET_IFNAME as the trainer will set it when its ranks span nodes (training/distributed.py, by the
+    rule in training/interfaces.py); said here once per node, since ranks other than 0 log only warnings."""
+    if nodes.max_nodes <= 1 or "GLOO_SOCKET_IFNAME" in environ:
+        return {}
+    interface, why = gloo_interface(environ, interface_addresses())
+    if interface is None:
+        say(f"warning: no interface with an address for gloo ({why}): gloo binds the address this host's name "
+            "resolves to; run the doctor")
+        return {}
+    say(f"ranks on several nodes: the trainer sets GLOO_SOCKET_IFNAME={interface} ({why}), so that gloo binds the "
+        "interface NCCL uses")
+    return {"GLOO_SOCKET_IFNAME": interface}
+
+
+# ---- torchrun, and stop signals
+
+
+def run_torchrun(cmd: list[str], env: dict) -> int:
+    """Run torchrun in a session of its own; pass a stop signal to the ranks it started; return its exit code.
+
+    torchrun's own answer to SIGTERM or SIGINT is to end the ranks of its node: it passes the signal on, kills
+    them 30 s later, and exits 1 without meeting the other nodes' agents, which then wait 300 s at their exit
+    barrier. The trainer stops on these signals by itself, every node at one step with a checkpoint, and exits 0.
+    So the first SIGTERM, SIGINT or SIGUSR1 goes to this node's ranks, and every torchrun sees its ranks finish
+    (no restart under MAX_RESTARTS: they succeeded). Any other signal goes to torchrun: after a stop was passed
+    on, as SIGINT, which torchrun passes on too, and a rank already stopping exits at once; else (no ranks yet,
+    SIGHUP, SIGQUIT) as SIGTERM, which ends torchrun in its rendezvous, or its ranks within 30 s.
+    """
+    agent = subprocess.Popen(cmd, env=env, start_new_session=True)  # terminal signals reach the launcher alone
+    relayed = False
+
+    def relay(signum, _frame):
+        nonlocal relayed
+        name = signal.Signals(signum).name
+        ranks = child_processes(agent.pid) if signum in STOP_SIGNALS and not relayed else []
+        if ranks:
+            say(f"{name}: passed to this node's ranks ({', '.join(map(str, ranks))}); every node's ranks stop at "
+                "one step, with a checkpoint; a second signal ends them at once")
+            targets, sig = ranks, signum
+            relayed = True
+        else:
+            targets, sig = [agent.pid], signal.SIGINT if relayed else signal.SIGTERM
+            say(f"{name}: passed to torchrun as {sig.name}: "
+                + ("this node's ranks exit at once, without a checkpoint" if relayed else
+                   "it ends this node's part of the job"))
+        for pid in targets:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    for caught in (*STOP_SIGNALS, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(caught, relay)
+    code = agent.wait()
+    return code if code >= 0 else 128 - code  # killed by a signal: as a shell reports it
+
+
+def child_processes(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (torchrun's: the ranks it started), from /proc."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        if parent == pid:
+            children.append(int(entry))
+    return children
 
 
 # ---- the launch
 
 
-def launch(name: str, user_args: list[str], environ) -> None:
-    """Decide the environment and the command; print them (DRY_RUN), or become the command."""
+def launch(name: str, user_args: list[str], environ) -> int:
+    """Decide the environment and the command; print them (DRY_RUN), or run the command: its exit code."""
     output_dir = environ.get("OUTPUT_DIR") or f"runs/{name}"
     run_dir = last_value(user_args, "--output_dir") or output_dir  # the trainer takes the last --output_dir
     for text in doctor.env_warnings(environ):  # your variables that NCCL does not read, or that PyTorch renamed
@@ -278,16 +381,21 @@ def launch(name: str, user_args: list[str], environ) -> None:
     nodes = nodes_and_restarts(environ)
     args = trainer_args(environ, output_dir, flags, nodes, user_args)
     cmd = command(environ.get("PYTHON") or sys.executable, environ, nproc, nodes, run_dir, args, exports)
-    if gpus and cmd[1] == "-m":
+    torchrun = cmd[1] == "-m"
+    if gpus and torchrun:
         say(f"NCCL flight recorder: on a timeout each rank dumps its last collectives to "
             f"{run_dir}/{FLIGHT_RECORDER_DIR}/rank_<rank>")
+    gloo_env = trainer_gloo_env(environ, nodes)
     if environ.get("DRY_RUN") not in (None, "", "0"):
-        print_dry_run(environ, exports, trainer_env, cmd)
-        return
+        print_dry_run(environ, exports, trainer_env, gloo_env, cmd)
+        return 0
     say(f"running: {command_line(cmd)}")
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execvpe(cmd[0], cmd, {**environ, **exports.values})
+    env = {**environ, **exports.values}
+    if torchrun:
+        return run_torchrun(cmd, env)
+    os.execvpe(cmd[0], cmd, env)
 
 
 def main(argv=None) -> int:
@@ -302,11 +410,10 @@ def main(argv=None) -> int:
         usage()
         return 2
     try:
-        launch(argv[0], argv[1:], os.environ)
+        return launch(argv[0], argv[1:], os.environ)
     except LaunchEnvError as e:  # bad input: exit 2 before anything is started or written
         say(str(e))
         return 2
-    return 0
 
 
 if __name__ == "__main__":

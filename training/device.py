@@ -17,8 +17,11 @@ def select_device(flag: str, local_rank: int = 0, *, bind_local_rank: bool = Fal
     """The device named by `flag` (auto, cpu, cuda, cuda:N), bound with torch.cuda.set_device.
 
     bind_local_rank: one of several processes on a node (ranks of a launcher): a CUDA device is
-    this process's own GPU, `cuda:<local_rank>`, whatever index the flag gave, so that no two
-    ranks share cuda:0 by accident. Called before any CUDA work and before a process group exists.
+    this process's own GPU, `cuda:<local_rank % visible GPUs>`, whatever index the flag gave, so
+    that no two ranks share cuda:0 by accident. With every GPU visible to every rank (torchrun)
+    that is cuda:<local_rank>; with one GPU per task (srun --gpus-per-task=1, where SLURM_LOCALID
+    may be 3 and CUDA_VISIBLE_DEVICES holds one GPU) it is the GPU the task sees.
+    Called before any CUDA work and before a process group exists.
     """
     if flag == "auto":
         flag = "cuda" if torch.cuda.is_available() else "cpu"
@@ -28,9 +31,9 @@ def select_device(flag: str, local_rank: int = 0, *, bind_local_rank: bool = Fal
     if not torch.cuda.is_available():
         raise RuntimeError(f"--device {flag} was asked for, but no GPU is visible")
     count = torch.cuda.device_count()
-    index = local_rank if bind_local_rank else (device.index or 0)
+    index = local_rank % count if bind_local_rank else (device.index or 0)
     if index >= count:
-        raise RuntimeError(f"{'local rank' if bind_local_rank else 'device'} {index} has no GPU: only {count} visible")
+        raise RuntimeError(f"--device {flag}: only {count} GPU(s) visible")
     device = torch.device("cuda", index)
     torch.cuda.set_device(device)
     return device
@@ -40,9 +43,7 @@ def shard_device(flag: str, rank: int) -> torch.device:
     """The device of one of several single-GPU processes on a node (tools.extract's shards):
     `cuda:<rank % visible GPUs>` for auto or cuda, so that N processes spread over the GPUs
     instead of all landing on GPU 0; an explicit cuda:N or cpu is kept."""
-    if flag in ("auto", "cuda") and torch.cuda.is_available():
-        return select_device(f"cuda:{rank % torch.cuda.device_count()}")
-    return select_device(flag)
+    return select_device(flag, rank, bind_local_rank=flag in ("auto", "cuda"))
 
 
 def bf16_supported(device: torch.device) -> bool:

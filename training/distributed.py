@@ -4,7 +4,8 @@ Rank, world size and local rank come from the launcher's environment
 (torchrun, torch.distributed.launch, accelerate launch, SLURM srun) or from
 `--local_rank`; with none, one process. CUDA -> nccl, CPU -> gloo. A second
 process group on gloo, the control plane, carries sync checks and barriers so
-that they never wait behind queued NCCL kernels.
+that they never wait behind queued NCCL kernels. Across nodes, gloo binds the
+interface NCCL uses (GLOO_SOCKET_IFNAME).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from training.interfaces import gloo_interface, interface_addresses
 from training.presets import FLIGHT_RECORDER_DIR, trainer_nccl_env
 
 log = logging.getLogger(__name__)
@@ -30,6 +32,7 @@ class Launch:
     rank: int
     world_size: int
     local_rank: int
+    nodes: int = 1  # as the launcher tells (torchrun's GROUP_WORLD_SIZE, srun's SLURM_STEP_NUM_NODES); else 1
 
 
 @dataclass
@@ -52,9 +55,10 @@ def detect_launch(local_rank_flag: int | None = None) -> Launch:
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
         local = int(env.get("LOCAL_RANK", local_rank_flag if local_rank_flag is not None else 0))
-        return Launch(int(env["RANK"]), int(env["WORLD_SIZE"]), local)
+        return Launch(int(env["RANK"]), int(env["WORLD_SIZE"]), local, int(env.get("GROUP_WORLD_SIZE", 1)))
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
-        launch = Launch(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)))
+        launch = Launch(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
+                        int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or 1))
         # init_process_group reads these; srun does not set them
         env.setdefault("RANK", str(launch.rank))
         env.setdefault("WORLD_SIZE", str(launch.world_size))
@@ -81,6 +85,26 @@ def configure_nccl_env(output_dir: Path) -> None:
         _set_default_env(name, value)
 
 
+def bind_gloo_across_nodes(launch: Launch) -> None:
+    """Across nodes, gloo binds the interface NCCL uses: NCCL_SOCKET_IFNAME's, else NCCL's own choice. Without
+    GLOO_SOCKET_IFNAME gloo binds the address the host name resolves to, which Debian's /etc/hosts makes
+    127.0.1.1: the other nodes' ranks would try to reach it on their own host. Read when a gloo group is
+    created; a value the user set wins."""
+    if launch.nodes <= 1:
+        return
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        log.info("keeping GLOO_SOCKET_IFNAME=%s from the environment", os.environ["GLOO_SOCKET_IFNAME"])
+        return
+    interface, why = gloo_interface(os.environ, interface_addresses())
+    if interface is None:
+        log.warning("GLOO_SOCKET_IFNAME unset and no interface with an address to set it to (%s): gloo binds "
+                    "the address this host's name resolves to; set GLOO_SOCKET_IFNAME if other nodes cannot reach "
+                    "it", why)
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = interface
+    log.info("setting GLOO_SOCKET_IFNAME=%s (%s): gloo binds the interface NCCL uses", interface, why)
+
+
 def init_distributed(launch: Launch, device: torch.device, *, timeout_s: int, control_timeout_s: int,
                      output_dir: Path) -> DistContext:
     ctx = DistContext(launch.rank, launch.world_size, launch.local_rank, device)
@@ -89,6 +113,7 @@ def init_distributed(launch: Launch, device: torch.device, *, timeout_s: int, co
     ctx.backend = "nccl" if device.type == "cuda" else "gloo"
     if ctx.backend == "nccl":
         configure_nccl_env(output_dir)
+    bind_gloo_across_nodes(launch)
     dist.init_process_group(
         backend=ctx.backend,
         timeout=timedelta(seconds=timeout_s),
