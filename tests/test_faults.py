@@ -236,14 +236,17 @@ def test_checkpoint_write_longer_than_sync_timeout_is_no_alarm(tmp_path, data, r
     assert [e["step"] for e in events(out, "checkpoint")] == [8, 16]
 
 
-@pytest.mark.parametrize("fault", [f"stall:rank=1:step=0:at=forward:seconds={SYNC_TIMEOUT + 5}",  # a slow first step
-                                   f"stall:rank=1:step=8:at=eval:seconds={SYNC_TIMEOUT + 5}"])  # a long eval
-def test_slow_phase_longer_than_sync_timeout_is_no_alarm(tmp_path, data, ranks, fault):
+@pytest.mark.parametrize("phase, step", [("forward", 0),  # a slow first step
+                                         ("eval", 8),  # a long eval
+                                         ("refit", 16)])  # a long codebook refit, after the last step
+def test_slow_phase_longer_than_sync_timeout_is_no_alarm(tmp_path, data, ranks, phase, step):
     out = tmp_path / "run"
+    fault = f"stall:rank=1:step={step}:at={phase}:seconds={SYNC_TIMEOUT + 5}"
     job = ranks(flags(data, out, "--max_steps", 16), extra_env={"RVQ_FAULT": fault})
     assert job.wait(timeout=240) == [0, 0], job.output(0) + job.output(1)
-    assert "for 15s" in job.output(1)
+    assert f"stalls in {phase} at step {step} for 15s" in job.output(1)
     assert [e["step"] for e in events(out, "eval")] == [8, 16]
+    assert [e["step"] for e in events(out, "refit")] == [16]
 
 
 def test_rank_in_a_collective_the_others_never_join_is_named_as_a_desync(tmp_path, data, ranks):

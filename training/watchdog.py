@@ -1,20 +1,24 @@
 """The peer watchdog: a thread that notices a lost, silent or stuck rank while the main thread is blocked.
 
-Each rank bumps a heartbeat counter in the rendezvous store (through its own
-client connection, with short timeouts) every few seconds and watches its
-peers' counters. A peer whose counter has not moved for `timeout` seconds (a
-stopped or hung process), or whose process is gone (seen at once when it runs
-on this host), ends this rank with exit code 3 and a message naming the peer
-and the step. It runs beside the main thread because that thread may be stuck
-inside a collective whose own timeout is far longer.
+Every few seconds each rank makes one exchange with the rendezvous store
+(through its own client connection, with short timeouts): it writes its state,
+which carries a beat number that goes up by one each time, and reads every
+rank's state and the verdict key in one batched call, so the store sees the
+same few requests per rank whatever the world size. A peer whose beat number
+has not moved for `timeout` seconds (a stopped or hung process), or whose
+process is gone (seen at once when it runs on this host), ends this rank with
+exit code 3 and a message naming the peer and the step. It runs beside the main
+thread because that thread may be stuck inside a collective whose own timeout
+is far longer.
 
 A live process whose main thread is stuck beats on, so each rank also publishes
-its main thread's progress: step, phase, how long it has been in that phase and
-where it is (file, line, function). The ranks furthest behind are the ones the
-others wait for; when one of them has overstayed its phase's allowance
-(--sync_timeout, or --slow_phase_timeout for a slow phase) the first rank to see
-it writes a verdict to the store. Every rank then logs the same paragraph, the
-stuck rank writes all its threads' stacks to its log, and all exit 3.
+its main thread's progress: step, phase, how long it has been in that phase and,
+under a key of its own, where it is (file, line, function). The ranks furthest
+behind are the ones the others wait for; when one of them has overstayed its
+phase's allowance (--sync_timeout, or --slow_phase_timeout for a slow phase) the
+first rank to see it reads where every main thread is and writes a verdict to
+the store. Every rank then logs the same paragraph, the stuck rank writes all
+its threads' stacks to its log, and all exit 3.
 """
 from __future__ import annotations
 
@@ -86,28 +90,41 @@ def stuck_ranks(states: dict, allowance) -> tuple[list, bool]:
     if not states:
         return [], False
     keys = {r: order(s["step"], s["phase"]) for r, s in states.items()}
-    behind = [r for r, k in keys.items() if k == min(keys.values())]
+    furthest_behind = min(keys.values())
+    behind = [r for r, k in keys.items() if k == furthest_behind]
     late = [r for r in behind if states[r]["for"] > allowance(states[r]["phase"], states[r]["step"])]
     return sorted(late), len(behind) == len(states)
 
 
 class PeerWatchdog:
     def __init__(self, rank: int, world_size: int, *, timeout_s: float, slow_timeout_s: float, progress,
-                 interval_s: float | None = None, on_verdict=None):
+                 interval_s: float | None = None, on_verdict=None, host: str | None = None):
         """progress: where the main loop is (its step and phase). on_verdict() runs before any exit and returns
-        text for the message (the flight-recorder dump on NCCL)."""
+        text for the message (the flight-recorder dump on NCCL). host: the name peers compare with their own to
+        check this rank's process directly (default: this machine's)."""
         self.rank, self.world_size, self.timeout_s, self.progress = rank, world_size, timeout_s, progress
         self.slow_timeout_s, self.on_verdict = slow_timeout_s, on_verdict
         self.interval_s = interval_s or max(0.5, min(5.0, timeout_s / 6))
-        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        self.address = f"{host}:{port}"
+        store_host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        self.address = f"{store_host}:{port}"
         op_timeout = timedelta(seconds=max(1.0, min(10.0, timeout_s / 3)))
-        self.store = dist.TCPStore(host, port, is_master=False, timeout=op_timeout, wait_for_workers=False)
-        self.prefix = "rvq_watchdog/{}/{}".format(os.environ.get("TORCHELASTIC_RUN_ID", "run"),
-                                                  os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        self.host = socket.gethostname()
+        self.store = dist.TCPStore(store_host, port, is_master=False, timeout=op_timeout, wait_for_workers=False)
+        prefix = "rvq_watchdog/{}/{}".format(os.environ.get("TORCHELASTIC_RUN_ID", "run"),
+                                             os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.verdict_key, self.acked_key = f"{prefix}/verdict", f"{prefix}/acked"
+        self.state_keys = [f"{prefix}/state/{r}" for r in range(world_size)]  # beat number, step, phase, time in it
+        self.where_keys = [f"{prefix}/where/{r}" for r in range(world_size)]  # read only to write a verdict
+        self.peers = [r for r in range(world_size) if r != rank]
+        self.who_keys = [f"{prefix}/who/{r}" for r in self.peers]  # "host pid", read once
+        self.host = host or socket.gethostname()
         self.main_id = threading.main_thread().ident
-        self.store.set(f"{self.prefix}/who/{rank}", f"{self.host} {os.getpid()}")
+        self.beat = 0
+        self.moved = {r: (-1, time.monotonic()) for r in self.peers}  # each peer's beat number and when it last moved
+        self.local_pids = None  # peers on this host, by rank: read with the first full read
+        self.all_published = False  # until every rank's keys exist, multi_get would wait for the missing ones
+        self.store.set(f"{prefix}/who/{rank}", f"{self.host} {os.getpid()}")
+        self._publish()
+        self.store.compare_set(self.verdict_key, "", "")  # creates it empty; a verdict written already stays
         self._stop = threading.Event()
         self._verdict = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peer-watchdog", daemon=True)
@@ -125,71 +142,66 @@ class PeerWatchdog:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval_s + 15)
 
-    def _peer_pids(self) -> dict:
-        """Peers on this host, by rank: their pids, for an immediate check that they still run."""
-        pids = {}
-        for r in range(self.world_size):
-            key = f"{self.prefix}/who/{r}"
-            if r != self.rank and self.store.check([key]):
-                host, pid = self.store.get(key).decode().split()
-                if host == self.host:
-                    pids[r] = int(pid)
-        return pids
-
-    def _my_state(self) -> dict:
+    def _publish(self) -> None:
+        """This rank's state with its next beat number, and where its main thread is: one message, no reply."""
         p = self.progress
-        return {"step": p.step, "phase": p.phase, "for": round(time.monotonic() - p.since, 1),
-                "where": where(self.main_id)}
+        self.beat += 1
+        state = {"beat": self.beat, "step": p.step, "phase": p.phase, "for": round(time.monotonic() - p.since, 1)}
+        self.store.multi_set([self.state_keys[self.rank], self.where_keys[self.rank]],
+                             [json.dumps(state), where(self.main_id)])
 
-    def _states(self, mine: dict) -> dict:
-        """Every rank's published state (this rank's fresh), or fewer when some have not published yet."""
-        states = {self.rank: mine}
-        keys = [f"{self.prefix}/state/{r}" for r in range(self.world_size) if r != self.rank]
-        if keys and self.store.check(keys):
-            others = [r for r in range(self.world_size) if r != self.rank]
-            states.update({r: json.loads(v) for r, v in zip(others, self.store.multi_get(keys))})
-        return states
+    def round(self, now: float) -> tuple[str, list, list]:
+        """One heartbeat: publish this rank's state, then read every rank's state and the verdict in one batched
+        call, and propose a verdict when a rank the others wait for is stuck. The store sees the same few
+        requests whatever the world size. Returns the verdict ("" for none) and the peers found dead or silent."""
+        self._publish()
+        keys = [self.verdict_key, *self.state_keys, *(self.who_keys if self.local_pids is None else ())]
+        self.all_published = self.all_published or self.store.check(keys)  # asked only until it is true
+        verdict = ""
+        if self.all_published:
+            values = self.store.multi_get(keys)
+            verdict = values[0].decode()
+            states = dict(enumerate(json.loads(b"[" + b",".join(values[1:1 + self.world_size]) + b"]")))  # one parse
+            if self.local_pids is None:
+                whos = (v.decode().rsplit(" ", 1) for v in values[1 + self.world_size:])
+                self.local_pids = {r: int(pid) for r, (host, pid) in zip(self.peers, whos) if host == self.host}
+            for r in self.peers:
+                if states[r]["beat"] != self.moved[r][0]:
+                    self.moved[r] = (states[r]["beat"], now)
+            # a peer whose beats stopped publishes a stale state: the silence check names it instead
+            beating = all(now - t <= 2 * self.interval_s + 1 for _, t in self.moved.values())
+            if not verdict and beating:
+                verdict = self._judge(states)
+        dead = [r for r, pid in (self.local_pids or {}).items() if _process_gone(pid)]
+        silent = [r for r, (_, t) in self.moved.items() if now - t > self.timeout_s]
+        return verdict, dead, silent
+
+    def _judge(self, states: dict) -> str:
+        """The verdict when a rank the others wait for has overstayed its phase's allowance, or "": the first
+        rank to see it writes it, with where every main thread is; every rank reads the same one."""
+        late, together = stuck_ranks(states, self.allowance)
+        if not late:
+            return ""
+        wheres = [w.decode() for w in self.store.multi_get(self.where_keys)]
+        proposal = json.dumps({"late": late, "together": together, "by": self.rank,
+                               "states": {str(r): {**states[r], "where": wheres[r]} for r in sorted(states)}})
+        return self.store.compare_set(self.verdict_key, "", proposal).decode()
 
     def _run(self) -> None:
-        peers = [r for r in range(self.world_size) if r != self.rank]
-        start = time.monotonic()
-        seen = {r: (-1, start) for r in peers}
-        store_ok, local_pids = start, {}
-        verdict_key = f"{self.prefix}/verdict"
+        store_ok = time.monotonic()
         while not self._stop.wait(self.interval_s):
             now = time.monotonic()
             try:
-                mine = self._my_state()
-                self.store.set(f"{self.prefix}/state/{self.rank}", json.dumps(mine))
-                self.store.add(f"{self.prefix}/hb/{self.rank}", 1)
-                for r in peers:
-                    count = self.store.add(f"{self.prefix}/hb/{r}", 0)
-                    if count != seen[r][0]:
-                        seen[r] = (count, now)
-                if len(local_pids) < len(peers):
-                    local_pids = self._peer_pids()
-                verdict = self.store.get(verdict_key) if self.store.check([verdict_key]) else None
-                # a peer whose heartbeat stopped publishes a stale state: the silence check names it instead
-                beating = all(now - t <= 2 * self.interval_s + 1 for _, t in seen.values())
-                if verdict is None and beating:
-                    states = self._states(mine)
-                    late, together = stuck_ranks(states, self.allowance) if len(states) == self.world_size \
-                        else ([], False)
-                    if late:  # the first rank to see it writes the verdict; every rank reads the same one
-                        proposal = json.dumps({"late": late, "together": together, "by": self.rank,
-                                               "states": {str(r): s for r, s in sorted(states.items())}})
-                        verdict = self.store.compare_set(verdict_key, "", proposal)
+                verdict, dead, silent = self.round(now)
                 store_ok = now
             except Exception as e:  # noqa: BLE001 - an unreachable store is itself the symptom
                 if now - store_ok > self.timeout_s:
                     self._fail(f"the rendezvous store at {self.address} (hosted by rank 0 or the launcher) has not "
                                f"answered for {now - store_ok:.0f}s ({e})")
                 continue
-            dead = [r for r, pid in local_pids.items() if _process_gone(pid)]
-            silent = [r for r, (_, t) in seen.items() if now - t > self.timeout_s]
             if (dead or silent) and not verdict:  # a rank that wrote a verdict exits at once: it explains the loss
                 with contextlib.suppress(Exception):
-                    verdict = self.store.get(verdict_key) if self.store.check([verdict_key]) else None
+                    verdict = self.store.get(self.verdict_key).decode()
             if verdict:
                 self._stuck(json.loads(verdict))
             if dead:
@@ -227,11 +239,11 @@ class PeerWatchdog:
             sys.stderr.flush()
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         with contextlib.suppress(Exception):
-            self.store.add(f"{self.prefix}/acked", 1)
+            self.store.add(self.acked_key, 1)
         if self.rank == 0:  # rank 0 may host the store: the others read the verdict from it before it goes
             deadline = time.monotonic() + 2 * self.interval_s + 5
             with contextlib.suppress(Exception):
-                while self.store.add(f"{self.prefix}/acked", 0) < self.world_size and time.monotonic() < deadline:
+                while self.store.add(self.acked_key, 0) < self.world_size and time.monotonic() < deadline:
                     time.sleep(0.2)
         self._fail(text)
 
