@@ -228,3 +228,26 @@ def test_max_restarts_restarts_a_killed_rank_and_resumes_from_the_checkpoint(tmp
     assert [e["step"] for e in events(out, "checkpoint")] == [5, 10, 15, 20]
     assert events(out, "stop")[-1]["step"] == 20
     print(f"kill, restart and resume took {seconds:.1f} s")
+
+
+def test_a_rank_aborted_by_signal_6_is_reported_as_a_distributed_failure(tmp_path):
+    """Rank 1 ends by SIGABRT at step 4, as NCCL's watchdog ends a rank whose collective timed out: the launcher
+    reads torchrun's summary, names the rank and the flight-recorder dumps, and exits 3."""
+    out = tmp_path / "run"
+    r = launch("basic", *TINY, "--max_steps", "20", "--sync_timeout", "30", timeout=240, OUTPUT_DIR=out,
+               NPROC_PER_NODE=2, RVQ_FAULT="kill:rank=1:step=4:sig=ABRT")
+    assert r.returncode == 3, r.stderr[-4000:]
+    assert re.search(r"exitcode\s*: -6", r.stderr), r.stderr[-4000:]  # torchrun's own summary passed through
+    assert "rank(s) [1] ended by signal 6 (SIGABRT)" in r.stderr
+    assert f"{out}/nccl_traces/rank_<rank>" in r.stderr and "fr_trace" in r.stderr
+
+
+def test_the_launcher_reads_only_signal_6_in_torchruns_summary():
+    from tools.launch import aborted_ranks
+
+    summary = (b"Root Cause (first observed failure):\n[0]:\n  time      : 2026-11-23_13:50:01\n"
+               b"  host      : node7\n  rank      : 12 (local_rank: 4)\n  exitcode  : -6 (pid: 4242)\n"
+               b"  error_file: <N/A>\n  traceback : Signal 6 (SIGABRT) received by PID 4242\n"
+               b"Failures:\n[1]:\n  rank      : 3 (local_rank: 3)\n  exitcode  : -9 (pid: 77)\n")
+    assert aborted_ranks(summary) == [12]
+    assert aborted_ranks(b"rank      : 3 (local_rank: 3)\n  exitcode  : 1 (pid: 5)\n") == []

@@ -9,7 +9,8 @@ before anything is started or written. Sets the preset's NCCL variables and
 OMP_NUM_THREADS unless you set them (yours are kept, and named). One process: it
 becomes the trainer (os.execvpe, as bash's exec: signals reach the trainer directly).
 Several ranks: it runs torchrun and passes a stop signal to this node's ranks (see
-run_torchrun), then exits with torchrun's code.
+run_torchrun), then exits with torchrun's code, or 3 when a rank was aborted (signal 6:
+what NCCL's watchdog does to a rank whose collective timed out), which it says.
 With DRY_RUN=1 it prints the environment and the command instead, and exits 0.
 """
 from __future__ import annotations
@@ -22,11 +23,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import unicodedata
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from errors import EXIT_DISTRIBUTED
 from tools import doctor
 from tools.doctor import (LOOPBACK_DRILL, LaunchEnvError, cpu_ranks, is_loopback, master_addr, master_port,
                           max_restarts, node_count, node_rank, ranks_per_node, rdzv_endpoint, reachable_master,
@@ -311,7 +314,12 @@ def trainer_gloo_env(environ, nodes: Nodes) -> dict:
 # ---- torchrun, and stop signals
 
 
-def run_torchrun(cmd: list[str], env: dict) -> int:
+# torchrun's failure summary: "rank : 1 (local_rank: 1)" then "exitcode : -6 (pid: ...)" for a rank ended by SIGABRT
+ABORTED_RANK = re.compile(rb"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*-6\b")
+TAIL_BYTES = 1 << 16  # the end of torchrun's output that is kept, for its failure summary
+
+
+def run_torchrun(cmd: list[str], env: dict, run_dir: str) -> int:
     """Run torchrun in a session of its own; pass a stop signal to the ranks it started; return its exit code.
 
     torchrun's own answer to SIGTERM or SIGINT is to end the ranks of its node: it passes the signal on, kills
@@ -321,8 +329,15 @@ def run_torchrun(cmd: list[str], env: dict) -> int:
     (no restart under MAX_RESTARTS: they succeeded). Any other signal goes to torchrun: after a stop was passed
     on, as SIGINT, which torchrun passes on too, and a rank already stopping exits at once; else (no ranks yet,
     SIGHUP, SIGQUIT) as SIGTERM, which ends torchrun in its rendezvous, or its ranks within 30 s.
+
+    The output of torchrun and its ranks passes through, and its end is read for ranks that signal 6 ended: see
+    aborted_ranks.
     """
-    agent = subprocess.Popen(cmd, env=env, start_new_session=True)  # terminal signals reach the launcher alone
+    # terminal signals reach the launcher alone
+    agent = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
+    tail = bytearray()
+    copier = threading.Thread(target=copy_output, args=(agent.stderr, sys.stderr.buffer, tail), daemon=True)
+    copier.start()
     relayed = False
 
     def relay(signum, _frame):
@@ -346,7 +361,32 @@ def run_torchrun(cmd: list[str], env: dict) -> int:
     for caught in (*STOP_SIGNALS, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(caught, relay)
     code = agent.wait()
+    copier.join(timeout=5)  # a rank left behind may hold the pipe open
+    aborted = aborted_ranks(bytes(tail))
+    if code != 0 and aborted:
+        say(f"rank(s) {aborted} ended by signal 6 (SIGABRT): on NCCL, PyTorch's watchdog aborts a rank whose "
+            "collective timed out (TORCH_NCCL_ASYNC_ERROR_HANDLING=3), so this is a distributed failure: a peer "
+            "stuck, lost or in another collective. Each rank's last collectives are in "
+            f"{run_dir}/{FLIGHT_RECORDER_DIR}/rank_<rank>; read them with: python -m "
+            f"torch.distributed.flight_recorder.fr_trace {run_dir}/{FLIGHT_RECORDER_DIR} --prefix rank_. "
+            f"Exit code {EXIT_DISTRIBUTED}; restart to resume from the last checkpoint")
+        return EXIT_DISTRIBUTED
     return code if code >= 0 else 128 - code  # killed by a signal: as a shell reports it
+
+
+def copy_output(source, target, tail: bytearray) -> None:
+    """Copy `source` to `target` as it comes, keeping its last TAIL_BYTES in `tail`."""
+    for chunk in iter(lambda: source.read1(TAIL_BYTES), b""):
+        with contextlib.suppress(OSError):
+            target.write(chunk)
+            target.flush()
+        tail += chunk
+        del tail[:-TAIL_BYTES]
+
+
+def aborted_ranks(output: bytes) -> list[int]:
+    """The ranks torchrun's failure summary shows as ended by signal 6 (`exitcode : -6`)."""
+    return sorted({int(rank) for rank in ABORTED_RANK.findall(output)})
 
 
 def child_processes(pid: int) -> list[int]:
@@ -394,7 +434,7 @@ def launch(name: str, user_args: list[str], environ) -> int:
     sys.stderr.flush()
     env = {**environ, **exports.values}
     if torchrun:
-        return run_torchrun(cmd, env)
+        return run_torchrun(cmd, env, run_dir)
     os.execvpe(cmd[0], cmd, env)
 
 

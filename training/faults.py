@@ -5,7 +5,8 @@
 Each fault fires once, and only in the first attempt of an elastic job
 (TORCHELASTIC_RESTART_COUNT 0 or unset), so that a restarted job runs clean;
 rank defaults to every rank, step to the first chance:
-    kill:rank=1:step=30          SIGKILL this rank at step 30 (a lost rank)
+    kill:rank=1:step=30[:sig=ABRT]  SIGKILL this rank at step 30 (a lost rank); sig=ABRT: SIGABRT, as
+                                 NCCL's watchdog aborts a rank whose collective timed out
     hang:rank=1:step=30[:at=backward]  SIGSTOP this rank at step 30 (stopped, not dead); at=backward
                                  stops it after the forward pass, so peers block in the gradient all-reduce
     nan:step=12[:rank=0]         make the loss NaN at step 12
@@ -60,7 +61,7 @@ def parse_faults(text: str | None) -> list[Fault]:
             key, _, value = pair.partition("=")
             if key in ("rank", "step", "seconds") and value.isdigit():
                 fields[key] = int(value)
-            elif key == "sig" and value in ("TERM", "INT", "USR1"):
+            elif key == "sig" and value in (("ABRT",) if kind == "kill" else ("TERM", "INT", "USR1")):
                 fields[key] = value
             elif key == "at" and value in ("step", "backward") + (STALL_PHASES if kind == "stall" else ()):
                 fields[key] = value
@@ -91,8 +92,9 @@ class FaultInjector:
         return None
 
     def before_step(self, step: int, model) -> None:
-        if self._take("kill", step):
-            os.kill(os.getpid(), signal.SIGKILL)
+        fault = self._take("kill", step)
+        if fault:
+            os.kill(os.getpid(), signal.SIGABRT if fault.sig == "ABRT" else signal.SIGKILL)
         if self._take("hang", step):
             os.kill(os.getpid(), signal.SIGSTOP)
         fault = self._take("signal", step)
