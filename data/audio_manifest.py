@@ -6,6 +6,7 @@ at 16 kHz), so that features and codes can be matched to their audio files.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from errors import BadInputError
@@ -47,14 +48,23 @@ def audio_files(source: Path) -> tuple[Path, list[str]]:
     return read_manifest(source)
 
 
-def manifest_text(root: str | Path, lines: list[str]) -> str:
+def manifest_text(root: str | Path, lines: Iterable[str]) -> str:
     """A manifest's text from its root and its `relpath<TAB>num_samples` lines."""
-    return f"{root}\n" + "".join(f"{line}\n" for line in lines)
+    return "".join(manifest_lines(root, lines))
 
 
-def split_manifest(data_dir: Path, split: str, utterances: int) -> tuple[str, list[str]] | None:
-    """(root, `relpath<TAB>samples` lines) for every utterance of a dump's split, from the .tsv beside each
-    shard; None when the split has no such manifests or they do not describe its `utterances` utterances."""
+def manifest_lines(root: str | Path, lines: Iterable[str]) -> Iterator[str]:
+    """A manifest's text line by line (newline included): its root, then its `relpath<TAB>num_samples` lines."""
+    yield f"{root}\n"
+    for line in lines:
+        yield f"{line}\n"
+
+
+def share_manifest(data_dir: Path, split: str, utterances: int, start: int,
+                   end: int) -> tuple[str, Iterator[str]] | None:
+    """(root, `relpath<TAB>samples` lines) of utterances start..end-1 of a dump's split, from the .tsv beside each
+    shard; None when the split has no such manifests or they do not describe its `utterances` utterances. The
+    files are read line by line: nothing held grows with the split."""
     shards = {}
     for path in sorted(data_dir.glob(f"{split}_*_*.len")):
         parts = path.stem[len(split) + 1 :].split("_")
@@ -62,16 +72,35 @@ def split_manifest(data_dir: Path, split: str, utterances: int) -> tuple[str, li
             shards[(int(parts[1]), int(parts[0]))] = path
     if not shards or len({n for n, _ in shards}) != 1:
         return None
-    roots, lines = set(), []
+    tsvs, roots, total = [], set(), 0
     for key in sorted(shards):
         tsv = shards[key].with_suffix(".tsv")
         if not tsv.is_file():
             return None
-        rows = tsv.read_text().splitlines()
-        if len(rows) - 1 != len(shards[key].read_text().split()):
-            return None  # not the manifest of this dump
-        roots.add(rows[0])
-        lines.extend(rows[1:])
-    if len(roots) != 1 or len(lines) != utterances:
+        with open(tsv) as f:
+            roots.add(f.readline().rstrip("\n"))
+            rows = sum(1 for line in f if line.strip())
+        with open(shards[key]) as f:
+            if rows != sum(1 for line in f if line.strip()):
+                return None  # not the manifest of this dump
+        tsvs.append(tsv)
+        total += rows
+    if len(roots) != 1 or total != utterances:
         return None
-    return roots.pop(), lines
+    return roots.pop(), _lines_between(tsvs, start, end)
+
+
+def _lines_between(tsvs: list[Path], start: int, end: int) -> Iterator[str]:
+    """Entry lines start..end-1 of these manifests taken as one list (each file's root line skipped)."""
+    index = 0
+    for tsv in tsvs:
+        with open(tsv) as f:
+            f.readline()
+            for line in f:
+                if not line.strip():
+                    continue
+                if index >= end:
+                    return
+                if index >= start:
+                    yield line.rstrip("\n")
+                index += 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -67,11 +68,15 @@ def len_text(counts: list[int]) -> str:
     return "".join(f"{n}\n" for n in counts)
 
 
-def write_temporary(path: Path, text: str) -> Path:
-    """`text` written and fsynced to `path`.tmp; returns the temporary (the caller publishes it)."""
+def write_temporary(path: Path, text: str | Iterable[str]) -> Path:
+    """`text` (a string, or pieces of one written as they come) written and fsynced to `path`.tmp; returns the
+    temporary (the caller publishes it)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
-        f.write(text)
+        if isinstance(text, str):
+            f.write(text)
+        else:
+            f.writelines(text)
         f.flush()
         os.fsync(f.fileno())
     return tmp
@@ -82,8 +87,13 @@ def publish(pairs: list[tuple[Path, Path]], array: tuple[Path, Path]) -> None:
     array[1].unlink(missing_ok=True)  # never leave an older .npy beside the new .len
     for tmp, final in [*pairs, array]:
         os.replace(tmp, final)
-    dir_fd = os.open(array[1].parent, os.O_RDONLY)
+    fsync_folder(array[1].parent)
+
+
+def fsync_folder(folder: Path) -> None:
+    """Make the renames in `folder` durable."""
+    fd = os.open(folder, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)
+        os.fsync(fd)
     finally:
-        os.close(dir_fd)
+        os.close(fd)

@@ -92,6 +92,15 @@ class FeatureStore:
         return FeatureStore(description, self.lengths[indices], self.dim, self.sources, self.shard[indices],
                             self.first[indices], self.number[indices])
 
+    def share(self, start: int, end: int) -> "FeatureStore":
+        """Utterances start..end-1, holding only the sources they read from: a process that works on one share
+        of a split keeps no other shard's map or file list."""
+        used = np.unique(self.shard[start:end])
+        return FeatureStore(f"{self.description}, utterances {start}-{end - 1}", self.lengths[start:end], self.dim,
+                            [self.sources[int(s)] for s in used],
+                            np.searchsorted(used, self.shard[start:end]).astype(np.int32),
+                            self.first[start:end], self.number[start:end])
+
 
 def _load_array(path: Path) -> np.ndarray:
     if path.suffix == ".npy":

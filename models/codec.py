@@ -47,6 +47,9 @@ class CodecConfig:
         return asdict(self)
 
 
+MIN_ENCODE_STEPS = 16  # code frames: the shortest pass RVQCodec.encode runs (shorter inputs are zero-padded)
+
+
 class CodecOutput(NamedTuple):
     reconstruction: torch.Tensor  # [B, T, D], in feature space
     codes: torch.Tensor  # [B, T / downsample, Q], -1 where dropped out
@@ -55,11 +58,25 @@ class CodecOutput(NamedTuple):
     loss: torch.Tensor
 
 
+class Conv1d(nn.Conv1d):
+    """nn.Conv1d whose inference on the CPU always runs oneDNN's kernel. PyTorch otherwise picks oneDNN or its
+    own kernel by the input's batch size and length, and the two round differently: an utterance's codes would
+    depend on the batch it is encoded in. Training (autograd) keeps PyTorch's choice."""
+
+    def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if (not self.training and not torch.is_grad_enabled() and input.device.type == "cpu"
+                and input.dtype == torch.float32 and self.padding_mode == "zeros" and isinstance(self.padding, tuple)
+                and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+            return torch.ops.aten.mkldnn_convolution(input.contiguous(), weight, bias, self.padding, self.stride,
+                                                     self.dilation, self.groups)
+        return super()._conv_forward(input, weight, bias)
+
+
 class ResidualBlock(nn.Module):
     def __init__(self, channels: int):
         super().__init__()
-        self.conv1 = nn.Conv1d(channels, channels, 3, padding=1)
-        self.conv2 = nn.Conv1d(channels, channels, 1)
+        self.conv1 = Conv1d(channels, channels, 3, padding=1)
+        self.conv2 = Conv1d(channels, channels, 1)
 
     def forward(self, x):
         return x + self.conv2(F.gelu(self.conv1(F.gelu(x))))
@@ -76,21 +93,21 @@ class RVQCodec(nn.Module):
         c, d, s = config.latent_dim, config.feature_dim, config.downsample
         self.register_buffer("feature_mean", torch.zeros(d))
         self.register_buffer("feature_std", torch.ones(d))
-        down = [nn.Conv1d(c, c, 2 * s, stride=s, padding=s // 2)] if s > 1 else []
+        down = [Conv1d(c, c, 2 * s, stride=s, padding=s // 2)] if s > 1 else []
         up = [nn.ConvTranspose1d(c, c, 2 * s, stride=s, padding=s // 2)] if s > 1 else []
         # no activation outside the residual blocks: a linear path runs from input to output, so the
         # autoencoder starts near a linear map and the quantizer, not the convs, sets the error
         self.encoder = nn.Sequential(
-            nn.Conv1d(d, c, 3, padding=1),
+            Conv1d(d, c, 3, padding=1),
             *[ResidualBlock(c) for _ in range(config.encoder_blocks)],
             *down,
-            nn.Conv1d(c, c, 1),
+            Conv1d(c, c, 1),
         )
         self.decoder = nn.Sequential(
-            nn.Conv1d(c, c, 3, padding=1),
+            Conv1d(c, c, 3, padding=1),
             *up,
             *[ResidualBlock(c) for _ in range(config.encoder_blocks)],
-            nn.Conv1d(c, d, 3, padding=1),
+            Conv1d(c, d, 3, padding=1),
         )
         self.rvq = ResidualVQ(
             dim=c,
@@ -121,9 +138,25 @@ class RVQCodec(nn.Module):
         mask = (keep | ~keep.any())[:, None].expand(-1, features.shape[1] // self.config.downsample)
         return features, mask
 
-    def _encode_latent(self, features: torch.Tensor) -> torch.Tensor:
-        x = (features - self.feature_mean) / self.feature_std
-        return self.encoder(x.transpose(1, 2)).transpose(1, 2)  # [B, T', C]
+    def _encode_latent(self, features: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T, D] -> [B, T', C].
+
+        lengths [B]: each row's frames (multiples of the downsample). The frames past them are zeroed at the
+        input of every layer, as a conv pads a sequence's ends, and the pass is at least MIN_ENCODE_STEPS code
+        frames long (the conv kernel for a one-frame output rounds differently): a row's latent is bit for bit
+        that of its own frames, whatever the batch; what comes out past them is meaningless."""
+        if lengths is None:
+            x = (features - self.feature_mean) / self.feature_std
+            return self.encoder(x.transpose(1, 2)).transpose(1, 2)
+        short = MIN_ENCODE_STEPS * self.config.downsample - features.shape[1]
+        if short > 0:
+            features = F.pad(features, (0, 0, 0, short))
+        frames = features.shape[1]
+        x = ((features - self.feature_mean) / self.feature_std).transpose(1, 2)
+        for layer in self.encoder:
+            past_end = torch.arange(x.shape[-1], device=x.device) >= (lengths * x.shape[-1] // frames)[:, None, None]
+            x = layer(x.masked_fill(past_end, 0.0))
+        return x.transpose(1, 2)
 
     def _decode_latent(self, latent: torch.Tensor) -> torch.Tensor:
         x = self.decoder(latent.transpose(1, 2)).transpose(1, 2)
@@ -241,13 +274,25 @@ class RVQCodec(nn.Module):
         return errors
 
     @torch.no_grad()
-    def encode(self, features: torch.Tensor, num_quantizers: int | None = None) -> torch.Tensor:
-        """Features [T, D] or [B, T, D] -> codes [T', Q] or [B, T', Q] (int64). Eval mode only."""
+    def encode(self, features: torch.Tensor, num_quantizers: int | None = None,
+               lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Features [T, D] or [B, T, D] -> codes [T', Q] or [B, T', Q] (int64), T a multiple of the downsample.
+        Eval mode only.
+
+        lengths [B]: the frames of each row (multiples of the downsample; default T). A row's codes are those
+        of its first lengths[i] frames encoded alone, bit for bit, whatever else is in the batch; past them
+        they are -1."""
         if self.training:
             raise RuntimeError("encode() runs the codec in eval mode; call model.eval() first")
         single = features.dim() == 2
         x = features[None] if single else features
-        _, codes, _ = self.rvq(self._encode_latent(x))
+        frames, s = x.shape[1], self.config.downsample
+        lengths = torch.full((x.shape[0],), frames) if lengths is None else lengths
+        lengths = lengths.to(x.device)
+        _, codes, _ = self.rvq(self._encode_latent(x, lengths))
+        codes = codes[:, : frames // s]
+        past_end = torch.arange(codes.shape[1], device=x.device)[:, None] >= (lengths // s)[:, None, None]
+        codes = codes.masked_fill(past_end, -1)
         if num_quantizers is not None:
             codes = codes[..., :num_quantizers]
         return codes[0] if single else codes

@@ -1,9 +1,11 @@
-"""One utterance's features <-> its RVQ codes with a trained codec, and the integer type codes are stored in.
+"""Utterances' features <-> their RVQ codes with a trained codec, and the integer type codes are stored in.
 
-An utterance is encoded alone, in eval mode and float32, so its codes never
-depend on its neighbours. An utterance of T frames gives ceil(T / downsample)
-code frames: its tail is padded by repeating its last frame up to a multiple of
-the codec's downsample; decoding cuts the output back to T frames when told T.
+An utterance of T frames gives ceil(T / downsample) code frames: its tail is
+padded by repeating its last frame up to a multiple of the codec's downsample;
+decoding cuts the output back to T frames when told T. Utterances are encoded
+in eval mode and float32, several per forward pass: each row of a batch is
+zero-padded past its end and RVQCodec.encode keeps the padding out of its
+frames, so an utterance's codes are bit for bit those it gets alone.
 """
 from __future__ import annotations
 
@@ -18,6 +20,11 @@ def code_dtype(codebook_size: int) -> np.dtype:
     return np.dtype(np.int16) if codebook_size - 1 <= np.iinfo(np.int16).max else np.dtype(np.int32)
 
 
+def code_frames(lengths: np.ndarray, downsample: int) -> np.ndarray:
+    """Code frames of utterances of `lengths` feature frames: ceil(T / downsample) each."""
+    return -(-np.asarray(lengths, dtype=np.int64) // downsample)
+
+
 def pad_to_multiple(features: torch.Tensor, multiple: int) -> torch.Tensor:
     """[T, D] -> [ceil(T / multiple) * multiple, D], the tail padded by repeating the last frame."""
     missing = -features.shape[0] % multiple
@@ -26,15 +33,47 @@ def pad_to_multiple(features: torch.Tensor, multiple: int) -> torch.Tensor:
     return torch.cat([features, features[-1:].expand(missing, -1)])
 
 
+def encode_batch(model: RVQCodec, utterances: list[np.ndarray], num_quantizers: int | None = None) -> list[np.ndarray]:
+    """[T_i, D] features of several utterances -> their [ceil(T_i / downsample), q] int64 codes, in one pass."""
+    q = num_quantizers or model.config.num_quantizers
+    s = model.config.downsample
+    padded = code_frames([len(u) for u in utterances], s) * s
+    batch = np.zeros((len(utterances), max(int(padded.max(initial=0)), s), model.config.feature_dim), np.float32)
+    for row, (features, n) in enumerate(zip(utterances, padded)):
+        batch[row, : len(features)] = features  # a copy: store arrays are read-only memmaps, maybe float16
+        batch[row, len(features) : n] = features[-1:]
+    device = model.feature_mean.device
+    codes = model.encode(torch.from_numpy(batch).to(device), q, torch.from_numpy(padded).to(device)).cpu().numpy()
+    return [codes[row, : n // s] for row, n in enumerate(padded)]
+
+
 def encode_utterance(model: RVQCodec, features: np.ndarray, num_quantizers: int | None = None) -> np.ndarray:
     """[T, D] features -> [ceil(T / downsample), q] int64 codes."""
-    q = num_quantizers or model.config.num_quantizers
-    if features.shape[0] == 0:
-        return np.zeros((0, q), dtype=np.int64)
-    device = model.feature_mean.device
-    x = torch.from_numpy(np.array(features, dtype=np.float32)).to(device)  # a copy: store arrays are read-only memmaps
-    codes = model.encode(pad_to_multiple(x, model.config.downsample), num_quantizers=q)
-    return codes.cpu().numpy()
+    return encode_batch(model, [features], num_quantizers)[0]
+
+
+def length_sorted_batches(lengths: np.ndarray, batch_frames: int) -> list[np.ndarray]:
+    """Positions of `lengths` grouped into batches, shortest utterances first, each batch at most `batch_frames`
+    once padded to its longest (rows x longest; an utterance longer than that goes alone)."""
+    order = np.argsort(lengths, kind="stable")
+    batches, first = [], 0
+    for end in range(1, len(order) + 1):
+        if end == len(order) or (end + 1 - first) * int(lengths[order[end]]) > batch_frames:
+            batches.append(order[first:end])
+            first = end
+    return batches
+
+
+def encode_in_batches(model: RVQCodec, store, num_quantizers: int, batch_frames: int, dtype: np.dtype) -> np.ndarray:
+    """Codes of every utterance of `store` (a data.stores.FeatureStore: `lengths`, `utterance(i)`), concatenated
+    in order as `dtype`; encoded in length-sorted batches of at most `batch_frames` padded frames."""
+    s = model.config.downsample
+    out: list[np.ndarray | None] = [None] * len(store.lengths)
+    for batch in length_sorted_batches(code_frames(store.lengths, s) * s, batch_frames):
+        utterances = [store.utterance(int(i)) for i in batch]
+        for i, codes in zip(batch, encode_batch(model, utterances, num_quantizers), strict=True):
+            out[i] = codes.astype(dtype)
+    return np.concatenate(out) if out else np.zeros((0, num_quantizers), dtype)
 
 
 def decode_utterance(model: RVQCodec, codes: np.ndarray, frames: int | None = None) -> np.ndarray:

@@ -1,8 +1,12 @@
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 import torch
 
 from data.bad_crops import finite_crops
 from models.codec import CodecConfig, RVQCodec
+from models.codes import encode_batch, encode_in_batches, encode_utterance, length_sorted_batches
 from models.metrics import EvalSums
 
 
@@ -28,6 +32,45 @@ def test_encode_refuses_training_mode():
     model = RVQCodec(CodecConfig(feature_dim=4, latent_dim=8, num_quantizers=1, codebook_size=4))
     with pytest.raises(RuntimeError, match="eval mode"):
         model.encode(torch.randn(8, 4))
+
+
+@pytest.mark.parametrize("downsample", [1, 2, 4])
+def test_a_batch_encodes_each_utterance_bit_for_bit_as_alone(downsample):
+    """The default codec size, random weights: the padding and the neighbours in a batch change no bit of an
+    utterance's latent, so none of its codes (PyTorch picks its conv kernel by input size, and kernels round
+    differently: the codec pins one, and keeps the padding out of every layer)."""
+    torch.manual_seed(downsample)
+    rng = np.random.default_rng(downsample)
+    model = RVQCodec(CodecConfig(feature_dim=160, downsample=downsample, kmeans_init=False)).eval()
+    model.set_feature_stats(torch.randn(160), torch.rand(160) + 0.5)
+    lengths = [0, 1, 2, 3, 5, 8, 17, 64, 129, *rng.integers(1, 300, 19)]
+    utterances = [(3 * rng.standard_normal((n, 160))).astype(np.float32) for n in lengths]
+    alone = [encode_utterance(model, u) for u in utterances]
+    assert [len(c) for c in alone] == [-(-n // downsample) for n in lengths]
+    for got, want in zip(encode_batch(model, utterances), alone, strict=True):
+        np.testing.assert_array_equal(got, want)
+    store = SimpleNamespace(lengths=np.array(lengths), utterance=lambda i: utterances[i])
+    for batch_frames in (1, 700, 10**6):  # every utterance alone, batches of a few, one batch
+        np.testing.assert_array_equal(encode_in_batches(model, store, 8, batch_frames, np.int16),
+                                      np.concatenate(alone))
+    with torch.no_grad():  # the latents too, not only their nearest codes
+        whole = [torch.from_numpy(u[: len(u) // downsample * downsample]) for u in utterances]
+        x = torch.zeros(len(whole), max(map(len, whole)), 160)
+        for row, u in zip(x, whole):
+            row[: len(u)] = u
+        latent = model._encode_latent(x, torch.tensor([len(u) for u in whole]))
+        for row, u in zip(latent, whole):
+            alone = model._encode_latent(u[None], torch.tensor([len(u)]))[0]
+            assert torch.equal(row[: len(u) // downsample], alone[: len(u) // downsample])
+
+
+def test_length_sorted_batches_cover_every_utterance_once_within_the_budget():
+    lengths = np.array([5, 300, 7, 7, 120, 0, 64, 900])
+    batches = length_sorted_batches(lengths, 256)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(len(lengths)))
+    for batch in batches:
+        assert len(batch) == 1 or len(batch) * lengths[batch].max() <= 256
+    assert [b.tolist() for b in batches] == [[5, 0, 2, 3], [6, 4], [1], [7]]
 
 
 def test_eval_sums_give_known_metrics():

@@ -2,6 +2,9 @@
 import json
 import logging
 import math
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,10 +15,10 @@ import torch.nn.functional as F
 
 
 from data.stores import find_split
-from models.codes import pad_to_multiple
+from models.codes import encode_utterance, pad_to_multiple
 from tools import encode, export
 from tests.audio_helpers import run_module, write_corpus
-from tests.helpers import TINY, run_trainer
+from tests.helpers import REPO, TINY, env, run_trainer
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -112,6 +115,65 @@ def test_fewer_levels_and_shards_are_slices_of_the_whole(pipeline, tmp_path):
     parts = [read_codes(tmp_path / "shards", f"train_{r}_2") for r in (0, 1)]
     np.testing.assert_array_equal(np.concatenate([c for c, _, _ in parts]), whole)
     assert parts[0][1] + parts[1][1] == whole_lengths and parts[1][2]["first_utterance"] == 5
+
+
+def test_the_batched_codes_are_the_one_by_one_codes(pipeline):
+    p = pipeline
+    whole, lengths, _ = read_codes(p.codes, "train_0_1")
+    one_by_one = [encode_utterance(p.model, p.store.utterance(i)) for i in range(len(p.store))]
+    assert [len(c) for c in one_by_one] == lengths
+    np.testing.assert_array_equal(whole, np.concatenate(one_by_one))
+
+
+@pytest.mark.timeout(240)
+def test_a_shard_killed_while_writing_resumes_to_the_codes_of_an_uninterrupted_run(pipeline, tmp_path, caplog):
+    p = pipeline
+    out = tmp_path / "codes"
+    # chunks of about 100 feature frames: rank 1's five utterances (95, 150, 110, 120, 70 frames) make 4 chunks
+    flags = ["--checkpoint", p.run, "--data_dir", p.feats, "--output_dir", out, "--nshard", 2, "--commit_frames", 100,
+             "--batch_frames", 256]
+    assert encode.main([*flags, "--rank", 0]) == 0
+    command = [sys.executable, "-m", "tools.encode", *map(str, flags), "--rank", "1"]
+    killed = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO,
+                            env=env(RVQ_FAULT="kill:rank=1:step=3"))  # SIGKILL once chunk 3 is written, uncommitted
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert not (out / "train_1_2.codes.npy").exists()
+    committed = json.loads((out / "train_1_2.codes.progress").read_text())
+    assert committed["utterances"] == 3
+    row = 2 * np.dtype(np.int16).itemsize  # 2 levels
+    assert (out / "train_1_2.codes.npy.partial").stat().st_size > 128 + committed["rows"] * row
+
+    # the partial shard is kept for the same settings only
+    assert encode.main([*flags, "--rank", 1, "--num_quantizers", 1]) == 2
+    assert "was begun with other settings (levels: 2 -> 1)" in caplog.text
+
+    resumed = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO, env=env())
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming at utterance 3 of 5" in resumed.stderr and "bytes written after the last commit dropped" in \
+        resumed.stderr
+    assert not list(out.glob("*.partial")) and not list(out.glob("*.progress")) and not list(out.glob("*.tmp"))
+    whole, whole_lengths, _ = read_codes(p.codes, "train_0_1")
+    parts = [read_codes(out, f"train_{r}_2") for r in (0, 1)]
+    np.testing.assert_array_equal(np.concatenate([c for c, _, _ in parts]), whole)
+    assert parts[0][1] + parts[1][1] == whole_lengths
+    lines = (out / "train_1_2.codes.tsv").read_text().splitlines()
+    assert [line.split("\t")[0] for line in lines[1:]] == p.relpaths[5:]
+
+    # every file as one uninterrupted run of rank 1 writes it
+    assert encode.main([*flags[:5], tmp_path / "again", *flags[6:], "--rank", 1]) == 0
+    for ext in (".codes.npy", ".codes.len", ".codes.json", ".codes.tsv"):
+        assert (out / f"train_1_2{ext}").read_bytes() == (tmp_path / "again" / f"train_1_2{ext}").read_bytes(), ext
+
+    # a finished shard: nothing to do with the same settings, an error with others, --overwrite starts again
+    caplog.clear()
+    before = (out / "train_1_2.codes.npy").stat().st_mtime_ns
+    assert encode.main([*flags, "--rank", 1]) == 0 and "train_1_2 is complete" in caplog.text
+    assert (out / "train_1_2.codes.npy").stat().st_mtime_ns == before
+    assert encode.main([*flags, "--rank", 1, "--num_quantizers", 1]) == 2
+    assert "train_1_2.codes.npy was written with other settings (levels: 2 -> 1)" in caplog.text
+    assert encode.main([*flags, "--rank", 1, "--num_quantizers", 1, "--overwrite"]) == 0
+    one, _, meta = read_codes(out, "train_1_2")
+    assert meta["levels"] == 1 and one.shape[1] == 1 and not list(out.glob("*.partial"))
 
 
 def test_encode_bad_input_exits_2_and_writes_nothing(pipeline, tmp_path, caplog):

@@ -21,6 +21,22 @@ def test_fairseq_dump_reads_every_shard_in_order(tmp_path):
         np.testing.assert_array_equal(train.utterance(i), u)
 
 
+def test_a_share_of_a_split_holds_only_the_sources_it_reads(tmp_path):
+    utts = write_fairseq(tmp_path / "dump", "train", [40, 50, 60, 70, 80, 90], nshard=3)  # 2 utterances a shard
+    split = find_split(tmp_path / "dump", "train")
+    share = split.share(3, 5)  # the second utterance of shard 1, the first of shard 2
+    assert list(share.lengths) == [70, 80] and len(share.sources) == 2
+    assert "utterances 3-4" in share.description
+    for i, u in enumerate(utts[3:5]):
+        np.testing.assert_array_equal(share.utterance(i), u)
+    (tmp_path / "files").mkdir()
+    for i, u in enumerate(utts):
+        np.save(tmp_path / "files" / f"u{i}.npy", u)
+    files = find_split(tmp_path, "files").share(1, 3)  # a folder store: only these files
+    assert [p.name for p in files.sources] == ["u1.npy", "u2.npy"]
+    np.testing.assert_array_equal(files.utterance(1), utts[2])
+
+
 def test_directory_of_npy_and_pt_with_holdout(tmp_path):
     rng = np.random.default_rng(0)
     for i in range(100):

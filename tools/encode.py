@@ -3,28 +3,29 @@
     python -m tools.encode --checkpoint RUN_DIR_OR_CKPT --data_dir FEATS --split train --output_dir CODES
     python -m tools.encode decode --checkpoint RUN_DIR_OR_CKPT --codes_dir CODES --split train --output_dir RECON
 
-Encoding takes every utterance of the split (all its shards, in order), and
-rank RANK of NSHARD encodes its contiguous share, as in fairseq's simple_kmeans.
-Written into --output_dir, each under a temporary name and renamed when complete:
+Rank RANK of NSHARD encodes its contiguous share of the split's utterances (all its shards, in order), as
+in fairseq's simple_kmeans, and opens only the shards of the store that share reads from. Written into
+--output_dir, for NAME = {split}_{rank}_{nshard}:
 
-- `{split}_{rank}_{nshard}.codes.npy`: [code frames, levels], every utterance's codes in
-  order; int16 when every code fits (codebook_size <= 32768), else int32;
-- `{split}_{rank}_{nshard}.codes.len`: code frames per utterance, one per line;
-- `{split}_{rank}_{nshard}.codes.json`: checkpoint, step, levels, codebook size,
-  downsample, dtype, and each utterance's feature frame count (`feature_frames`);
-- `{split}_{rank}_{nshard}.codes.tsv`: when the store was written by tools.extract,
-  the audio files of these utterances in order (a fairseq manifest).
+- `NAME.codes.npy`: [code frames, levels], every utterance's codes in order; int16 when every code fits
+  (codebook_size <= 32768), else int32;
+- `NAME.codes.len`: code frames per utterance, one per line;
+- `NAME.codes.json`: the settings (checkpoint, step, levels, codebook size, downsample, dtype, the share,
+  frame counts) and each utterance's feature frame count (`feature_frames`);
+- `NAME.codes.tsv`: when the store was written by tools.extract, the audio files of these utterances in
+  order (a fairseq manifest).
 
-`--num_quantizers q` keeps the first q levels (a lower bitrate). An utterance of
-T frames gives ceil(T / downsample) code frames: its tail is padded by repeating
-its last frame up to a multiple of the codec's downsample. Decoding writes a
-fairseq dump (`{split}_{rank}_{nshard}.npy/.len`) of the reconstructed features,
-cut back to each utterance's T frames when the .codes.json gives them.
+`--num_quantizers q` keeps the first q levels (a lower bitrate). An utterance of T frames gives
+ceil(T / downsample) code frames (models/codes.py). Utterances are encoded in chunks of about
+--commit_frames feature frames, each in length-sorted batches of at most --batch_frames padded frames;
+each chunk's codes are appended to NAME.codes.npy.partial and committed (data/code_shard.py), so that
+the same command run again after a crash goes on from the last commit and writes the same bytes as an
+uninterrupted run. A finished shard is not encoded again: the command says so and exits 0 (--overwrite
+starts it over). Decoding writes a fairseq dump (`NAME.npy/.len`) of the reconstructed features, cut
+back to each utterance's T frames when the .codes.json gives them.
 
-Utterances are encoded one at a time (models/codes.py), in eval mode and
-float32, so an utterance's codes never depend on its neighbours; --device is
-resolved by training/device.py. Exit codes: 0 done, 2 bad
-arguments or data (nothing written), 1 anything else.
+--device is resolved by training/device.py; encoding runs in eval mode and float32. Exit codes: 0 done (or
+already done), 2 bad arguments or data (nothing written), 1 anything else.
 """
 from __future__ import annotations
 
@@ -33,78 +34,142 @@ import json
 import logging
 import math
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from data.audio_manifest import manifest_text, split_manifest
+from data.audio_manifest import manifest_lines, share_manifest
+from data.code_shard import CodeShardWriter, changed_settings, finished_meta, remove_shard
 from data.dump_writer import NpyRowWriter, len_text, publish, shard_range, write_temporary
-from data.stores import find_split
+from data.stores import FeatureStore, find_split
 from errors import EXIT_OK, BadInputError
-from models.codes import code_dtype, decode_utterance, encode_utterance
+from models.codec import CodecConfig
+from models.codes import code_dtype, code_frames, decode_utterance, encode_in_batches
 from tools.cli import bad_input_exits_2, run
 from tools.trained_codec import load_codec
 from training.device import select_device
+from training.faults import FaultInjector
 
 log = logging.getLogger("encode")
 
+# --batch_frames by device: on a CPU the quantizer slows down once a pass's intermediates outgrow the caches
+# (benchmarks/bench_encode.py); on a GPU longer passes spread the kernel launches over more frames
+BATCH_FRAMES = {"cpu": 2048, "cuda": 32768}
+
+
+def open_share(args, config: CodecConfig, ckpt_path: Path) -> tuple[FeatureStore, int, int, int]:
+    """(this rank's share of the split, its first utterance, its end, the split's utterances), checked against the
+    codec. The split's metadata are read; only the share's sources stay open."""
+    if not args.data_dir.is_dir():
+        raise BadInputError(f"--data_dir {args.data_dir} is not a folder")
+    split = find_split(args.data_dir, args.split)
+    if split is None or len(split) == 0:
+        raise BadInputError(f"no split '{args.split}' in {args.data_dir}: expected a fairseq dump "
+                            f"({args.split}_0_1.npy with .len) or a folder {args.split}/ of .npy/.pt arrays")
+    if split.dim != config.feature_dim:
+        raise BadInputError(f"{split.description} has {split.dim}-d features; the codec in {ckpt_path} was "
+                            f"trained on {config.feature_dim}-d")
+    start, end = shard_range(len(split), args.nshard, args.rank)
+    if start == end:
+        raise BadInputError(f"shard {args.rank} of {args.nshard} is empty: the split has {len(split)} utterances")
+    return split.share(start, end), start, end, len(split)
+
+
+def commit_chunks(lengths: np.ndarray, commit_frames: int, done: int) -> list[tuple[int, int, int]]:
+    """(number from 1, first, end) of the chunks of utterances still to encode after the first `done`. A chunk
+    holds the utterances that begin within one span of `commit_frames` frames, so the chunks are the same
+    whenever the shard is resumed."""
+    begins = np.cumsum(lengths) - lengths
+    ends = np.append(np.flatnonzero(np.diff(begins // commit_frames)) + 1, len(lengths))
+    firsts = np.concatenate([[0], ends[:-1]])
+    return [(k + 1, max(int(firsts[k]), done), int(ends[k])) for k in range(len(ends)) if ends[k] > done]
+
 
 def encode_store(args) -> int:
-    model, state, ckpt_path = load_codec(args.checkpoint, select_device(args.device))
+    device = select_device(args.device)
+    model, state, ckpt_path = load_codec(args.checkpoint, device)
     config = model.config
     q = args.num_quantizers or config.num_quantizers
     if not 1 <= q <= config.num_quantizers:
         raise BadInputError(f"--num_quantizers {q}: this codec has levels 1 to {config.num_quantizers}")
-    if not args.data_dir.is_dir():
-        raise BadInputError(f"--data_dir {args.data_dir} is not a folder")
-    store = find_split(args.data_dir, args.split)
-    if store is None or len(store) == 0:
-        raise BadInputError(f"no split '{args.split}' in {args.data_dir}: expected a fairseq dump "
-                            f"({args.split}_0_1.npy with .len) or a folder {args.split}/ of .npy/.pt arrays")
-    if store.dim != config.feature_dim:
-        raise BadInputError(f"{store.description} has {store.dim}-d features; the codec in {ckpt_path} was "
-                            f"trained on {config.feature_dim}-d")
-    start, end = shard_range(len(store), args.nshard, args.rank)
-    if start == end:
-        raise BadInputError(f"shard {args.rank} of {args.nshard} is empty: the split has {len(store)} utterances")
+    store, start, end, total = open_share(args, config, ckpt_path)
     dtype = code_dtype(config.codebook_size)
+    code_lengths = code_frames(store.lengths, config.downsample)
     name = f"{args.split}_{args.rank}_{args.nshard}"
-    log.info("%s: utterances %d-%d of %d in %s -> %s/%s.codes.npy, %d of %d levels x %d codes, downsample %d, %s",
-             name, start, end - 1, len(store), store.description, args.output_dir, name, q,
-             config.num_quantizers, config.codebook_size, config.downsample, dtype)
-
-    codes, code_lengths, feature_frames = [], [], []
-    for i in tqdm(range(start, end), desc=f"encode {name}", unit="utt", dynamic_ncols=True, mininterval=1.0):
-        features = np.asarray(store.utterance(i))
-        c = encode_utterance(model, features, q)
-        codes.append(c.astype(dtype))
-        code_lengths.append(len(c))
-        feature_frames.append(int(features.shape[0]))
+    settings = {"checkpoint": str(ckpt_path.resolve()), "step": state.get("step"), "levels": q,
+                "codebook_size": config.codebook_size, "downsample": config.downsample, "dtype": dtype.name,
+                "feature_dim": config.feature_dim, "split": args.split, "rank": args.rank, "nshard": args.nshard,
+                "first_utterance": start, "utterances": end - start, "frames": store.total_frames,
+                "code_frames": int(code_lengths.sum())}
+    faults = FaultInjector(args.rank)
+    if args.overwrite:
+        remove_shard(args.output_dir, name)
+    elif is_finished(args.output_dir, name, settings):
+        return EXIT_OK
 
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"checkpoint": str(ckpt_path.resolve()), "step": state.get("step"), "levels": q,
-            "codebook_size": config.codebook_size, "downsample": config.downsample, "dtype": dtype.name,
-            "feature_dim": config.feature_dim, "store": store.description, "split": args.split, "rank": args.rank,
-            "nshard": args.nshard, "first_utterance": start, "utterances": end - start,
-            "padding": "each utterance's tail is padded by repeating its last frame to a multiple of downsample",
-            "feature_frames": feature_frames}
-    texts = {".codes.len": len_text(code_lengths), ".codes.json": json.dumps(meta) + "\n"}
-    manifest = split_manifest(args.data_dir, args.split, len(store))
-    if manifest is not None:
-        root, lines = manifest
-        texts[".codes.tsv"] = manifest_text(root, lines[start:end])
-    pairs = [(write_temporary(args.output_dir / (name + ext), text), args.output_dir / (name + ext))
-             for ext, text in texts.items()]
-    array = args.output_dir / f"{name}.codes.npy"
-    tmp = array.with_name(array.name + ".tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, np.concatenate(codes) if codes else np.zeros((0, q), dtype))
-    publish(pairs, (tmp, array))
-    log.info("wrote %d utterances, %d code frames (%d levels, %.0f bits/frame of features) to %s",
-             end - start, sum(code_lengths), q, q * math.log2(config.codebook_size) / config.downsample, array)
+    writer = CodeShardWriter(args.output_dir, name, settings, int(code_lengths.sum()), q, dtype)
+    try:
+        log.info("%s: utterances %d-%d of %d in %s -> %s/%s.codes.npy, %d of %d levels x %d codes, downsample %d, "
+                 "%s", name, start, end - 1, total, args.data_dir, args.output_dir, name, q, config.num_quantizers,
+                 config.codebook_size, config.downsample, dtype)
+        if writer.utterances:
+            log.info("resuming at utterance %d of %d (%d code frames committed; %d bytes written after the last "
+                     "commit dropped)", writer.utterances, end - start, writer.rows, writer.dropped_bytes)
+        encode_chunks(model, store, writer, levels=q, dtype=dtype, name=name, faults=faults,
+                      batch_frames=args.batch_frames or BATCH_FRAMES.get(device.type, BATCH_FRAMES["cpu"]),
+                      commit_frames=args.commit_frames)
+        meta = {**settings, "store": store.description,
+                "padding": "each utterance's tail is padded by repeating its last frame to a multiple of downsample",
+                "feature_frames": store.lengths.tolist()}
+        texts = {".codes.len": (f"{n}\n" for n in code_lengths), ".codes.json": json.dumps(meta) + "\n"}
+        manifest = share_manifest(args.data_dir, args.split, total, start, end)
+        if manifest is not None:
+            texts[".codes.tsv"] = manifest_lines(*manifest)
+        array = writer.finish(texts)
+    finally:
+        writer.close()
+    log.info("wrote %d utterances, %d code frames (%d levels, %.0f bits/frame of features) to %s", end - start,
+             code_lengths.sum(), q, q * math.log2(config.codebook_size) / config.downsample, array)
     log.info("finished successfully")
     return EXIT_OK
+
+
+def is_finished(folder: Path, name: str, settings: dict) -> bool:
+    """Whether shard NAME is already written with these settings (said in the log); BadInputError when it was
+    written with others."""
+    finished = finished_meta(folder, name)
+    if finished is None:
+        return False
+    differ = changed_settings(finished, settings)
+    if differ:
+        raise BadInputError(f"{folder / name}.codes.npy was written with other settings ({differ}); pass "
+                            "--overwrite to encode the shard again")
+    log.info("%s is complete: %d utterances, %d code frames in %s; nothing to do (--overwrite encodes it again)",
+             name, settings["utterances"], settings["code_frames"], folder / f"{name}.codes.npy")
+    log.info("finished successfully")
+    return True
+
+
+def encode_chunks(model, store: FeatureStore, writer: CodeShardWriter, *, levels: int, dtype: np.dtype, name: str,
+                  faults: FaultInjector, batch_frames: int, commit_frames: int) -> None:
+    """Encode and commit the chunks of the share after those `writer` holds, with a progress bar."""
+    done = int(store.lengths[: writer.utterances].sum())
+    began, frames = time.perf_counter(), 0
+    with tqdm(total=store.total_frames, initial=done, desc=f"encode {name}", unit="frame", unit_scale=True,
+              dynamic_ncols=True, mininterval=1.0) as bar:
+        for number, first, end in commit_chunks(store.lengths, commit_frames, writer.utterances):
+            chunk = store.share(first, end)
+            writer.write(encode_in_batches(model, chunk, levels, batch_frames, dtype))
+            faults.before_commit(number)
+            writer.commit(end)
+            frames += chunk.total_frames
+            bar.update(chunk.total_frames)
+    seconds = time.perf_counter() - began
+    if frames:
+        log.info("encoded %d feature frames in %.1f s: %.0f frames/s", frames, seconds, frames / max(seconds, 1e-9))
 
 
 def decode_codes(args) -> int:
@@ -113,7 +178,7 @@ def decode_codes(args) -> int:
     array, lens = args.codes_dir / f"{name}.codes.npy", args.codes_dir / f"{name}.codes.len"
     if not array.is_file() or not lens.is_file():
         raise BadInputError(f"{array} or {lens.name} is missing: run python -m tools.encode first")
-    codes = np.load(array)
+    codes = np.load(array, mmap_mode="r")
     counts = [int(n) for n in lens.read_text().split()]
     if codes.ndim != 2 or sum(counts) != codes.shape[0]:
         raise BadInputError(f"{lens.name} lists {sum(counts)} code frames but {array.name} has shape {codes.shape}")
@@ -161,6 +226,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     else:
         p.add_argument("--data_dir", type=Path, required=True, help="the feature store (as the trainer's --data_dir)")
         p.add_argument("--num_quantizers", type=int, help="keep the first q levels (default: all)")
+        p.add_argument("--batch_frames", type=int,
+                       help="feature frames per forward pass, counted padded (rows x the longest utterance in the "
+                            "batch; a longer utterance goes alone). Default: "
+                            + ", ".join(f"{n} on {device}" for device, n in BATCH_FRAMES.items()))
+        p.add_argument("--commit_frames", type=int, default=1_000_000,
+                       help="feature frames between commits (codes fsynced, progress recorded): what a killed run "
+                            "encodes again at most")
+        p.add_argument("--overwrite", action="store_true",
+                       help="delete the shard's codes, finished or partial, and encode it from the start")
     p.add_argument("--split", default="train")
     p.add_argument("--output_dir", type=Path, required=True)
     p.add_argument("--nshard", type=int, default=1, help="number of shards the split is cut into")
@@ -169,6 +243,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv[1:] if decoding else argv)
     if args.nshard < 1 or not 0 <= args.rank < args.nshard:
         p.error(f"need nshard >= 1 and 0 <= rank < nshard, got nshard {args.nshard}, rank {args.rank}")
+    if not decoding and ((args.batch_frames is not None and args.batch_frames < 1) or args.commit_frames < 1):
+        p.error("--batch_frames and --commit_frames must be positive")
     args.decode = decoding
     return args
 
