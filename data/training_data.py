@@ -28,10 +28,11 @@ from data.stores import FeatureStore, open_stores, save_manifest
 
 log = logging.getLogger(__name__)
 
-# The automatic segment length: the longest of these that nearly every training utterance reaches, so that short
-# utterances are trained on and their first and last frames are in as many crops as the rest (benchmarks/README.md)
+# The automatic segment length: the longest of these that leaves out few training frames (those of utterances
+# shorter than it, never sampled), so that short utterances are trained on; shorter crops cost speed (more crop
+# edges per frame) and their first and last frames are in fewer crops (benchmarks/README.md)
 AUTO_LENGTHS = (128, 64, 32, 16)
-AUTO_COVERAGE = 0.98  # the share of training utterances the automatic length must fit
+AUTO_COVERAGE = 0.98  # the share of training frames the automatic length must reach
 
 
 @dataclass(kw_only=True)
@@ -44,8 +45,8 @@ class DataConfig:
         "help": f"crops per rank per step at --segment_length; frames per step stay this x that (with the automatic "
                 f"length, this x {AUTO_LENGTHS[0]}: a shorter length gets more crops)"})
     segment_length: int | None = field(default=None, metadata={
-        "help": f"frames per crop (the base length); none: the longest of {list(AUTO_LENGTHS)} that "
-                f"{AUTO_COVERAGE:.0%} of the training utterances reach"})
+        "help": f"frames per crop (the base length); none: the longest of {list(AUTO_LENGTHS)} that leaves out at "
+                f"most {1 - AUTO_COVERAGE:.0%} of the training frames (in utterances shorter than it)"})
     multi_length_training: bool = field(default=False, metadata={
         "help": "draw each step's length from --segment_lengths"})
     segment_lengths: list[int] = field(default_factory=lambda: [64, 128, 256, 512])
@@ -78,12 +79,13 @@ class DataConfig:
         if self.segment_length is not None:
             return self
         candidates = sorted({L - L % multiple_of for L in AUTO_LENGTHS if L >= multiple_of}, reverse=True)
-        reach = {L: float((lengths >= L).mean()) for L in candidates}
+        lengths = np.asarray(lengths, dtype=np.int64)
+        reach = {L: float(lengths[lengths >= L].sum() / max(1, lengths.sum())) for L in candidates}
         length = next((L for L in candidates if reach[L] >= AUTO_COVERAGE), candidates[-1])
         batch = max(1, self.batch_size * AUTO_LENGTHS[0] // length)
-        log.info("segment length %d (automatic: %.1f%% of the training utterances have at least %d frames%s), "
-                 "%d crops per step", length, 100 * reach[length], length,
-                 "" if length == candidates[0] else f", {100 * reach[candidates[0]]:.1f}% have {candidates[0]}",
+        log.info("segment length %d (automatic: %.1f%% of the training frames are in utterances of at least %d "
+                 "frames%s), %d crops per step", length, 100 * reach[length], length,
+                 "" if length == candidates[0] else f"; {100 * reach[candidates[0]]:.1f}% at {candidates[0]}",
                  batch)
         return dataclasses.replace(self, segment_length=length, batch_size=batch)
 

@@ -91,12 +91,12 @@ def test_a_resumed_step_budget_matches_the_unbroken_schedule_exactly():
 
 @pytest.mark.parametrize("lengths, expected", [
     (np.full(1000, 500), 128),  # long utterances: the base length
-    (np.r_[np.full(10, 60), np.full(990, 500)], 128),  # 1% shorter than 128: 128
-    (np.r_[np.full(30, 60), np.full(970, 500)], 32),  # 3% shorter than 128 and than 64: 32
-    (np.r_[np.full(200, 80), np.full(800, 300)], 64),  # a fifth shorter than 128: 64 covers them
+    (np.r_[np.full(30, 100), np.full(970, 500)], 128),  # 0.6% of the frames in utterances shorter than 128
+    (np.r_[np.full(100, 100), np.full(900, 300)], 64),  # 3.6% of the frames shorter than 128: 64 fits them all
+    (np.r_[np.full(100, 60), np.full(100, 100), np.full(300, 200)], 32),  # 7.5% under 64, 17.5% under 128
     (np.full(100, 20), 16),  # shorter than every candidate but the last
 ])
-def test_the_automatic_crop_length_fits_nearly_every_utterance(lengths, expected):
+def test_the_automatic_crop_length_leaves_out_few_frames(lengths, expected):
     cfg = DataConfig(batch_size=16).fit_to(lengths, multiple_of=1)
     assert cfg.segment_length == expected
     assert cfg.frames_per_step == 16 * 128  # frames per step kept: more crops when they are shorter
