@@ -73,8 +73,12 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
     ctx = init_distributed(launch, device, timeout_s=cfg.dist.nccl_timeout, control_timeout_s=cfg.dist.sync_timeout,
                            output_dir=Path(cfg.run.output_dir))
     # ---- rank 0 chooses the checkpoint, every rank loads it (exit 2 on every rank if one cannot), then the model
-    with phase_timeout(ctx, cfg.dist.slow_phase_s):  # each side waits while the other reads a checkpoint
-        resume = agree_on_resume(ctx, cfg.run.resume, Path(cfg.run.output_dir) / "checkpoints", codec)
+    try:
+        with phase_timeout(ctx, cfg.dist.slow_phase_s):  # each side waits while the other reads a checkpoint
+            resume = agree_on_resume(ctx, cfg.run.resume, Path(cfg.run.output_dir) / "checkpoints", codec)
+    except BadInputError:  # every rank raises it together: the groups go down here, not in the interpreter's exit
+        destroy()
+        raise
     trainer = Trainer(cfg, ctx, data, codec, stop, faults)
     try:
         trainer.build(resume)
