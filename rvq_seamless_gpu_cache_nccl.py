@@ -62,14 +62,15 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
     # ---- everything a user can get wrong is found before anything is written (exit 2)
     if cfg.run.tensorboard:
         require_tensorboard()  # on every rank: a missing package is bad input
-    data = open_training_data(cfg.data, rank=launch.rank, world_size=launch.world_size, seed=cfg.optim.seed,
-                              multiple_of=cfg.codec["downsample"], manifest_dir=Path(cfg.run.output_dir))
-    cfg = dataclasses.replace(cfg, data=data.config)  # the automatic segment length decided
-    codec = cfg.codec_config(data.train.dim)
-    # ---- device and process groups
     if cfg.optim.deterministic:
         make_deterministic()  # before any CUDA work
     device = select_device(cfg.run.device, launch.local_rank, bind_local_rank=launch.world_size > 1)
+    data = open_training_data(cfg.data, rank=launch.rank, world_size=launch.world_size, seed=cfg.optim.seed,
+                              multiple_of=cfg.codec["downsample"], device_type=device.type,
+                              manifest_dir=Path(cfg.run.output_dir))
+    cfg = dataclasses.replace(cfg, data=data.config)  # the batch size and automatic segment length decided
+    codec = cfg.codec_config(data.train.dim)
+    # ---- process groups
     ctx = init_distributed(launch, device, timeout_s=cfg.dist.nccl_timeout, control_timeout_s=cfg.dist.sync_timeout,
                            output_dir=Path(cfg.run.output_dir))
     # ---- rank 0 chooses the checkpoint, every rank loads it (exit 2 on every rank if one cannot), then the model

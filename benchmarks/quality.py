@@ -5,7 +5,8 @@ levels and codebook size for every method (default 8 x 1024, 80 bits/frame):
 
 - codec: the trainer run as a subprocess with its defaults and --max_minutes alone
   (the whole run's time, start to exit; extra flags after -- make a named extra
-  row), then models.codec loaded from the last checkpoint;
+  row), then models.codec loaded from the last checkpoint; with --encode_beams, the same
+  codec again through encode and decode with a beam search that wide (tools.encode --beam_size);
 - faiss ResidualQuantizer, beam 1 and beam 8 (`rq.max_beam_size`), trained on
   every training frame (the frames the codec trains on), standardised per
   dimension with the codec's own statistics; reconstructions are mapped back;
@@ -19,7 +20,7 @@ perplexity, bits per frame; plus the wall time to train. Prints a markdown table
 and writes JSON.
 
     python benchmarks/quality.py [--data_dir DIR] [--out benchmarks/results/quality_demo.json] \\
-        [--max_minutes 10] [-- extra trainer flags]
+        [--max_minutes 10] [--encode_beams 4] [-- extra trainer flags]
 """
 from __future__ import annotations
 
@@ -109,6 +110,19 @@ def run_codec(data_dir, out_dir: Path, max_minutes: float, extra: list[str], val
     result.update(method="codec (ours)", train_seconds=round(seconds, 1), trainer_seconds=round(train_seconds, 1),
                   steps=stop["step"], stop_reason=stop["reason"], codec=state["codec"],
                   command=" ".join(cmd[1:]), trainer_flags=extra)
+    return result, model
+
+
+def score_encoded(model: RVQCodec, valid, beam: int, trained: dict) -> dict:
+    """The trained codec scored through encode and decode, as tools.encode --beam_size BEAM gives its codes."""
+    start = time.perf_counter()
+    with torch.no_grad():
+        result = score(valid, lambda x: (model.decode(codes := model.encode(x, beam_size=beam)), codes),
+                       model.config.num_quantizers, model.config.codebook_size)
+    seconds = time.perf_counter() - start
+    result.update(method=f"codec (ours), encoded with beam {beam}", bits_per_frame=trained["bits_per_frame"],
+                  train_seconds=trained["train_seconds"], steps=trained["steps"], encode_seconds=round(seconds, 1),
+                  encode_frames=int(valid.total_frames), trainer_flags=trained["trainer_flags"])
     return result
 
 
@@ -198,7 +212,13 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/quality_<corpus>.json)")
     parser.add_argument("--max_minutes", type=float, default=10.0,
                         help="the codec's budget, start to exit (the trainer's --max_minutes)")
+    parser.add_argument("--valid_dir", default=None,
+                        help="score on this store's held-out split instead of --data_dir's (the same held-out "
+                             "frames for runs on corpora of different sizes)")
     parser.add_argument("--methods", default="codec,faiss1,rvq,faiss8", help="run in this order")
+    parser.add_argument("--encode_beams", type=lambda text: [int(b) for b in text.split(",") if b], default=[4],
+                        help="extra rows for the trained codec: its codes from a beam search this wide "
+                             "(tools.encode --beam_size), comma-separated; empty: none")
     parser.add_argument("--faiss_space", choices=("standardised", "raw"), default="standardised",
                         help="what faiss is trained on: the codec's standardised features, or the raw ones")
     parser.add_argument("--codec_dir", default=None, help="keep the trainer's run here (default: a temporary dir)")
@@ -212,7 +232,11 @@ def main() -> int:
                                      trainer_cfg.data.valid_split, seed=trainer_cfg.optim.seed)
     if note:
         print(note, file=sys.stderr)
-    trainer_cfg.data = trainer_cfg.data.fit_to(train.lengths, trainer_cfg.codec["downsample"])
+    if args.valid_dir:
+        _, valid, _ = open_stores(args.valid_dir, trainer_cfg.data.train_split, trainer_cfg.data.valid_split,
+                                  seed=trainer_cfg.optim.seed)
+    device_type = "cuda" if torch.cuda.is_available() and trainer_cfg.run.device != "cpu" else "cpu"  # the trainer's
+    trainer_cfg.data = trainer_cfg.data.fit_to(train.lengths, trainer_cfg.codec["downsample"], device_type)
     mean, std = stats(train)
     levels, size = trainer_cfg.codec["num_quantizers"], trainer_cfg.codec["codebook_size"]
     load = open("/proc/loadavg").read().split()[:3]
@@ -221,6 +245,7 @@ def main() -> int:
     def write_report() -> None:  # after every method, so that a cut-short run keeps what it measured
         load_after = open("/proc/loadavg").read().split()[:3]
         report = {"corpus": corpus, "data_dir": args.data_dir or "demo corpus (data/demo_corpus.py)",
+                  "valid_dir": args.valid_dir or args.data_dir or "demo corpus (data/demo_corpus.py)",
                   "machine": machine(), "loadavg_before": load, "loadavg_after": load_after,
                   "train_utterances": len(train), "train_frames": int(train.total_frames),
                   "valid_utterances": len(valid), "valid_frames": int(valid.total_frames),
@@ -238,9 +263,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for method in methods:
             if method == "codec":
-                results.append(run_codec(args.data_dir, Path(args.codec_dir or tmp), args.max_minutes,
-                                         args.trainer_flags, valid))
-                codec, steps = results[-1]["codec"], results[-1]["steps"]
+                trained, model = run_codec(args.data_dir, Path(args.codec_dir or tmp), args.max_minutes,
+                                           args.trainer_flags, valid)
+                codec, steps = trained["codec"], trained["steps"]
+                results.append(trained)
+                results += [score_encoded(model, valid, beam, trained) for beam in args.encode_beams]
+                print(table(results[-1 - len(args.encode_beams):-1]), file=sys.stderr)
             elif method in ("faiss1", "faiss8"):
                 train_std = ((all_frames(train) - f_mean) / f_std).astype(np.float32)
                 results.append(run_faiss(train_std, valid, f_mean, f_std, levels, size, int(method[5:])))

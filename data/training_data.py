@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 # edges per frame) and their first and last frames are in fewer crops (benchmarks/README.md)
 AUTO_LENGTHS = (128, 64, 32, 16)
 AUTO_COVERAGE = 0.98  # the share of training frames the automatic length must reach
+# Crops of AUTO_LENGTHS[0] frames per rank per step when --batch_size is not given, by device type: on a CPU more
+# updates of fewer frames train a better codec in a fixed time (benchmarks/README.md, "Choosing the batch");
+# a GPU step of 2,048 frames is mostly fixed overhead
+DEFAULT_BATCH = {"cpu": 16, "cuda": 64}
 
 
 @dataclass(kw_only=True)
@@ -41,9 +45,10 @@ class DataConfig:
         "help": "feature store (fairseq dump or folder of [T, D] .npy/.pt); none: the built-in demo corpus"})
     train_split: str = "train"
     valid_split: str = field(default="valid", metadata={"help": "when absent, 2%% of training utterances are held out"})
-    batch_size: int = field(default=64, metadata={
+    batch_size: int | None = field(default=None, metadata={
         "help": f"crops per rank per step at --segment_length; frames per step stay this x that (with the automatic "
-                f"length, this x {AUTO_LENGTHS[0]}: a shorter length gets more crops)"})
+                f"length, this x {AUTO_LENGTHS[0]}: a shorter length gets more crops); none: "
+                f"{DEFAULT_BATCH['cpu']} on a CPU, {DEFAULT_BATCH['cuda']} on a GPU"})
     segment_length: int | None = field(default=None, metadata={
         "help": f"frames per crop (the base length); none: the longest of {list(AUTO_LENGTHS)} that leaves out at "
                 f"most {1 - AUTO_COVERAGE:.0%} of the training frames (in utterances shorter than it)"})
@@ -73,16 +78,21 @@ class DataConfig:
     def train_lengths(self) -> list[int]:
         return list(self.segment_lengths) if self.multi_length_training else [self.segment_length]
 
-    def fit_to(self, lengths: np.ndarray, multiple_of: int) -> "DataConfig":
-        """This config with the automatic segment length decided from the training utterances' lengths (the
-        same on every rank), and as many more crops as keep the frames per step; unchanged when it was given."""
+    def fit_to(self, lengths: np.ndarray, multiple_of: int, device_type: str) -> "DataConfig":
+        """This config with the batch size and the automatic segment length decided, from the device type and
+        the training utterances' lengths (the same on every rank): a shorter automatic length gets as many more
+        crops as keep the frames per step. What was given is kept."""
+        batch = self.batch_size
+        if batch is None:
+            batch = DEFAULT_BATCH.get(device_type, DEFAULT_BATCH["cuda"])
+            log.info("batch size %d (no --batch_size: the default on a %s)", batch, device_type.upper())
         if self.segment_length is not None:
-            return self
+            return dataclasses.replace(self, batch_size=batch)
         candidates = sorted({L - L % multiple_of for L in AUTO_LENGTHS if L >= multiple_of}, reverse=True)
         lengths = np.asarray(lengths, dtype=np.int64)
         reach = {L: float(lengths[lengths >= L].sum() / max(1, lengths.sum())) for L in candidates}
         length = next((L for L in candidates if reach[L] >= AUTO_COVERAGE), candidates[-1])
-        batch = max(1, self.batch_size * AUTO_LENGTHS[0] // length)
+        batch = max(1, batch * AUTO_LENGTHS[0] // length)
         log.info("segment length %d (automatic: %.1f%% of the training frames are in utterances of at least %d "
                  "frames%s), %d crops per step", length, 100 * reach[length], length,
                  "" if length == candidates[0] else f"; {100 * reach[candidates[0]]:.1f}% at {candidates[0]}",
@@ -130,7 +140,7 @@ class TrainingData:
 
 
 def open_training_data(cfg: DataConfig, *, rank: int, world_size: int, seed: int, multiple_of: int,
-                       manifest_dir: Path | None = None) -> TrainingData:
+                       device_type: str, manifest_dir: Path | None = None) -> TrainingData:
     """Find, validate and shard the features; every problem is a BadInputError (exit 2). A read-only folder
     store's lengths manifest is saved in `manifest_dir` (the output dir) once every check has passed."""
     data_dir = cfg.data_dir
@@ -143,7 +153,7 @@ def open_training_data(cfg: DataConfig, *, rank: int, world_size: int, seed: int
                                              manifest_dir=manifest_dir, pending=pending)
     if holdout_note:
         log.info("%s", holdout_note)
-    cfg = cfg.fit_to(train.lengths, multiple_of)
+    cfg = cfg.fit_to(train.lengths, multiple_of, device_type)
     plan = BatchPlan(train.lengths, segment_lengths=cfg.train_lengths, frames_per_step=cfg.frames_per_step,
                      seed=seed, rank=rank, world_size=world_size, multiple_of=multiple_of)
     log.info("train: %s, %d utterances, %d frames, dim %d; held out: %d utterances",

@@ -275,13 +275,15 @@ class RVQCodec(nn.Module):
 
     @torch.no_grad()
     def encode(self, features: torch.Tensor, num_quantizers: int | None = None,
-               lengths: torch.Tensor | None = None) -> torch.Tensor:
+               lengths: torch.Tensor | None = None, beam_size: int = 1) -> torch.Tensor:
         """Features [T, D] or [B, T, D] -> codes [T', Q] or [B, T', Q] (int64), T a multiple of the downsample.
         Eval mode only.
 
         lengths [B]: the frames of each row (multiples of the downsample; default T). A row's codes are those
         of its first lengths[i] frames encoded alone, bit for bit, whatever else is in the batch; past them
-        they are -1."""
+        they are -1. beam_size > 1: the library's beam search over the levels keeps that many partial code
+        sequences per frame instead of the nearest code at each level alone (closer reconstructions, at several
+        times the time; benchmarks/README.md)."""
         if self.training:
             raise RuntimeError("encode() runs the codec in eval mode; call model.eval() first")
         single = features.dim() == 2
@@ -289,7 +291,7 @@ class RVQCodec(nn.Module):
         frames, s = x.shape[1], self.config.downsample
         lengths = torch.full((x.shape[0],), frames) if lengths is None else lengths
         lengths = lengths.to(x.device)
-        _, codes, _ = self.rvq(self._encode_latent(x, lengths))
+        _, codes, _ = self.rvq(self._encode_latent(x, lengths), beam_size=beam_size if beam_size > 1 else None)
         codes = codes[:, : frames // s]
         past_end = torch.arange(codes.shape[1], device=x.device)[:, None] >= (lengths // s)[:, None, None]
         codes = codes.masked_fill(past_end, -1)

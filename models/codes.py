@@ -33,8 +33,10 @@ def pad_to_multiple(features: torch.Tensor, multiple: int) -> torch.Tensor:
     return torch.cat([features, features[-1:].expand(missing, -1)])
 
 
-def encode_batch(model: RVQCodec, utterances: list[np.ndarray], num_quantizers: int | None = None) -> list[np.ndarray]:
-    """[T_i, D] features of several utterances -> their [ceil(T_i / downsample), q] int64 codes, in one pass."""
+def encode_batch(model: RVQCodec, utterances: list[np.ndarray], num_quantizers: int | None = None,
+                 beam_size: int = 1) -> list[np.ndarray]:
+    """[T_i, D] features of several utterances -> their [ceil(T_i / downsample), q] int64 codes, in one pass
+    (beam_size: RVQCodec.encode's)."""
     q = num_quantizers or model.config.num_quantizers
     s = model.config.downsample
     padded = code_frames([len(u) for u in utterances], s) * s
@@ -43,7 +45,8 @@ def encode_batch(model: RVQCodec, utterances: list[np.ndarray], num_quantizers: 
         batch[row, : len(features)] = features  # a copy: store arrays are read-only memmaps, maybe float16
         batch[row, len(features) : n] = features[-1:]
     device = model.feature_mean.device
-    codes = model.encode(torch.from_numpy(batch).to(device), q, torch.from_numpy(padded).to(device)).cpu().numpy()
+    codes = model.encode(torch.from_numpy(batch).to(device), q, torch.from_numpy(padded).to(device),
+                         beam_size=beam_size).cpu().numpy()
     return [codes[row, : n // s] for row, n in enumerate(padded)]
 
 
@@ -64,14 +67,15 @@ def length_sorted_batches(lengths: np.ndarray, batch_frames: int) -> list[np.nda
     return batches
 
 
-def encode_in_batches(model: RVQCodec, store, num_quantizers: int, batch_frames: int, dtype: np.dtype) -> np.ndarray:
+def encode_in_batches(model: RVQCodec, store, num_quantizers: int, batch_frames: int, dtype: np.dtype,
+                      beam_size: int = 1) -> np.ndarray:
     """Codes of every utterance of `store` (a data.stores.FeatureStore: `lengths`, `utterance(i)`), concatenated
     in order as `dtype`; encoded in length-sorted batches of at most `batch_frames` padded frames."""
     s = model.config.downsample
     out: list[np.ndarray | None] = [None] * len(store.lengths)
     for batch in length_sorted_batches(code_frames(store.lengths, s) * s, batch_frames):
         utterances = [store.utterance(int(i)) for i in batch]
-        for i, codes in zip(batch, encode_batch(model, utterances, num_quantizers), strict=True):
+        for i, codes in zip(batch, encode_batch(model, utterances, num_quantizers, beam_size), strict=True):
             out[i] = codes.astype(dtype)
     return np.concatenate(out) if out else np.zeros((0, num_quantizers), dtype)
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 
 from data.stores import find_split
-from models.codes import encode_utterance, pad_to_multiple
+from models.codes import encode_batch, encode_utterance, pad_to_multiple
 from tools import encode, export
 from tests.audio_helpers import run_module, write_corpus
 from tests.helpers import REPO, TINY, env, run_trainer
@@ -123,6 +123,29 @@ def test_the_batched_codes_are_the_one_by_one_codes(pipeline):
     one_by_one = [encode_utterance(p.model, p.store.utterance(i)) for i in range(len(p.store))]
     assert [len(c) for c in one_by_one] == lengths
     np.testing.assert_array_equal(whole, np.concatenate(one_by_one))
+
+
+def test_a_beam_search_is_recorded_batched_as_one_by_one_and_decodes_no_worse(pipeline, tmp_path, caplog):
+    p = pipeline
+    greedy, lengths, _ = read_codes(p.codes, "train_0_1")
+    args = ["--checkpoint", p.run, "--data_dir", p.feats, "--output_dir", tmp_path, "--batch_frames", 512]
+    assert encode.main([*args, "--beam_size", 4]) == 0
+    beam, beam_lengths, meta = read_codes(tmp_path, "train_0_1")
+    assert meta["beam_size"] == 4 and beam_lengths == lengths and beam.shape == greedy.shape
+    assert (beam != greedy).any()  # the search chose other codes somewhere
+    one_by_one = [encode_batch(p.model, [p.store.utterance(i)], beam_size=4)[0] for i in range(len(p.store))]
+    np.testing.assert_array_equal(beam, np.concatenate(one_by_one))
+    errors = {}
+    for name, codes in (("greedy", greedy), ("beam", beam)):
+        x = torch.from_numpy(np.concatenate([pad_to_multiple(torch.from_numpy(np.array(p.store.utterance(i))), 2)
+                                             for i in range(len(p.store))]))
+        with torch.no_grad():
+            errors[name] = float(((p.model.decode(torch.from_numpy(codes.astype(np.int64))) - x) ** 2).mean())
+    assert errors["beam"] <= errors["greedy"] * 1.001, errors
+    caplog.clear()  # the same shard asked for with another beam: other settings, nothing overwritten
+    assert encode.main([*args, "--beam_size", 1]) == 2
+    assert "beam_size: 4 -> 1" in caplog.text
+    np.testing.assert_array_equal(read_codes(tmp_path, "train_0_1")[0], beam)
 
 
 @pytest.mark.timeout(240)

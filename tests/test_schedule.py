@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from data.training_data import DataConfig
+from data.training_data import DEFAULT_BATCH, DataConfig
 from training.config import OptimConfig
 from training.schedule import DEFAULT_STEPS, Schedule
 
@@ -97,14 +97,23 @@ def test_a_resumed_step_budget_matches_the_unbroken_schedule_exactly():
     (np.full(100, 20), 16),  # shorter than every candidate but the last
 ])
 def test_the_automatic_crop_length_leaves_out_few_frames(lengths, expected):
-    cfg = DataConfig(batch_size=16).fit_to(lengths, multiple_of=1)
+    cfg = DataConfig(batch_size=16).fit_to(lengths, multiple_of=1, device_type="cpu")
     assert cfg.segment_length == expected
     assert cfg.frames_per_step == 16 * 128  # frames per step kept: more crops when they are shorter
 
 
 def test_a_given_crop_length_is_kept_and_the_downsample_respected():
     lengths = np.full(100, 70)
-    assert DataConfig(segment_length=96, batch_size=8).fit_to(lengths, 1).segment_length == 96
-    fitted = DataConfig(batch_size=8).fit_to(lengths, multiple_of=3)
+    assert DataConfig(segment_length=96, batch_size=8).fit_to(lengths, 1, "cpu").segment_length == 96
+    fitted = DataConfig(batch_size=8).fit_to(lengths, multiple_of=3, device_type="cpu")
     assert fitted.segment_length == 63 and fitted.segment_length % 3 == 0
     assert math.isclose(fitted.frames_per_step, 8 * 128, rel_tol=0.02)
+
+
+def test_the_default_batch_depends_on_the_device_and_a_given_one_is_kept():
+    lengths = np.full(100, 200)
+    assert DataConfig().fit_to(lengths, 1, "cpu").frames_per_step == DEFAULT_BATCH["cpu"] * 128
+    assert DataConfig().fit_to(lengths, 1, "cuda").frames_per_step == DEFAULT_BATCH["cuda"] * 128
+    assert DEFAULT_BATCH["cpu"] < DEFAULT_BATCH["cuda"]
+    given = DataConfig(batch_size=5, segment_length=32).fit_to(lengths, 1, "cuda")
+    assert (given.batch_size, given.segment_length) == (5, 32)

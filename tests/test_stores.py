@@ -145,10 +145,10 @@ def test_a_read_only_folder_keeps_its_manifest_in_the_output_dir_once_the_data_p
     cfg = DataConfig(data_dir=str(data), segment_length=32, batch_size=2)
     with pytest.raises(BadInputError):  # a check that fails after the folder was read: nothing written
         open_training_data(DataConfig(data_dir=str(data), segment_length=128), rank=0, world_size=1, seed=0,
-                           multiple_of=1, manifest_dir=tmp_path / "out")
+                           multiple_of=1, device_type="cpu", manifest_dir=tmp_path / "out")
     assert not (tmp_path / "out").exists()
-    open_training_data(cfg, rank=0, world_size=1, seed=0, multiple_of=1, manifest_dir=tmp_path / "out")
+    open_training_data(cfg, rank=0, world_size=1, seed=0, multiple_of=1, device_type="cpu", manifest_dir=tmp_path / "out")
     assert not (data / "train" / stores.MANIFEST_NAME).exists() and len(list((tmp_path / "out").glob("*.npz"))) == 1
     monkeypatch.setattr(stores, "_load_array", lambda path: pytest.fail(f"{path} opened at start"))
-    again = open_training_data(cfg, rank=0, world_size=1, seed=0, multiple_of=1, manifest_dir=tmp_path / "out")
+    again = open_training_data(cfg, rank=0, world_size=1, seed=0, multiple_of=1, device_type="cpu", manifest_dir=tmp_path / "out")
     assert again.train.total_frames + again.eval.store.total_frames == sum(64 + i for i in range(6))

@@ -100,7 +100,8 @@ def encode_store(args) -> int:
     name = f"{args.split}_{args.rank}_{args.nshard}"
     settings = {"checkpoint": str(ckpt_path.resolve()), "step": state.get("step"), "levels": q,
                 "codebook_size": config.codebook_size, "downsample": config.downsample, "dtype": dtype.name,
-                "feature_dim": config.feature_dim, "split": args.split, "rank": args.rank, "nshard": args.nshard,
+                "feature_dim": config.feature_dim, "beam_size": args.beam_size, "split": args.split,
+                "rank": args.rank, "nshard": args.nshard,
                 "first_utterance": start, "utterances": end - start, "frames": store.total_frames,
                 "code_frames": int(code_lengths.sum())}
     faults = FaultInjector(args.rank)
@@ -113,14 +114,15 @@ def encode_store(args) -> int:
     writer = CodeShardWriter(args.output_dir, name, settings, int(code_lengths.sum()), q, dtype)
     try:
         log.info("%s: utterances %d-%d of %d in %s -> %s/%s.codes.npy, %d of %d levels x %d codes, downsample %d, "
-                 "%s", name, start, end - 1, total, args.data_dir, args.output_dir, name, q, config.num_quantizers,
-                 config.codebook_size, config.downsample, dtype)
+                 "%s%s", name, start, end - 1, total, args.data_dir, args.output_dir, name, q, config.num_quantizers,
+                 config.codebook_size, config.downsample, dtype,
+                 f", beam search {args.beam_size} wide" if args.beam_size > 1 else "")
         if writer.utterances:
             log.info("resuming at utterance %d of %d (%d code frames committed; %d bytes written after the last "
                      "commit dropped)", writer.utterances, end - start, writer.rows, writer.dropped_bytes)
         encode_chunks(model, store, writer, levels=q, dtype=dtype, name=name, faults=faults,
                       batch_frames=args.batch_frames or BATCH_FRAMES.get(device.type, BATCH_FRAMES["cpu"]),
-                      commit_frames=args.commit_frames)
+                      commit_frames=args.commit_frames, beam_size=args.beam_size)
         meta = {**settings, "store": store.description,
                 "padding": "each utterance's tail is padded by repeating its last frame to a multiple of downsample",
                 "feature_frames": store.lengths.tolist()}
@@ -154,7 +156,7 @@ def is_finished(folder: Path, name: str, settings: dict) -> bool:
 
 
 def encode_chunks(model, store: FeatureStore, writer: CodeShardWriter, *, levels: int, dtype: np.dtype, name: str,
-                  faults: FaultInjector, batch_frames: int, commit_frames: int) -> None:
+                  faults: FaultInjector, batch_frames: int, commit_frames: int, beam_size: int) -> None:
     """Encode and commit the chunks of the share after those `writer` holds, with a progress bar."""
     done = int(store.lengths[: writer.utterances].sum())
     began, frames = time.perf_counter(), 0
@@ -162,7 +164,7 @@ def encode_chunks(model, store: FeatureStore, writer: CodeShardWriter, *, levels
               dynamic_ncols=True, mininterval=1.0) as bar:
         for number, first, end in commit_chunks(store.lengths, commit_frames, writer.utterances):
             chunk = store.share(first, end)
-            writer.write(encode_in_batches(model, chunk, levels, batch_frames, dtype))
+            writer.write(encode_in_batches(model, chunk, levels, batch_frames, dtype, beam_size))
             faults.before_commit(number)
             writer.commit(end)
             frames += chunk.total_frames
@@ -233,6 +235,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument("--commit_frames", type=int, default=1_000_000,
                        help="feature frames between commits (codes fsynced, progress recorded): what a killed run "
                             "encodes again at most")
+        p.add_argument("--beam_size", type=int, default=1,
+                       help="partial code sequences kept per frame by the quantizer's beam search over the levels "
+                            "(1: the nearest code at each level); a wider beam reconstructs closer at several times "
+                            "the time (benchmarks/README.md)")
         p.add_argument("--overwrite", action="store_true",
                        help="delete the shard's codes, finished or partial, and encode it from the start")
     p.add_argument("--split", default="train")
@@ -243,8 +249,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv[1:] if decoding else argv)
     if args.nshard < 1 or not 0 <= args.rank < args.nshard:
         p.error(f"need nshard >= 1 and 0 <= rank < nshard, got nshard {args.nshard}, rank {args.rank}")
-    if not decoding and ((args.batch_frames is not None and args.batch_frames < 1) or args.commit_frames < 1):
-        p.error("--batch_frames and --commit_frames must be positive")
+    if not decoding and ((args.batch_frames is not None and args.batch_frames < 1) or args.commit_frames < 1
+                         or args.beam_size < 1):
+        p.error("--batch_frames, --commit_frames and --beam_size must be positive")
     args.decode = decoding
     return args
 
