@@ -118,8 +118,10 @@ def open_demo(world_size=1):
     from data.training_data import DataConfig, open_training_data
 
     cfg = DataConfig()
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    return cfg, open_training_data(cfg, rank=0, world_size=world_size, seed=0, multiple_of=1, device_type=device_type)
+    from training.device import select_device
+
+    return cfg, open_training_data(cfg, rank=0, world_size=world_size, seed=0, multiple_of=1,
+                                   device_type=select_device("auto").type)
 
 
 def step_batch_equality(args):

@@ -49,6 +49,7 @@ from models.metrics import EvalSums  # noqa: E402
 from training import checkpoint as ckpt  # noqa: E402
 from training.codebooks import feature_stats  # noqa: E402
 from training.config import parse_args  # noqa: E402
+from training.device import select_device  # noqa: E402
 
 TRAINER = REPO / "rvq_seamless_gpu_cache_nccl.py"
 
@@ -235,7 +236,7 @@ def main() -> int:
     if args.valid_dir:
         _, valid, _ = open_stores(args.valid_dir, trainer_cfg.data.train_split, trainer_cfg.data.valid_split,
                                   seed=trainer_cfg.optim.seed)
-    device_type = "cuda" if torch.cuda.is_available() and trainer_cfg.run.device != "cpu" else "cpu"  # the trainer's
+    device_type = select_device(trainer_cfg.run.device).type  # the trainer's, for its default batch
     trainer_cfg.data = trainer_cfg.data.fit_to(train.lengths, trainer_cfg.codec["downsample"], device_type)
     mean, std = stats(train)
     levels, size = trainer_cfg.codec["num_quantizers"], trainer_cfg.codec["codebook_size"]
@@ -262,13 +263,13 @@ def main() -> int:
     steps = trainer_cfg.optim.max_steps  # the bare ResidualVQ gets the codec's step budget (or the steps it ran)
     with tempfile.TemporaryDirectory() as tmp:
         for method in methods:
+            first = len(results)
             if method == "codec":
                 trained, model = run_codec(args.data_dir, Path(args.codec_dir or tmp), args.max_minutes,
                                            args.trainer_flags, valid)
                 codec, steps = trained["codec"], trained["steps"]
                 results.append(trained)
                 results += [score_encoded(model, valid, beam, trained) for beam in args.encode_beams]
-                print(table(results[-1 - len(args.encode_beams):-1]), file=sys.stderr)
             elif method in ("faiss1", "faiss8"):
                 train_std = ((all_frames(train) - f_mean) / f_std).astype(np.float32)
                 results.append(run_faiss(train_std, valid, f_mean, f_std, levels, size, int(method[5:])))
@@ -280,7 +281,7 @@ def main() -> int:
                 results.append(run_bare_rvq(train, valid, mean, std, codec, trainer_cfg, steps))
             else:
                 sys.exit(f"unknown method {method!r}: codec, faiss1, faiss8, rvq")
-            print(table(results[-1:]), file=sys.stderr)
+            print(table(results[first:]), file=sys.stderr)
             write_report()
     print(f"{corpus}: {len(train)} train utterances ({train.total_frames} frames), {len(valid)} held out "
           f"({valid.total_frames} frames); {machine()}; load {' '.join(load)}\n")

@@ -136,9 +136,8 @@ def test_a_beam_search_is_recorded_batched_as_one_by_one_and_decodes_no_worse(pi
     one_by_one = [encode_batch(p.model, [p.store.utterance(i)], beam_size=4)[0] for i in range(len(p.store))]
     np.testing.assert_array_equal(beam, np.concatenate(one_by_one))
     errors = {}
+    x = torch.cat([pad_to_multiple(torch.from_numpy(np.array(p.store.utterance(i))), 2) for i in range(len(p.store))])
     for name, codes in (("greedy", greedy), ("beam", beam)):
-        x = torch.from_numpy(np.concatenate([pad_to_multiple(torch.from_numpy(np.array(p.store.utterance(i))), 2)
-                                             for i in range(len(p.store))]))
         with torch.no_grad():
             errors[name] = float(((p.model.decode(torch.from_numpy(codes.astype(np.int64))) - x) ** 2).mean())
     assert errors["beam"] <= errors["greedy"] * 1.001, errors
