@@ -43,7 +43,7 @@ from training.faults import FaultInjector
 from training.metrics_log import MetricsLog, require_tensorboard
 from training.progress import FAILED, Progress
 from training.resume import agree_on_resume
-from training.schedule import Schedule
+from training.schedule import REFIT_SHARE, Schedule
 from training.signals import StopRequest
 from training.step_guard import StepOutcome, guarded_step
 from training.sync_check import sync_check
@@ -291,11 +291,15 @@ class Trainer:
         a preempted job may have seconds left)."""
         cfg, p = self.cfg, self.progress
         start = time.monotonic()
-        if cfg.codebooks.refit_iters:
+        iters = cfg.codebooks.refit_iters
+        if iters:
+            frames = self.schedule.refit_frames(cfg.codebooks.refit_frames, iters)
+            if frames < min(cfg.codebooks.refit_frames, self.data.shard.total_frames):
+                log.info("codebooks: the refit reads %d frames per rank, not --refit_frames %d: what fits in %.0f%% "
+                         "of --max_minutes", frames, cfg.codebooks.refit_frames, 100 * REFIT_SHARE)
             with self.slow_phase(), p.phase_of("refit"):
-                refit(self.model, self.data.shard, self.ctx, iters=cfg.codebooks.refit_iters,
-                      frames=cfg.codebooks.refit_frames, batch_frames=cfg.data.frames_per_step, seed=cfg.optim.seed,
-                      step=p.step, metrics=self.metrics)
+                refit(self.model, self.data.shard, self.ctx, iters=iters, frames=frames,
+                      batch_frames=cfg.data.frames_per_step, seed=cfg.optim.seed, step=p.step, metrics=self.metrics)
         self.evaluate()
         if self.schedule.deadline is not None:
             log.info("end of schedule: refit and final eval took %.0f s (%.0f s were kept for them and the "

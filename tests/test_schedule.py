@@ -64,6 +64,19 @@ def test_time_alone_estimates_the_steps_that_fit_and_keeps_time_for_the_end():
     assert not s.out_of_time(now=540.0) and s.out_of_time(now=550.0)  # the hard stop keeps the end's time
 
 
+def test_under_a_time_budget_the_refit_reads_what_fits_in_its_share():
+    s = schedule(started_at=0.0, max_minutes=10, frames_per_step=1000)
+    large = dict(refit_frames=262_144, refit_iters=2, eval_frames=2_000)  # a large corpus's whole --refit_frames
+    assert s.refit_frames(262_144, 2) == 262_144  # not measured yet: as asked
+    s.estimate(0, now=20.0, **large)
+    s.estimate(10, now=30.0, **large)  # 1 ms a frame
+    # a tenth of 600 s, over 3 passes of 1 ms a frame: 20,000 frames; a small corpus's whole shard stays whole
+    assert s.refit_frames(262_144, 2) == 20_000 and s.refit_frames(15_000, 2) == 15_000
+    assert s.refit_frames(262_144, 0) == 262_144  # no refit: nothing to bound
+    assert s.end_work == pytest.approx(1.5 * 0.001 * (3 * 20_000 + 2_000) + 5)
+    assert schedule(max_steps=100).refit_frames(262_144, 2) == 262_144  # no deadline: as asked
+
+
 def test_with_steps_and_time_the_smaller_total_decides():
     s = schedule(max_steps=100, max_minutes=10)
     s.set_time_total(1000)

@@ -81,7 +81,8 @@ class CodebookConfig:
     refit_iters: int = flag(
         2, "when the schedule ends (steps, epochs or --max_minutes), Lloyd's k-means iterations on every level "
            "over whole training utterances, before the final eval (0: no refit)", kind="nonnegative")
-    refit_frames: int = flag(262144, "frames per rank for the refit: whole utterances drawn at random up to this many")
+    refit_frames: int = flag(262144, "frames per rank for the refit: whole utterances drawn at random up to this "
+                                     "many (under --max_minutes, at most what fits in a tenth of it)")
 
 
 @dataclass(kw_only=True)

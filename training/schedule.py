@@ -32,9 +32,12 @@ SHORT_FRAMES_PER_CODE = 1000
 # frame: each refit iteration, and its last pass, costs about what training costs per frame (the nearest-code search
 # over every level's codebook dominates both); an eval pass less. Kept with a margin, plus a checkpoint's write.
 # The estimate is high for a small codec, whose steps are mostly fixed overhead: at most END_SHARE of the budget.
+# The refit itself reads at most the frames that fit in REFIT_SHARE of the budget at that cost, whatever the
+# corpus: --refit_frames of a large corpus would otherwise take the time of the steps (benchmarks/README.md).
 SAFETY = 1.5
 SAVE_S = 5.0
 END_SHARE = 0.25
+REFIT_SHARE = 0.1
 
 
 class Schedule:
@@ -60,6 +63,7 @@ class Schedule:
         self._warned = False
         self._origin = None  # (step, time) the step-time clock counts from: after the first step, which is slower
         self.end_work = 0.0  # estimated seconds for the refit, the final eval and the checkpoint
+        self.per_frame = None  # seconds a training frame takes on this rank, measured by `estimate`
         self.frames_per_step, self.world_size = frames_per_step, world_size
         self.why = why
         if self.steps is not None:
@@ -117,7 +121,8 @@ class Schedule:
         if step - self._origin[0] < 2:
             return None
         per_step = (now - self._origin[1]) / (step - self._origin[0])
-        per_frame = per_step / self.frames_per_step
+        self.per_frame = per_frame = per_step / self.frames_per_step
+        refit_frames = self.refit_frames(refit_frames, refit_iters)
         end_work = SAFETY * per_frame * ((refit_iters + 1) * refit_frames + eval_frames / self.world_size) + SAVE_S
         cap = END_SHARE * 60 * self.optim.max_minutes
         if end_work > cap and not self._warned:
@@ -127,6 +132,14 @@ class Schedule:
             self._warned = True
         self.end_work = min(end_work, cap)
         return step + max(0, int((self.deadline - self.end_work - now) / per_step))
+
+    def refit_frames(self, frames: int, iters: int) -> int:
+        """The refit's frames on this rank: `frames`, or under a time budget at most what fits in REFIT_SHARE
+        of it at the measured time per frame (each of the refit's iters + 1 passes costs about a training frame's
+        time). Ranks may differ: the refit's k-means sums over all ranks whatever each one reads."""
+        if self.deadline is None or self.per_frame is None or not iters:
+            return frames
+        return min(frames, int(REFIT_SHARE * 60 * self.optim.max_minutes / (self.per_frame * (iters + 1))))
 
     def set_time_total(self, total: int | None) -> None:
         if total is not None:
