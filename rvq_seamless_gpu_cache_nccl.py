@@ -283,7 +283,7 @@ class Trainer:
         refit = self.cfg.codebooks
         windows = self.data.eval
         return {"refit_frames": min(refit.refit_frames, self.data.shard.total_frames) if refit.refit_iters else 0,
-                "refit_iters": refit.refit_iters,
+                "refit_iters": refit.refit_iters, "beam_size": self.codec.beam_size,
                 "eval_frames": len(windows.utterances) * windows.length * self.ctx.world_size}
 
     def end_of_schedule(self) -> None:
@@ -293,23 +293,23 @@ class Trainer:
         start = time.monotonic()
         iters = cfg.codebooks.refit_iters
         if iters:
-            frames = self.schedule.refit_frames(cfg.codebooks.refit_frames, iters)
+            frames = self.schedule.refit_frames(cfg.codebooks.refit_frames, iters, self.codec.beam_size)
             if frames < min(cfg.codebooks.refit_frames, self.data.shard.total_frames):
                 log.info("codebooks: the refit reads %d frames per rank, not --refit_frames %d: what fits in %.0f%% "
                          "of --max_minutes", frames, cfg.codebooks.refit_frames, 100 * REFIT_SHARE)
             with self.slow_phase(), p.phase_of("refit"):
                 refit(self.model, self.data.shard, self.ctx, iters=iters, frames=frames,
                       batch_frames=cfg.data.frames_per_step, seed=cfg.optim.seed, step=p.step, metrics=self.metrics)
-        self.evaluate()
+        self.evaluate(beam_size=self.codec.beam_size)  # the codes encode gives; the evals before follow training's
         if self.schedule.deadline is not None:
             log.info("end of schedule: refit and final eval took %.0f s (%.0f s were kept for them and the "
                      "checkpoint)", time.monotonic() - start, self.schedule.end_work)
 
-    def evaluate(self) -> None:
+    def evaluate(self, beam_size: int = 1) -> None:
         with self.slow_phase(), self.progress.phase_of("eval"):
             evaluate(self.model, self.data.eval, self.ctx, amp_dtype=self.amp_dtype,
                      batch_frames=self.cfg.data.frames_per_step, step=self.progress.step, metrics=self.metrics,
-                     faults=self.faults)
+                     faults=self.faults, beam_size=beam_size)
 
     def maybe_save(self) -> None:
         p = self.progress

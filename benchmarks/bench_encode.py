@@ -9,7 +9,7 @@ encoding loop: reading the features, encoding, writing and committing the codes.
 same codes.
 
     python benchmarks/bench_encode.py [--feature_dim 1024] [--utterances 150] [--seconds 2,20]
-        [--batch_frames 1,1024,2048,4096,16384] [--threads N] [--device auto] [--out FILE.json]
+        [--batch_frames 1,1024,2048,4096,16384] [--threads N] [--device auto] [--beam_size B] [--out FILE.json]
 """
 from __future__ import annotations
 
@@ -77,6 +77,7 @@ def main() -> int:
     p.add_argument("--batch_frames", default="1,1024,2048,4096,16384", help="1 = one utterance per forward pass")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="auto", help="tools.encode's --device: auto, cpu, cuda ...")
+    p.add_argument("--beam_size", type=int, help="tools.encode's --beam_size (default: the codec's)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "bench_encode.json")
     args = p.parse_args()
     if args.threads:
@@ -92,6 +93,7 @@ def main() -> int:
         write_checkpoint(tmp / "codec.pt", args.feature_dim)
         info = {"machine": machine(), "device": args.device, "torch_threads": torch.get_num_threads(),
                 "load_average_before": [round(x, 2) for x in os.getloadavg()], "feature_dim": args.feature_dim,
+                "beam_size": args.beam_size or CodecConfig(args.feature_dim).beam_size,
                 "codec": "8 levels x 1024 codes, latent 160, downsample 1 (defaults), random weights",
                 "utterances": args.utterances, "seconds": seconds, "frames": frames, "runs": []}
         print(f"{info['machine']}, {info['torch_threads']} torch threads, 1-min load {info['load_average_before'][0]}")
@@ -102,8 +104,9 @@ def main() -> int:
         codes = None
         for batch_frames in [int(b) for b in args.batch_frames.split(",")]:
             out = tmp / f"codes_{batch_frames}"
+            beam = ["--beam_size", args.beam_size] if args.beam_size else []
             rc = encode.main(["--checkpoint", tmp / "codec.pt", "--data_dir", tmp, "--output_dir", out, "--device",
-                              args.device, "--batch_frames", batch_frames])
+                              args.device, "--batch_frames", batch_frames, *beam])
             if rc != 0:
                 raise SystemExit(f"tools.encode exited {rc}")
             written = np.load(out / "train_0_1.codes.npy")

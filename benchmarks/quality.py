@@ -5,8 +5,9 @@ levels and codebook size for every method (default 8 x 1024, 80 bits/frame):
 
 - codec: the trainer run as a subprocess with its defaults and --max_minutes alone
   (the whole run's time, start to exit; extra flags after -- make a named extra
-  row), then models.codec loaded from the last checkpoint; with --encode_beams, the same
-  codec again through encode and decode with a beam search that wide (tools.encode --beam_size);
+  row), then models.codec loaded from the last checkpoint, scored through encode and decode
+  as tools.encode gives its codes (the codec's beam search); with --encode_beams, the same
+  codec again with a beam search that wide (1: the nearest code at each level);
 - faiss ResidualQuantizer, beam 1 and beam 8 (`rq.max_beam_size`), trained on
   every training frame (the frames the codec trains on), standardised per
   dimension with the codec's own statistics; reconstructions are mapped back;
@@ -20,7 +21,7 @@ perplexity, bits per frame; plus the wall time to train. Prints a markdown table
 and writes JSON.
 
     python benchmarks/quality.py [--data_dir DIR] [--out benchmarks/results/quality_demo.json] \\
-        [--max_minutes 10] [--encode_beams 4] [-- extra trainer flags]
+        [--max_minutes 10] [--encode_beams 1] [-- extra trainer flags]
 """
 from __future__ import annotations
 
@@ -97,20 +98,20 @@ def run_codec(data_dir, out_dir: Path, max_minutes: float, extra: list[str], val
     model.eval()
     ds = model.config.downsample
 
-    def reconstruct(x):
-        x = x[: len(x) // ds * ds]
-        out = model(x[None])
-        return out.reconstruction[0], out.codes[0]
+    def reconstruct(x):  # the codes tools.encode writes (the codec's beam search), decoded
+        codes = model.encode(x[: len(x) // ds * ds])
+        return model.decode(codes), codes
 
+    if len(valid.utterance(0)) % ds:
+        print(f"note: utterances are cut to a multiple of downsample {ds}", file=sys.stderr)
+    start = time.perf_counter()
     with torch.no_grad():
-        x_first = valid.utterance(0)
-        if len(x_first) % ds:
-            print(f"note: utterances are cut to a multiple of downsample {ds}", file=sys.stderr)
         result = score(valid, reconstruct, model.config.num_quantizers, model.config.codebook_size)
     result["bits_per_frame"] = model.config.num_quantizers * np.log2(model.config.codebook_size) / ds
     result.update(method="codec (ours)", train_seconds=round(seconds, 1), trainer_seconds=round(train_seconds, 1),
                   steps=stop["step"], stop_reason=stop["reason"], codec=state["codec"],
-                  command=" ".join(cmd[1:]), trainer_flags=extra)
+                  beam_size=model.config.beam_size, encode_seconds=round(time.perf_counter() - start, 1),
+                  encode_frames=int(valid.total_frames), command=" ".join(cmd[1:]), trainer_flags=extra)
     return result, model
 
 
@@ -121,7 +122,8 @@ def score_encoded(model: RVQCodec, valid, beam: int, trained: dict) -> dict:
         result = score(valid, lambda x: (model.decode(codes := model.encode(x, beam_size=beam)), codes),
                        model.config.num_quantizers, model.config.codebook_size)
     seconds = time.perf_counter() - start
-    result.update(method=f"codec (ours), encoded with beam {beam}", bits_per_frame=trained["bits_per_frame"],
+    how = "the nearest code at each level" if beam == 1 else f"a beam search {beam} wide"
+    result.update(method=f"codec (ours), codes from {how}", beam_size=beam, bits_per_frame=trained["bits_per_frame"],
                   train_seconds=trained["train_seconds"], steps=trained["steps"], encode_seconds=round(seconds, 1),
                   encode_frames=int(valid.total_frames), trainer_flags=trained["trainer_flags"])
     return result
@@ -217,9 +219,10 @@ def main() -> int:
                         help="score on this store's held-out split instead of --data_dir's (the same held-out "
                              "frames for runs on corpora of different sizes)")
     parser.add_argument("--methods", default="codec,faiss1,rvq,faiss8", help="run in this order")
-    parser.add_argument("--encode_beams", type=lambda text: [int(b) for b in text.split(",") if b], default=[4],
+    parser.add_argument("--encode_beams", type=lambda text: [int(b) for b in text.split(",") if b], default=[1],
                         help="extra rows for the trained codec: its codes from a beam search this wide "
-                             "(tools.encode --beam_size), comma-separated; empty: none")
+                             "(tools.encode --beam_size; 1: the nearest code at each level), comma-separated; "
+                             "empty: none. The codec's row has the codes of its own --beam_size")
     parser.add_argument("--faiss_space", choices=("standardised", "raw"), default="standardised",
                         help="what faiss is trained on: the codec's standardised features, or the raw ones")
     parser.add_argument("--codec_dir", default=None, help="keep the trainer's run here (default: a temporary dir)")

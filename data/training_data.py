@@ -119,7 +119,7 @@ class EvalWindows:
                 with self.store.scattered_reads():
                     crops = torch.from_numpy(CropReader(self.store).read(self.utterances, self.starts, self.length))
                 self._crops = crops[finite_crops(crops)].to(device)
-            yield from self._crops.split(per_batch)
+            yield from self._crops.split(per_batch) if len(self._crops) else ()  # a rank may hold none
             return
         reader = CropReader(self.store)
         for i in range(0, len(self.utterances), per_batch):

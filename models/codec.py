@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from vector_quantize_pytorch import ResidualVQ
-from vector_quantize_pytorch.vector_quantize_pytorch import kmeans
 
 
 @dataclass
@@ -38,6 +37,9 @@ class CodecConfig:
         "help": "re-seed a code whose EMA count of frames per step falls below this"})
     quantize_dropout: bool = field(default=False, metadata={"help": "train for variable bitrate (fewer levels)"})
     commitment_weight: float = 0.25
+    beam_size: int = field(default=4, metadata={
+        "help": "partial code sequences the encoder's beam search over the levels keeps per frame (1: the nearest "
+                "code level by level); the end-of-schedule refit trains the codebooks for it"})
     recon_space: str = field(default="feature", metadata={
         "choices": ("feature", "standardised"),
         "help": "reconstruction MSE in feature space (each dim weighted by its variance, as rel_mse counts errors) "
@@ -48,6 +50,13 @@ class CodecConfig:
 
 
 MIN_ENCODE_STEPS = 16  # code frames: the shortest pass RVQCodec.encode runs (shorter inputs are zero-padded)
+# The library's beam search scores a partial code sequence by the sum over its levels of each level's residual
+# error, weighted per level; weights that grow by this factor per level make the score the current residual's
+# error (the earlier levels' terms vanish beside it), which is what the reconstruction keeps: 2% lower held-out
+# rel_mse at beam 4 than equal weights (benchmarks/README.md).
+BEAM_SCORE_GROWTH = 1000.0
+REFIT_CHUNK = 16384  # frames per pass of the refit's distance computations: [chunk x beam, codebook_size] at most
+RARE_SHARE = 0.1  # the refit moves a code that wins fewer than this share of the mean frames per code (and none)
 
 
 class CodecOutput(NamedTuple):
@@ -89,6 +98,8 @@ class RVQCodec(nn.Module):
             raise ValueError(f"recon_space must be 'feature' or 'standardised', not {config.recon_space!r}")
         if config.downsample not in (1, 2, 4):
             raise ValueError(f"downsample must be 1, 2 or 4, not {config.downsample}")
+        if config.beam_size < 1:
+            raise ValueError(f"beam_size must be 1 or more, not {config.beam_size}")
         self.config = config
         c, d, s = config.latent_dim, config.feature_dim, config.downsample
         self.register_buffer("feature_mean", torch.zeros(d))
@@ -121,6 +132,7 @@ class RVQCodec(nn.Module):
             quantize_dropout=config.quantize_dropout,
             commitment_weight=1.0,
             rotation_trick=False,
+            beam_score_quantizer_weights=beam_score_weights(config.num_quantizers),
         )
 
     @torch.no_grad()
@@ -162,16 +174,20 @@ class RVQCodec(nn.Module):
         x = self.decoder(latent.transpose(1, 2)).transpose(1, 2)
         return x * self.feature_std + self.feature_mean
 
-    def forward(self, features: torch.Tensor, keep: torch.Tensor | None = None) -> CodecOutput:
+    def forward(self, features: torch.Tensor, keep: torch.Tensor | None = None, beam_size: int = 1) -> CodecOutput:
         """features: [B, T, D] with T a multiple of the downsample factor.
 
         keep: [B] bool, the crops to train on (data/bad_crops.py); the others are zeroed, left out of the
         quantizer's EMA, k-means and dead-code sampling (its mask) and out of both losses, with the batch's
         shape unchanged so the quantizer's collectives and DDP run as on any step. When a rank keeps no crop
-        its loss is made non-finite, so every rank skips the step (and restores the codebooks)."""
+        its loss is made non-finite, so every rank skips the step (and restores the codebooks).
+        beam_size: in eval mode, the codes of a beam search this wide (`encode`'s); training picks the nearest
+        code at each level."""
+        if beam_size > 1 and self.training:
+            raise RuntimeError("a beam search runs in eval mode only; training picks the nearest code at each level")
         features, mask = self._drop_crops(features, keep)
         latent = self._encode_latent(features)
-        quantized, codes, commit = self.rvq(latent, mask=mask)
+        quantized, codes, commit = self.rvq(latent, mask=mask, beam_size=beam_size if beam_size > 1 else None)
         recon_std = self.decoder(quantized.transpose(1, 2)).transpose(1, 2)
         target_std = (features - self.feature_mean) / self.feature_std
         sq_error = (recon_std.float() - target_std.float()) ** 2
@@ -227,63 +243,68 @@ class RVQCodec(nn.Module):
     @torch.no_grad()
     def refit_codebooks(self, utterances: list[torch.Tensor], iters: int, batch_frames: int, all_reduce=None,
                         seed: int = 0) -> list[float]:
-        """Lloyd's k-means on every level in turn over the latents of whole training utterances.
+        """Residual k-means of every level in turn over the latents of whole training utterances, for the beam
+        search that encodes (`beam_size`).
 
         The EMA codebooks are online k-means on one batch at a time, on residuals that moved while the
-        encoder learned; this pass fits each level to the residuals the final encoder and the levels before
-        it leave, over many batches' worth of frames, as residual k-means does. Each level starts from its
-        trained codebook (so the decoder keeps the codes it learned) and runs `iters` steps of the library's
-        `kmeans`; a code that wins no frame takes half of a populous code's frames (faiss's rule), so no code
-        is left empty. A few iterations gain most of it: more fit the training frames closer and use fewer
-        codes on held-out ones (benchmarks/README.md).
+        encoder learned, under the nearest-code choice training makes; this pass fits each level to the
+        residuals that the final encoder and the levels before it leave under the beam search, as faiss's
+        ResidualQuantizer trains: Lloyd's k-means over the residuals of every partial code sequence the beam
+        keeps for each frame (`beam_size` of them; one with beam 1), then each sequence is extended by its
+        `beam_size` nearest codes of the refitted level and the `beam_size` closest kept per frame. Fitting
+        every sequence the beam keeps, not only the best, is what gains on held-out frames (benchmarks/README.md).
+        Each level starts from its trained codebook (so the decoder keeps the codes it learned) and runs `iters`
+        Lloyd steps; a code that wins no residual, or fewer than RARE_SHARE of the mean, takes half of a
+        populous code's (faiss's rule for empty codes), so that held-out frames find few codes idle. A few
+        iterations gain most of it: more fit the training frames closer and use fewer codes on held-out ones.
 
         utterances: this rank's, [T, D] each. `all_reduce` sums a tensor over ranks in place: every rank must
         call this together, and every rank ends with the same codebooks (the splits draw from `seed`, the
-        same on every rank). Eval mode (no EMA update in the passes it makes); the EMA statistics are set to
-        what one batch of `batch_frames` gives. Returns the mean squared residual per latent dimension after
-        each level, over the frames of all ranks.
+        same on every rank). Eval mode (no EMA update); the EMA statistics are set to what one batch of
+        `batch_frames` gives. Returns the mean squared residual per latent dimension after each level, of each
+        frame's best sequence, over the frames of all ranks.
         """
         if self.training:
             raise RuntimeError("refit_codebooks() runs the quantizer in eval mode; call model.eval() first")
         reduce = all_reduce or (lambda t: t)
-        s = self.config.downsample
+        s, beam = self.config.downsample, self.config.beam_size
         whole = [u[: len(u) // s * s] for u in utterances if len(u) >= s]
         latent = torch.cat([self._encode_latent(u[None])[0] for u in whole]).float()
         total = reduce(torch.tensor([float(len(latent))], device=latent.device)).item()
         generator = torch.Generator().manual_seed(seed)
-        residual = self.rvq.project_in(latent)
+        # [frames, sequences, dim]; the levels' own projections are identities in ResidualVQ (each level is
+        # built with the codebook dim), so residuals and codes share one space
+        residual = self.rvq.project_in(latent)[:, None]
         errors = []
         for layer in self.rvq.layers:
             codebook = layer._codebook
-            samples = layer.project_in(residual)[None]  # [1, N, codebook_dim]
-            means, bins = codebook.embed.detach().clone(), None
+            means, counts = codebook.embed[0].detach().clone(), None
             for _ in range(iters):
-                start = means
-                means, bins = kmeans(samples, codebook.codebook_size, 1, sample_fn=lambda x, n: start,
-                                     all_reduce_fn=reduce)
-                split_empty_codes(means[0], bins[0], generator)
-            codebook.embed.copy_(means)
-            if bins is not None:
-                size = bins.float() * (batch_frames / total)
-                codebook.cluster_size.copy_(size)
-                codebook.embed_avg.copy_(means * size[..., None])
-            quantized, _, _ = layer(residual[None])
-            residual = residual - quantized[0]
-            error = reduce((residual.double() ** 2).sum().reshape(1))
+                means, counts = lloyd_step(residual.flatten(0, 1), means, reduce)
+                counts = counts.masked_fill(counts < RARE_SHARE * counts.double().mean(), 0)
+                split_empty_codes(means, counts, generator)
+            codebook.embed.copy_(means[None])
+            if counts is not None:
+                size = counts.float() * (batch_frames / counts.sum().item())
+                codebook.cluster_size.copy_(size[None])
+                codebook.embed_avg.copy_((means * size[:, None])[None])
+            residual = extend_beam(residual, means, beam)
+            error = reduce((residual[:, 0].double() ** 2).sum().reshape(1))
             errors.append(error.item() / total / residual.shape[-1])
         return errors
 
     @torch.no_grad()
     def encode(self, features: torch.Tensor, num_quantizers: int | None = None,
-               lengths: torch.Tensor | None = None, beam_size: int = 1) -> torch.Tensor:
+               lengths: torch.Tensor | None = None, beam_size: int | None = None) -> torch.Tensor:
         """Features [T, D] or [B, T, D] -> codes [T', Q] or [B, T', Q] (int64), T a multiple of the downsample.
         Eval mode only.
 
         lengths [B]: the frames of each row (multiples of the downsample; default T). A row's codes are those
         of its first lengths[i] frames encoded alone, bit for bit, whatever else is in the batch; past them
-        they are -1. beam_size > 1: the library's beam search over the levels keeps that many partial code
-        sequences per frame instead of the nearest code at each level alone (closer reconstructions, at several
-        times the time; benchmarks/README.md)."""
+        they are -1. beam_size (default: the codec's `beam_size`): the library's beam search over the levels
+        keeps that many partial code sequences per frame (1: the nearest code at each level alone); a wider beam
+        reconstructs closer at several times the time (benchmarks/README.md). num_quantizers keeps the first
+        levels of the full search's codes."""
         if self.training:
             raise RuntimeError("encode() runs the codec in eval mode; call model.eval() first")
         single = features.dim() == 2
@@ -291,6 +312,7 @@ class RVQCodec(nn.Module):
         frames, s = x.shape[1], self.config.downsample
         lengths = torch.full((x.shape[0],), frames) if lengths is None else lengths
         lengths = lengths.to(x.device)
+        beam_size = self.config.beam_size if beam_size is None else beam_size
         _, codes, _ = self.rvq(self._encode_latent(x, lengths), beam_size=beam_size if beam_size > 1 else None)
         codes = codes[:, : frames // s]
         past_end = torch.arange(codes.shape[1], device=x.device)[:, None] >= (lengths // s)[:, None, None]
@@ -310,6 +332,46 @@ class RVQCodec(nn.Module):
         latent = self.rvq.get_output_from_indices(c)
         out = self._decode_latent(latent)
         return out[0] if single else out
+
+
+def lloyd_step(samples: torch.Tensor, means: torch.Tensor, reduce) -> tuple[torch.Tensor, torch.Tensor]:
+    """One Lloyd iteration: [N, d] samples assigned to the nearest of [K, d] means, the sums and counts summed
+    over ranks by `reduce` (in place); returns the new means (a code with no sample keeps its old one) and the
+    counts [K]. REFIT_CHUNK rows at a time: the library's `kmeans` holds the whole [N, K] distance matrix, in
+    several temporaries, which at a refit's million beam residuals is gigabytes each and 4x the time."""
+    sums, counts = torch.zeros_like(means), torch.zeros(len(means), dtype=torch.long, device=means.device)
+    norms = (means * means).sum(-1)
+    for chunk in samples.split(REFIT_CHUNK):
+        nearest = torch.addmm(norms, chunk, means.T, alpha=-2).argmin(-1)  # ||x||^2 is the same for every code
+        sums.index_add_(0, nearest, chunk)
+        counts += torch.bincount(nearest, minlength=len(means))
+    reduce(sums)
+    reduce(counts)
+    return torch.where(counts[:, None] > 0, sums / counts.clamp_min(1)[:, None], means), counts
+
+
+def extend_beam(residual: torch.Tensor, codebook: torch.Tensor, beam: int) -> torch.Tensor:
+    """[N, b, d] residuals of b partial code sequences per frame -> [N, beam, d] (fewer where the codebook is
+    smaller): each sequence extended by its `beam` nearest codes of `codebook` [K, d], and the `beam` extended
+    sequences with the smallest residual kept per frame, best first."""
+    norms = (codebook * codebook).sum(-1)
+    out = []
+    for chunk in residual.split(max(1, REFIT_CHUNK // residual.shape[1])):
+        n, b, d = chunk.shape
+        dist = torch.addmm(norms, chunk.reshape(n * b, d), codebook.T, alpha=-2).view(n, b, -1)
+        dist += (chunk * chunk).sum(-1, keepdim=True)  # the squared residual each extension leaves
+        k = min(beam, len(codebook))
+        nearest_dist, nearest = dist.topk(k, dim=-1, largest=False)  # [n, b, k]
+        keep = nearest_dist.flatten(1).topk(min(beam, b * k), dim=1, largest=False).indices  # [n, beam], sorted
+        parent, code = keep // k, nearest.flatten(1).gather(1, keep)
+        out.append(chunk.gather(1, parent[..., None].expand(-1, -1, d)) - codebook[code])
+    return torch.cat(out)
+
+
+def beam_score_weights(levels: int) -> list[float]:
+    """Per level, the weight of its error in the library's beam score: BEAM_SCORE_GROWTH times the level
+    before's, the last level 1 (float32 keeps weights down to about 1e-38; smaller ones are held at 1e-30)."""
+    return [max(BEAM_SCORE_GROWTH ** (level - levels + 1), 1e-30) for level in range(levels)]
 
 
 def split_empty_codes(means: torch.Tensor, counts: torch.Tensor, generator: torch.Generator) -> None:

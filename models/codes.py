@@ -34,9 +34,9 @@ def pad_to_multiple(features: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def encode_batch(model: RVQCodec, utterances: list[np.ndarray], num_quantizers: int | None = None,
-                 beam_size: int = 1) -> list[np.ndarray]:
+                 beam_size: int | None = None) -> list[np.ndarray]:
     """[T_i, D] features of several utterances -> their [ceil(T_i / downsample), q] int64 codes, in one pass
-    (beam_size: RVQCodec.encode's)."""
+    (beam_size: RVQCodec.encode's, by default the codec's)."""
     q = num_quantizers or model.config.num_quantizers
     s = model.config.downsample
     padded = code_frames([len(u) for u in utterances], s) * s
@@ -68,7 +68,7 @@ def length_sorted_batches(lengths: np.ndarray, batch_frames: int) -> list[np.nda
 
 
 def encode_in_batches(model: RVQCodec, store, num_quantizers: int, batch_frames: int, dtype: np.dtype,
-                      beam_size: int = 1) -> np.ndarray:
+                      beam_size: int | None = None) -> np.ndarray:
     """Codes of every utterance of `store` (a data.stores.FeatureStore: `lengths`, `utterance(i)`), concatenated
     in order as `dtype`; encoded in length-sorted batches of at most `batch_frames` padded frames."""
     s = model.config.downsample

@@ -11,8 +11,11 @@ them, codes become latents and features without this repo:
   `x * feature_std + feature_mean` (features are [time, feature_dim], at
   frame_rate_hz / downsample code frames per second);
 - features -> latent -> codes: `(x - feature_mean) / feature_std`, the "encoder" ops,
-  then `project_in`, then per level the nearest codebook row (euclidean) of the
-  residual, which is subtracted before the next level.
+  then `project_in`, then a beam search over the levels, "beam_size" wide: after
+  each level keep the beam_size partial code sequences whose residual (latent less
+  the sum of their rows) is smallest, each extended at the next level by its
+  beam_size nearest codebook rows (euclidean); the codes are the best sequence.
+  With beam_size 1 it is the nearest row per level, subtracted before the next.
 
 Ops: `conv1d` / `conv_transpose1d` (weight, bias, stride, padding), `gelu`
 (exact, erf), `residual` (x + body(x)).
@@ -85,7 +88,11 @@ def describe(model: RVQCodec, state: dict, ckpt_path: Path, kind: dict) -> dict:
         "codes_to_latent": "latent[t] = project_out(sum over levels q of codebooks[q, codes[t, q]]); code -1 adds 0",
         "latent_to_features": "decoder ops on [batch, latent_dim, time], then x * feature_std + feature_mean",
         "features_to_latent": "(x - feature_mean) / feature_std, then encoder ops on [batch, feature_dim, time]",
-        "latent_to_codes": "project_in, then per level: nearest codebook row (euclidean), subtract it, next level",
+        "beam_size": c.beam_size,
+        "latent_to_codes": "project_in, then a beam search over the levels beam_size wide: each kept partial code "
+                           "sequence extended by its beam_size nearest codebook rows (euclidean) of the residual, the "
+                           "beam_size with the smallest residual kept; the codes are the best sequence (beam_size 1: "
+                           "per level the nearest row, subtracted before the next level)",
         "layout": "ops act on [batch, channels, time]; features and codes are [time, ...]",
         "encoder": describe_ops(model.encoder, "encoder"),
         "decoder": describe_ops(model.decoder, "decoder"),

@@ -221,3 +221,18 @@ def test_first_sigint_requests_a_stop_and_the_second_exits_at_once():
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env(), cwd=REPO)
     assert r.returncode == 130
     assert "stop requested: SIGINT" in r.stdout and "still running" not in r.stdout
+
+
+def test_a_checkpoint_resumes_into_its_own_codec_and_a_field_it_predates_counts_at_its_default(tmp_path):
+    import dataclasses
+
+    from errors import BadInputError
+    from models.codec import CodecConfig
+    from training.checkpoint import check_codec
+
+    codec = CodecConfig(feature_dim=16)
+    older = {k: v for k, v in codec.to_dict().items() if k != "beam_size"}  # saved before --beam_size existed
+    check_codec(tmp_path / "a.pt", {"codec": older}, codec)
+    for other in (dataclasses.replace(codec, beam_size=1), dataclasses.replace(codec, codebook_size=512)):
+        with pytest.raises(BadInputError, match="differs from this run's flags"):
+            check_codec(tmp_path / "a.pt", {"codec": older}, other)

@@ -21,8 +21,12 @@ def test_forward_encode_decode_agree(downsample):
     assert out.codes.shape == (3, 32 // downsample, 3)
     assert set(out._fields) == {"reconstruction", "codes", "recon_loss", "commit_loss", "loss"}
     model.eval()
-    codes = model.encode(x)
-    torch.testing.assert_close(model.decode(codes), model(x).reconstruction)
+    codes = model.encode(x)  # the codec's beam search (beam_size 4 by default)
+    torch.testing.assert_close(model.decode(codes), model(x, beam_size=4).reconstruction)
+    torch.testing.assert_close(model(x, beam_size=4).codes, codes)
+    greedy = model.encode(x, beam_size=1)
+    torch.testing.assert_close(model.decode(greedy), model(x).reconstruction)  # eval forward: training's choice
+    assert (((model.decode(codes) - x) ** 2).sum() <= ((model.decode(greedy) - x) ** 2).sum() * 1.001)
     assert model.encode(x[0]).shape == (32 // downsample, 3)
     assert model.encode(x, num_quantizers=2).shape[-1] == 2
     assert model.decode(codes[..., :2]).shape == x.shape
@@ -129,7 +133,12 @@ def test_refit_lowers_the_error_and_leaves_no_code_empty():
     errors = model.refit_codebooks(utterances, iters=3, batch_frames=64)
     assert len(errors) == 2 and errors[1] < errors[0]
     assert error() < 0.9 * before
-    codes = model.encode(frames)
+    codes = model.encode(frames)  # the codec's beam search, which the refit fitted the codebooks for
+    with torch.no_grad():  # the refit's last figure is the error the encoder's beam leaves on its utterances
+        latent = torch.cat([model._encode_latent(u[None])[0] for u in utterances])
+        mine = torch.cat([model.encode(u) for u in utterances])
+        left = latent - model.rvq.get_output_from_indices(mine[None])[0]
+    assert float((left**2).mean()) == pytest.approx(errors[-1], rel=0.01)
     for q in range(2):  # every code wins frames of the sample it was fitted on
         assert len(codes_before[:, q].unique()) < 32 and len(codes[:, q].unique()) == 32
     assert all(torch.equal(a, b) for a, b in zip(encoder, model.encoder.parameters()))  # codebooks only
@@ -138,6 +147,45 @@ def test_refit_lowers_the_error_and_leaves_no_code_empty():
     model.train()
     with pytest.raises(RuntimeError, match="eval mode"):
         model.refit_codebooks(utterances, iters=1, batch_frames=64)
+
+
+def test_the_refit_fits_the_beam_search_that_encodes():
+    """The refit's beam (extend_beam, level by level, scored by the residual left) keeps the best sequence the
+    library's beam search finds for encode, under the codec's per-level score weights; the library's own equal
+    weights (the sum of every level's residual) would choose other sequences."""
+    from models.codec import extend_beam
+
+    torch.manual_seed(0)
+    model = RVQCodec(CodecConfig(feature_dim=6, latent_dim=8, num_quantizers=4, codebook_size=32))
+    model(torch.randn(8, 64, 6))  # k-means init
+    model.eval()
+    x = torch.randn(600, 6)
+    with torch.no_grad():
+        latent = model._encode_latent(x[None])[0]
+        residual = latent[:, None]
+        for layer in model.rvq.layers:
+            residual = extend_beam(residual, layer._codebook.embed[0], 4)
+        left = latent - model.rvq.get_output_from_indices(model.encode(x)[None])[0]
+        agree = torch.isclose(left, residual[:, 0], atol=1e-5).all(-1).float().mean()
+        greedy = latent - model.rvq.get_output_from_indices(model.encode(x, beam_size=1)[None])[0]
+        model.rvq.beam_score_weights.fill_(1.0)
+        summed = latent - model.rvq.get_output_from_indices(model.encode(x)[None])[0]
+    assert agree >= 0.99
+    assert (left**2).sum() < (summed**2).sum() < (greedy**2).sum()
+
+
+def test_a_lloyd_step_in_chunks_is_the_librarys_kmeans_step(monkeypatch):
+    import models.codec as codec
+    from vector_quantize_pytorch.vector_quantize_pytorch import kmeans
+
+    g = torch.Generator().manual_seed(0)
+    samples = torch.randn(5000, 8, generator=g)
+    start = samples[:64].clone() + 0.01
+    monkeypatch.setattr(codec, "REFIT_CHUNK", 700)  # several chunks, the last one short
+    means, counts = codec.lloyd_step(samples, start.clone(), lambda t: t)
+    want, bins = kmeans(samples[None], 64, 1, sample_fn=lambda x, n: start[None])
+    torch.testing.assert_close(means, want[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(counts, bins[0]) and int(counts.sum()) == 5000
 
 
 def test_split_empty_codes_moves_each_empty_code_beside_a_populous_one():

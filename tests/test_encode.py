@@ -90,7 +90,7 @@ def test_decode_of_encode_is_the_models_own_eval_reconstruction(pipeline):
         for i in range(len(p.store)):
             x = torch.from_numpy(np.array(p.store.utterance(i)))
             odd += len(x) % 2
-            want = p.model(pad_to_multiple(x, 2)[None]).reconstruction[0, : len(x)].numpy()
+            want = p.model(pad_to_multiple(x, 2)[None], beam_size=4).reconstruction[0, : len(x)].numpy()
             np.testing.assert_array_equal(recon.utterance(i), want, err_msg=p.store.name(i))
     assert odd  # at least one utterance went through the padded tail
 
@@ -125,26 +125,27 @@ def test_the_batched_codes_are_the_one_by_one_codes(pipeline):
     np.testing.assert_array_equal(whole, np.concatenate(one_by_one))
 
 
-def test_a_beam_search_is_recorded_batched_as_one_by_one_and_decodes_no_worse(pipeline, tmp_path, caplog):
+def test_codes_come_from_the_codecs_beam_search_unless_told_and_decode_no_worse(pipeline, tmp_path, caplog):
     p = pipeline
-    greedy, lengths, _ = read_codes(p.codes, "train_0_1")
+    beam, lengths, meta = read_codes(p.codes, "train_0_1")  # the pipeline's encode: no --beam_size
+    assert p.model.config.beam_size == 4 and meta["beam_size"] == 4
     args = ["--checkpoint", p.run, "--data_dir", p.feats, "--output_dir", tmp_path, "--batch_frames", 512]
-    assert encode.main([*args, "--beam_size", 4]) == 0
-    beam, beam_lengths, meta = read_codes(tmp_path, "train_0_1")
-    assert meta["beam_size"] == 4 and beam_lengths == lengths and beam.shape == greedy.shape
+    assert encode.main([*args, "--beam_size", 1]) == 0
+    greedy, greedy_lengths, meta = read_codes(tmp_path, "train_0_1")
+    assert meta["beam_size"] == 1 and greedy_lengths == lengths and beam.shape == greedy.shape
     assert (beam != greedy).any()  # the search chose other codes somewhere
-    one_by_one = [encode_batch(p.model, [p.store.utterance(i)], beam_size=4)[0] for i in range(len(p.store))]
-    np.testing.assert_array_equal(beam, np.concatenate(one_by_one))
+    one_by_one = [encode_batch(p.model, [p.store.utterance(i)], beam_size=1)[0] for i in range(len(p.store))]
+    np.testing.assert_array_equal(greedy, np.concatenate(one_by_one))
     errors = {}
     x = torch.cat([pad_to_multiple(torch.from_numpy(np.array(p.store.utterance(i))), 2) for i in range(len(p.store))])
     for name, codes in (("greedy", greedy), ("beam", beam)):
         with torch.no_grad():
             errors[name] = float(((p.model.decode(torch.from_numpy(codes.astype(np.int64))) - x) ** 2).mean())
     assert errors["beam"] <= errors["greedy"] * 1.001, errors
-    caplog.clear()  # the same shard asked for with another beam: other settings, nothing overwritten
-    assert encode.main([*args, "--beam_size", 1]) == 2
-    assert "beam_size: 4 -> 1" in caplog.text
-    np.testing.assert_array_equal(read_codes(tmp_path, "train_0_1")[0], beam)
+    caplog.clear()  # the same shard asked for with the codec's beam: other settings, nothing overwritten
+    assert encode.main(args) == 2
+    assert "beam_size: 1 -> 4" in caplog.text
+    np.testing.assert_array_equal(read_codes(tmp_path, "train_0_1")[0], greedy)
 
 
 @pytest.mark.timeout(240)
@@ -257,7 +258,8 @@ def test_export_turns_codes_into_latents_and_features_with_plain_torch(pipeline,
     features = x * tensors[names["feature_std"]] + tensors[names["feature_mean"]]
     torch.testing.assert_close(features, p.model.decode(codes[:n]), rtol=1e-5, atol=1e-5)
 
-    # features -> codes with the exported encoder and nearest codebook rows
+    # features -> codes with the exported encoder and nearest codebook rows: the codec's beam 1
+    assert meta["beam_size"] == p.model.config.beam_size
     utterance = torch.from_numpy(np.array(p.store.utterance(0)))
     utterance = pad_to_multiple(utterance, 2)
     standard = (utterance - tensors[names["feature_mean"]]) / tensors[names["feature_std"]]
@@ -268,7 +270,7 @@ def test_export_turns_codes_into_latents_and_features_with_plain_torch(pipeline,
         index = torch.cdist(residual, codebooks[q]).argmin(-1)
         found.append(index)
         residual = residual - codebooks[q][index]
-    agree = (torch.stack(found, -1) == p.model.encode(utterance)).float().mean()
+    agree = (torch.stack(found, -1) == p.model.encode(utterance, beam_size=1)).float().mean()
     assert agree >= 0.95  # nearest-row ties may fall either way between two float implementations
 
 

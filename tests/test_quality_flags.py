@@ -78,6 +78,8 @@ def test_eval_reports_dead_codes_and_warns_on_low_usage(tmp_path, data):
     assert r.returncode == 0, r.stderr[-2000:]
     evals = events(out, "eval")
     assert [e["step"] for e in evals] == [2, 4]
+    # during training the nearest codes, as training picks them; after the refit, the codec's beam search
+    assert [e["beam_size"] for e in evals] == [1, 4] and "codes from a beam search 4 wide" in r.stderr
     for e in evals:
         assert len(e["dead_codes"]) == 2 and all(0 <= d <= 2048 for d in e["dead_codes"])
         assert len(e["code_usage"]) == 2

@@ -51,30 +51,33 @@ def test_steps_alone_warm_up_then_decay_to_the_floor():
 
 def test_time_alone_estimates_the_steps_that_fit_and_keeps_time_for_the_end():
     s = schedule(started_at=0.0, max_minutes=10, frames_per_step=1000)
-    work = dict(refit_frames=10_000, refit_iters=2, eval_frames=2_000)
+    work = dict(refit_frames=10_000, refit_iters=2, eval_frames=2_000, beam_size=4)
     assert s.estimate(0, now=20.0, **work) is None  # the first call starts the clock (after the slower first step)
     assert s.estimate(1, now=21.0, **work) is None
     total = s.estimate(10, now=30.0, **work)  # 1 s a step, 1 ms a frame
-    # the end: 1.5 x 1 ms x (3 x 10,000 + 2,000) frames + 5 s for the checkpoint = 53 s
-    assert s.end_work == pytest.approx(53.0)
-    assert total == 10 + int(600 - 53 - 30)
+    # the end, beam 4: 1.5 x 1 ms x (0.25 x 3 passes x 4 x 10,000 refit frames + 2.5 x 4 x 2,000 eval frames)
+    # + 5 s for the checkpoint = 80 s
+    assert s.end_work == pytest.approx(80.0)
+    assert total == 10 + int(600 - 80 - 30)
     s.set_time_total(total)
     assert s.total == total and s.stop_reason(total - 1) is None and s.stop_reason(total) == "max_minutes"
     assert s.learning_rate(total) == pytest.approx(s.optim.lr * s.optim.min_lr_ratio)
-    assert not s.out_of_time(now=540.0) and s.out_of_time(now=550.0)  # the hard stop keeps the end's time
+    assert not s.out_of_time(now=515.0) and s.out_of_time(now=520.0)  # the hard stop keeps the end's time
 
 
 def test_under_a_time_budget_the_refit_reads_what_fits_in_its_share():
     s = schedule(started_at=0.0, max_minutes=10, frames_per_step=1000)
-    large = dict(refit_frames=262_144, refit_iters=2, eval_frames=2_000)  # a large corpus's whole --refit_frames
-    assert s.refit_frames(262_144, 2) == 262_144  # not measured yet: as asked
+    # a large corpus's whole --refit_frames
+    large = dict(refit_frames=262_144, refit_iters=2, eval_frames=2_000, beam_size=4)
+    assert s.refit_frames(262_144, 2, 4) == 262_144  # not measured yet: as asked
     s.estimate(0, now=20.0, **large)
     s.estimate(10, now=30.0, **large)  # 1 ms a frame
-    # a tenth of 600 s, over 3 passes of 1 ms a frame: 20,000 frames; a small corpus's whole shard stays whole
-    assert s.refit_frames(262_144, 2) == 20_000 and s.refit_frames(15_000, 2) == 15_000
-    assert s.refit_frames(262_144, 0) == 262_144  # no refit: nothing to bound
-    assert s.end_work == pytest.approx(1.5 * 0.001 * (3 * 20_000 + 2_000) + 5)
-    assert schedule(max_steps=100).refit_frames(262_144, 2) == 262_144  # no deadline: as asked
+    # a tenth of 600 s, over 3 passes x 4 sequences x 0.25 ms: 20,000 frames; a small corpus's shard stays whole
+    assert s.refit_frames(262_144, 2, 4) == 20_000 and s.refit_frames(15_000, 2, 4) == 15_000
+    assert s.refit_frames(262_144, 2, 1) == 80_000  # one sequence per frame: 4x the frames
+    assert s.refit_frames(262_144, 0, 4) == 262_144  # no refit: nothing to bound
+    assert s.end_work == pytest.approx(1.5 * 0.001 * 4 * (0.25 * 3 * 20_000 + 2.5 * 2_000) + 5)
+    assert schedule(max_steps=100).refit_frames(262_144, 2, 4) == 262_144  # no deadline: as asked
 
 
 def test_with_steps_and_time_the_smaller_total_decides():

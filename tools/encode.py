@@ -92,6 +92,7 @@ def encode_store(args) -> int:
     model, state, ckpt_path = load_codec(args.checkpoint, device)
     config = model.config
     q = args.num_quantizers or config.num_quantizers
+    beam = args.beam_size or config.beam_size
     if not 1 <= q <= config.num_quantizers:
         raise BadInputError(f"--num_quantizers {q}: this codec has levels 1 to {config.num_quantizers}")
     store, start, end, total = open_share(args, config, ckpt_path)
@@ -100,7 +101,7 @@ def encode_store(args) -> int:
     name = f"{args.split}_{args.rank}_{args.nshard}"
     settings = {"checkpoint": str(ckpt_path.resolve()), "step": state.get("step"), "levels": q,
                 "codebook_size": config.codebook_size, "downsample": config.downsample, "dtype": dtype.name,
-                "feature_dim": config.feature_dim, "beam_size": args.beam_size, "split": args.split,
+                "feature_dim": config.feature_dim, "beam_size": beam, "split": args.split,
                 "rank": args.rank, "nshard": args.nshard,
                 "first_utterance": start, "utterances": end - start, "frames": store.total_frames,
                 "code_frames": int(code_lengths.sum())}
@@ -116,13 +117,13 @@ def encode_store(args) -> int:
         log.info("%s: utterances %d-%d of %d in %s -> %s/%s.codes.npy, %d of %d levels x %d codes, downsample %d, "
                  "%s%s", name, start, end - 1, total, args.data_dir, args.output_dir, name, q, config.num_quantizers,
                  config.codebook_size, config.downsample, dtype,
-                 f", beam search {args.beam_size} wide" if args.beam_size > 1 else "")
+                 f", beam search {beam} wide" if beam > 1 else ", the nearest code at each level")
         if writer.utterances:
             log.info("resuming at utterance %d of %d (%d code frames committed; %d bytes written after the last "
                      "commit dropped)", writer.utterances, end - start, writer.rows, writer.dropped_bytes)
         encode_chunks(model, store, writer, levels=q, dtype=dtype, name=name, faults=faults,
                       batch_frames=args.batch_frames or BATCH_FRAMES.get(device.type, BATCH_FRAMES["cpu"]),
-                      commit_frames=args.commit_frames, beam_size=args.beam_size)
+                      commit_frames=args.commit_frames, beam_size=beam)
         meta = {**settings, "store": store.description,
                 "padding": "each utterance's tail is padded by repeating its last frame to a multiple of downsample",
                 "feature_frames": store.lengths.tolist()}
@@ -235,10 +236,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument("--commit_frames", type=int, default=1_000_000,
                        help="feature frames between commits (codes fsynced, progress recorded): what a killed run "
                             "encodes again at most")
-        p.add_argument("--beam_size", type=int, default=1,
+        p.add_argument("--beam_size", type=int,
                        help="partial code sequences kept per frame by the quantizer's beam search over the levels "
-                            "(1: the nearest code at each level); a wider beam reconstructs closer at several times "
-                            "the time (benchmarks/README.md)")
+                            "(1: the nearest code at each level, several times faster); default: the codec's "
+                            "--beam_size, the one its codebooks were refit for (benchmarks/README.md)")
         p.add_argument("--overwrite", action="store_true",
                        help="delete the shard's codes, finished or partial, and encode it from the start")
     p.add_argument("--split", default="train")
@@ -250,7 +251,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.nshard < 1 or not 0 <= args.rank < args.nshard:
         p.error(f"need nshard >= 1 and 0 <= rank < nshard, got nshard {args.nshard}, rank {args.rank}")
     if not decoding and ((args.batch_frames is not None and args.batch_frames < 1) or args.commit_frames < 1
-                         or args.beam_size < 1):
+                         or (args.beam_size is not None and args.beam_size < 1)):
         p.error("--batch_frames, --commit_frames and --beam_size must be positive")
     args.decode = decoding
     return args

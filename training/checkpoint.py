@@ -10,6 +10,7 @@ rank 0's choice (training/resume.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -102,7 +103,10 @@ def find_resume(resume: str, folder: Path, codec: CodecConfig) -> Resume | None:
 
 
 def check_codec(path: Path, state: dict, codec: CodecConfig) -> None:
-    if state["codec"] != codec.to_dict():
+    """A checkpoint resumes only into the codec it trained; a field it predates counts at its default."""
+    saved = {f.name: f.default for f in dataclasses.fields(CodecConfig) if f.default is not dataclasses.MISSING}
+    saved.update(state["codec"])
+    if saved != codec.to_dict():
         raise BadInputError(f"checkpoint {path} was trained with codec {state['codec']}, which differs from this "
                             f"run's flags {codec.to_dict()}; use another --output_dir or --resume none")
 

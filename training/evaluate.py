@@ -25,8 +25,9 @@ LOW_USAGE = 0.2  # a level that uses less than this share of its codes on held-o
 
 @torch.no_grad()
 def evaluate_shard(model: RVQCodec, windows: EvalWindows, device: torch.device, amp_dtype,
-                   batch_frames: int) -> EvalSums:
-    """Sums over this rank's held-out windows, `batch_frames` frames per forward pass; no collectives."""
+                   batch_frames: int, beam_size: int = 1) -> EvalSums:
+    """Sums over this rank's held-out windows, `batch_frames` frames per forward pass, codes from a beam search
+    `beam_size` wide; no collectives."""
     config = model.config
     sums = EvalSums(config.feature_dim, config.num_quantizers, config.codebook_size, device)
     per_batch = max(1, batch_frames // windows.length)
@@ -35,7 +36,7 @@ def evaluate_shard(model: RVQCodec, windows: EvalWindows, device: torch.device, 
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             for x in windows.batches(device, per_batch):
                 with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                    out = model(x)
+                    out = model(x, beam_size=beam_size)
                 sums.add(x, out.reconstruction.float(), out.codes)
     finally:
         model.train()
@@ -43,13 +44,14 @@ def evaluate_shard(model: RVQCodec, windows: EvalWindows, device: torch.device, 
 
 
 def evaluate(model: RVQCodec, windows: EvalWindows, ctx: DistContext, *, amp_dtype, batch_frames: int, step: int,
-             metrics, faults) -> dict | None:
+             metrics, faults, beam_size: int = 1) -> dict | None:
     """Eval on all ranks, written to `metrics` as an `eval` event; None (and an `eval_failed` event) when it
-    failed on any rank, in which case every rank skipped it."""
+    failed on any rank, in which case every rank skipped it. beam_size: the codes' (1: the nearest code at each
+    level, as training picks them; the codec's `beam_size`: as `encode` gives them)."""
     sums = None
     try:
         faults.in_eval(step)
-        sums = evaluate_shard(model, windows, ctx.device, amp_dtype, batch_frames)
+        sums = evaluate_shard(model, windows, ctx.device, amp_dtype, batch_frames, beam_size)
     except Exception as e:  # noqa: BLE001 - reported, agreed on, and training goes on
         log.error("eval at step %d failed on rank %d: %r", step, ctx.rank, e)
     failed = [r for r, flag in enumerate(exchange(ctx, [sums is None])[:, 0]) if flag > 0]
@@ -58,10 +60,11 @@ def evaluate(model: RVQCodec, windows: EvalWindows, ctx: DistContext, *, amp_dty
         log.warning("eval at step %d skipped on every rank: it failed on rank(s) %s", step, failed)
         return None
     sums.load_vector(all_reduce_sum(ctx, sums.vector()))
-    result = {**sums.result(model.config.downsample), "dead_codes": dead_code_counts(model)}
+    result = {**sums.result(model.config.downsample), "dead_codes": dead_code_counts(model), "beam_size": beam_size}
     metrics.write("eval", step, **result)
-    log.info("eval at step %d: rel_mse %.4f, cosine %.4f, code usage %s, dead codes %s, %.0f bits/frame", step,
-             result["rel_mse"], result["cosine"], result["code_usage"], result["dead_codes"], result["bits_per_frame"])
+    log.info("eval at step %d%s: rel_mse %.4f, cosine %.4f, code usage %s, dead codes %s, %.0f bits/frame", step,
+             f" (codes from a beam search {beam_size} wide)" if beam_size > 1 else "", result["rel_mse"],
+             result["cosine"], result["code_usage"], result["dead_codes"], result["bits_per_frame"])
     low = [level for level, usage in enumerate(result["code_usage"]) if usage < LOW_USAGE]
     if low:
         log.warning("eval at step %d: level(s) %s use less than %.0f%% of their codes on held-out data (usage %s): "

@@ -29,11 +29,15 @@ DEFAULT_STEPS = 2000  # with no budget given: at least this many steps, or one e
 SHORT_STEPS = 500
 SHORT_FRAMES_PER_CODE = 1000
 # The end of the schedule (codebook refit, final eval, checkpoint) is estimated from the training steps' time per
-# frame: each refit iteration, and its last pass, costs about what training costs per frame (the nearest-code search
-# over every level's codebook dominates both); an eval pass less. Kept with a margin, plus a checkpoint's write.
-# The estimate is high for a small codec, whose steps are mostly fixed overhead: at most END_SHARE of the budget.
-# The refit itself reads at most the frames that fit in REFIT_SHARE of the budget at that cost, whatever the
-# corpus: --refit_frames of a large corpus would otherwise take the time of the steps (benchmarks/README.md).
+# frame. Per frame and per code sequence of the beam, each of the refit's passes (its iterations and its last beam
+# step) costs about REFIT_COST training frames, and the final eval, whose codes come from the library's beam
+# search, about EVAL_COST (measured on 2 CPU cores, 8 x 1024 codes, beam 4: refit 20.5 s for 74k frames, eval
+# 6.5 s for 7k, at 0.1 ms a training frame). Kept with a margin, plus a checkpoint's write. The estimate is high
+# for a small codec, whose steps are mostly fixed overhead: at most END_SHARE of the budget. The refit itself reads
+# at most the frames that fit in REFIT_SHARE of the budget at that cost, whatever the corpus: --refit_frames of a
+# large corpus would otherwise take the time of the steps (benchmarks/README.md).
+REFIT_COST = 0.25
+EVAL_COST = 2.5
 SAFETY = 1.5
 SAVE_S = 5.0
 END_SHARE = 0.25
@@ -108,11 +112,12 @@ class Schedule:
         f = self.fraction(step)
         return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * f)))
 
-    def estimate(self, step: int, *, refit_frames: int, refit_iters: int, eval_frames: int,
+    def estimate(self, step: int, *, refit_frames: int, refit_iters: int, eval_frames: int, beam_size: int,
                  now: float | None = None) -> int | None:
         """The steps that fit before the deadline, keeping time for the end of the schedule (None: no deadline,
-        or too early to tell). refit_frames: this rank's; eval_frames: over all ranks. The trainer shares rank
-        0's answer and passes it to `set_time_total`."""
+        or too early to tell). refit_frames: this rank's; eval_frames: over all ranks; beam_size: the codec's,
+        which the refit fits for and the final eval encodes with. The trainer shares rank 0's answer and passes
+        it to `set_time_total`."""
         if self.deadline is None:
             return None
         now = time.monotonic() if now is None else now
@@ -122,8 +127,9 @@ class Schedule:
             return None
         per_step = (now - self._origin[1]) / (step - self._origin[0])
         self.per_frame = per_frame = per_step / self.frames_per_step
-        refit_frames = self.refit_frames(refit_frames, refit_iters)
-        end_work = SAFETY * per_frame * ((refit_iters + 1) * refit_frames + eval_frames / self.world_size) + SAVE_S
+        refit_frames = self.refit_frames(refit_frames, refit_iters, beam_size)
+        end_work = SAFETY * per_frame * beam_size * (REFIT_COST * (refit_iters + 1) * refit_frames
+                                                     + EVAL_COST * eval_frames / self.world_size) + SAVE_S
         cap = END_SHARE * 60 * self.optim.max_minutes
         if end_work > cap and not self._warned:
             log.warning("the codebook refit and the final eval may take about %.0f s, more than a quarter of "
@@ -133,13 +139,14 @@ class Schedule:
         self.end_work = min(end_work, cap)
         return step + max(0, int((self.deadline - self.end_work - now) / per_step))
 
-    def refit_frames(self, frames: int, iters: int) -> int:
+    def refit_frames(self, frames: int, iters: int, beam_size: int) -> int:
         """The refit's frames on this rank: `frames`, or under a time budget at most what fits in REFIT_SHARE
-        of it at the measured time per frame (each of the refit's iters + 1 passes costs about a training frame's
-        time). Ranks may differ: the refit's k-means sums over all ranks whatever each one reads."""
+        of it at the measured time per frame (REFIT_COST per pass and code sequence of the beam). Ranks may
+        differ: the refit's k-means sums over all ranks whatever each one reads."""
         if self.deadline is None or self.per_frame is None or not iters:
             return frames
-        return min(frames, int(REFIT_SHARE * 60 * self.optim.max_minutes / (self.per_frame * (iters + 1))))
+        per_refit_frame = self.per_frame * REFIT_COST * (iters + 1) * beam_size
+        return min(frames, int(REFIT_SHARE * 60 * self.optim.max_minutes / per_refit_frame))
 
     def set_time_total(self, total: int | None) -> None:
         if total is not None:
