@@ -96,36 +96,29 @@ def run_codec(data_dir, out_dir: Path, max_minutes: float, extra: list[str], val
     model = RVQCodec(CodecConfig(**state["codec"]))
     model.load_state_dict(state["model"])
     model.eval()
-    ds = model.config.downsample
-
-    def reconstruct(x):  # the codes tools.encode writes (the codec's beam search), decoded
-        codes = model.encode(x[: len(x) // ds * ds])
-        return model.decode(codes), codes
-
-    if len(valid.utterance(0)) % ds:
-        print(f"note: utterances are cut to a multiple of downsample {ds}", file=sys.stderr)
-    start = time.perf_counter()
-    with torch.no_grad():
-        result = score(valid, reconstruct, model.config.num_quantizers, model.config.codebook_size)
-    result["bits_per_frame"] = model.config.num_quantizers * np.log2(model.config.codebook_size) / ds
-    result.update(method="codec (ours)", train_seconds=round(seconds, 1), trainer_seconds=round(train_seconds, 1),
-                  steps=stop["step"], stop_reason=stop["reason"], codec=state["codec"],
-                  beam_size=model.config.beam_size, encode_seconds=round(time.perf_counter() - start, 1),
-                  encode_frames=int(valid.total_frames), command=" ".join(cmd[1:]), trainer_flags=extra)
-    return result, model
+    if len(valid.utterance(0)) % model.config.downsample:
+        print(f"note: utterances are cut to a multiple of downsample {model.config.downsample}", file=sys.stderr)
+    trained = dict(train_seconds=round(seconds, 1), trainer_seconds=round(train_seconds, 1), steps=stop["step"],
+                   stop_reason=stop["reason"], codec=state["codec"], command=" ".join(cmd[1:]), trainer_flags=extra)
+    return {**score_encoded(model, valid, model.config.beam_size, trained), "method": "codec (ours)"}, model
 
 
 def score_encoded(model: RVQCodec, valid, beam: int, trained: dict) -> dict:
     """The trained codec scored through encode and decode, as tools.encode --beam_size BEAM gives its codes."""
+    c = model.config
+
+    def reconstruct(x):
+        codes = model.encode(x[: len(x) // c.downsample * c.downsample], beam_size=beam)
+        return model.decode(codes), codes
+
     start = time.perf_counter()
     with torch.no_grad():
-        result = score(valid, lambda x: (model.decode(codes := model.encode(x, beam_size=beam)), codes),
-                       model.config.num_quantizers, model.config.codebook_size)
+        result = score(valid, reconstruct, c.num_quantizers, c.codebook_size)
     seconds = time.perf_counter() - start
     how = "the nearest code at each level" if beam == 1 else f"a beam search {beam} wide"
-    result.update(method=f"codec (ours), codes from {how}", beam_size=beam, bits_per_frame=trained["bits_per_frame"],
-                  train_seconds=trained["train_seconds"], steps=trained["steps"], encode_seconds=round(seconds, 1),
-                  encode_frames=int(valid.total_frames), trainer_flags=trained["trainer_flags"])
+    result.update(trained, method=f"codec (ours), codes from {how}", beam_size=beam,
+                  bits_per_frame=c.num_quantizers * np.log2(c.codebook_size) / c.downsample,
+                  encode_seconds=round(seconds, 1), encode_frames=int(valid.total_frames))
     return result
 
 
