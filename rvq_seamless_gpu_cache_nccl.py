@@ -153,7 +153,8 @@ class Trainer:
         self.open_outputs()
         self.batches = batch_source(cfg.data, self.data.shard, self.data.plan, ctx.device,
                                     start_step=p.step * cfg.optim.grad_accum, show_progress=self.main_rank,
-                                    cache_dtype=cache_dtype(ctx.device, self.data.shard.dtype == np.float16))
+                                    cache_dtype=cache_dtype(ctx.device, self.data.shard.dtype == np.float16,
+                                                            cfg.optim.precision))
         self.bad_crops = BadCrops(self.data.shard, self.data.plan)
         if p.step == 0 and self.codec.kmeans_init and cfg.codebooks.kmeans_init_frames:
             with self.slow_phase(), p.phase_of("k-means init"):

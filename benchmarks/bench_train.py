@@ -31,9 +31,23 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_data import forever, plain_loader, write_synthetic  # noqa: E402
 from benchmarks.demo_run import machine  # noqa: E402
+from data.training_data import AUTO_LENGTHS, DEFAULT_BATCH  # noqa: E402
 from models.codec import CodecConfig, RVQCodec  # noqa: E402
+from training.device import compute_dtype  # noqa: E402
 
-CONFIG = {"latent_dim": 128, "num_quantizers": 4, "codebook_size": 256, "batch_size": 32, "segment_length": 128}
+# --codec small: a smaller codec and batch than the defaults, for CPU figures; --codec default: the trainer's
+# codec and its default batch on the device (data.training_data.DEFAULT_BATCH) at the automatic length;
+# --codec tiny: so little arithmetic that a CPU step is mostly host overhead (Python, dispatch), as a GPU step
+# of the default codec is: a CUDA-free proxy for what the loop adds per step (run it with more steps)
+CODEC_DEFAULTS = CodecConfig(feature_dim=160)
+CONFIGS = {
+    "small": {"latent_dim": 128, "num_quantizers": 4, "codebook_size": 256, "batch_size": 32, "segment_length": 128},
+    "default": {"latent_dim": CODEC_DEFAULTS.latent_dim, "num_quantizers": CODEC_DEFAULTS.num_quantizers,
+                "codebook_size": CODEC_DEFAULTS.codebook_size, "segment_length": AUTO_LENGTHS[0]},
+    "tiny": {"latent_dim": 16, "num_quantizers": CODEC_DEFAULTS.num_quantizers, "codebook_size": 32, "batch_size": 4,
+             "segment_length": 16},
+}
+CONFIG = dict(CONFIGS["small"])  # main() sets it from --codec and --device
 
 
 def summarise(windows: list[tuple[float, float]]) -> dict:
@@ -69,12 +83,14 @@ def run_plain(data_dir: Path, lengths, steps: int, log_every: int, num_workers: 
     sample = torch.cat([next(batches).reshape(-1, 160) for _ in range(4)])
     model.set_feature_stats(sample.mean(0).to(device), sample.std(0).to(device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.99))
+    amp = compute_dtype("auto", torch.device(device))  # the trainer's default precision: bf16 where native
     windows, wait, frames, start = [], 0.0, 0, time.perf_counter()
     for step in range(steps):
         t = time.perf_counter()
         x = next(batches).to(device, non_blocking=True)
         wait += time.perf_counter() - t
-        out = model(x)
+        with torch.autocast(torch.device(device).type, dtype=amp or torch.float32, enabled=amp is not None):
+            out = model(x)
         optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -97,7 +113,12 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2, help="interleaved runs of each loop; the best is kept")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "bench_train.json"))
     parser.add_argument("--device", default="cpu", help="cpu or cuda: both loops train there")
+    parser.add_argument("--codec", choices=sorted(CONFIGS), default="small",
+                        help="small (the CPU figures), default (the trainer's codec and default batch) or tiny (host overhead)")
     args = parser.parse_args()
+    CONFIG.clear()
+    CONFIG.update(CONFIGS[args.codec])
+    CONFIG.setdefault("batch_size", DEFAULT_BATCH[torch.device(args.device).type])
     load_at_start = round(os.getloadavg()[0], 2)
     rows = {}
     with tempfile.TemporaryDirectory(prefix="bench_train_data") as tmp:
@@ -105,6 +126,7 @@ def main() -> int:
         gb = lengths.sum() * 160 * 4 / 1e9  # the cache keeps fp32 on a CPU
         budget = round(gb / 4, 3)
         runs = [
+            ("ours: batches on the main thread (preset basic)", "ours", []),
             (f"ours: --use_gpu_cache (all {gb:.2f} GB cached)", "ours", ["--use_gpu_cache"]),
             ("ours: --prefetch (no cache)", "ours", ["--prefetch", "--prefetch_depth", "4"]),
             (f"ours: --use_gpu_cache --prefetch --gpu_cache_gb {budget} (1/4 of {gb:.2f} GB cached, rest prefetched)",
@@ -125,7 +147,7 @@ def main() -> int:
         row["vs_best_plain"] = round(row["frames_per_sec"] / best_plain, 2)
     result = {"command": "python benchmarks/bench_train.py " + " ".join(sys.argv[1:]), "machine": machine(),
               "load_average_1min_at_start": load_at_start,
-              "config": CONFIG, "steps": args.steps, "repeats": args.repeats, "log_every": args.log_every, "utterances": args.utterances,
+              "codec": args.codec, "config": CONFIG, "steps": args.steps, "repeats": args.repeats, "log_every": args.log_every, "utterances": args.utterances,
               "runs": rows}
     print(f"Training steps on {result['machine']}: codec latent {CONFIG['latent_dim']}, "
           f"{CONFIG['num_quantizers']} x {CONFIG['codebook_size']} codes, {CONFIG['batch_size']} crops of "

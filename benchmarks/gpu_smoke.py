@@ -29,10 +29,14 @@ sys.path.insert(0, str(REPO))
 
 TRAINER = [sys.executable, str(REPO / "rvq_seamless_gpu_cache_nccl.py")]
 PRESETS = ("basic", "gpu_cache", "prefetch", "conservative")
-# fp32 losses against the host path's, relative: the prefetcher gives the same data (kernels may reduce in
-# another order); the device cache stores features in bf16 (fp16), which moves the loss by its rounding
-LOSS_RTOL = {"prefetch": 1e-4, "cache": 1e-2}
-RESUME_ATOL = 1e-3  # max |weight difference| after stop and resume without --deterministic
+# fp32 losses under --deterministic against the host path's, relative: the prefetcher and the device cache
+# (fp32 under --precision fp32) give the same batches, so the same losses
+LOSS_RTOL = {"prefetch": 1e-5, "cache": 1e-5}
+# stop and resume without --deterministic: the GPU's unordered reductions (atomics) make two unbroken runs
+# differ too, and k-means and dead-code re-seeding amplify that into different codes, so weights are not
+# comparable; the last logged loss is, within this relative tolerance
+RESUME_LOSS_RTOL = 0.05
+DRILL_KERNEL_S = 30  # one GPU: the kernel the drill's collective waits behind
 W2V_MIN_COSINE = 0.99  # bf16 against fp32 features of a random w2v-BERT, per frame
 
 
@@ -148,9 +152,10 @@ def step_batch_equality(args):
             got[name] = [source.get(i)[1].to("cpu", torch.float32, copy=True) for i in range(steps)]
         finally:
             getattr(source, "close", lambda: None)()
-    # cached features are stored in the cache's dtype: the host batch rounded the same way is the reference
-    ref = [b.to(dtype).float() for b in got["host"]]
-    diffs = {name: max(float((a - b).abs().max()) for a, b in zip(ref if "cache" in name else got["host"], batches))
+    # cached crops are stored in the cache's dtype, the rest come as the host gives them: each value must be
+    # the host's, or the host's rounded to the cache's dtype
+    diffs = {name: max(float(torch.minimum((a - b).abs(), (a.to(dtype).float() - b).abs()).max())
+                       for a, b in zip(got["host"], batches))
              for name, batches in got.items() if name != "host"}
     return all(d == 0 for d in diffs.values()), f"{steps} steps, max |diff| {diffs} on {device} ({dtype})", diffs
 
@@ -160,32 +165,39 @@ def trainer_flags(out: Path, steps: int, *extra) -> list:
             "--save_every", max(1, steps // 2), "--log_every", 10, *extra]
 
 
+def preset_run(preset: str, precision: str, multi: bool, steps: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="smoke") as folder:
+        out = Path(folder)
+        extra = ["--precision", precision] + (["--multi_length_training"] if multi else [])
+        began = time.perf_counter()
+        job = run(["bash", "run_nccl_optimized.sh", preset, *trainer_flags(out, steps, *extra)],
+                  env={"NPROC_PER_NODE": "1"})
+        train = events(out, "train") if (out / "metrics.jsonl").exists() else []
+        ok = job.returncode == 0 and (out / "checkpoints").is_dir() and bool(train) and bool(events(out, "eval"))
+        last = train[-1] if train else {}
+        return {"ok": ok, "exit": job.returncode, "seconds": round(time.perf_counter() - began, 1),
+                **{k: last.get(k) for k in ("frames_per_sec", "mfu", "data_wait_frac", "bad_steps")},
+                **({} if ok else {"stderr": job.stderr[-3000:]})}
+
+
 def step_presets(args):
     """Each preset for --steps steps with eval, refit and checkpoint, in bf16 and fp16, with and without
-    --multi_length_training."""
+    --multi_length_training; --jobs runs at a time on the one GPU (their frames/s share it: the throughput
+    figures come from the benchmarks step)."""
     needs_cuda()
-    results, failed = {}, []
-    for preset in PRESETS:
-        for precision in ("bf16", "fp16"):
-            for multi in (False, True):
-                name = f"{preset} {precision}{' multi-length' if multi else ''}"
-                with tempfile.TemporaryDirectory(prefix="smoke") as out:
-                    extra = ["--precision", precision] + (["--multi_length_training"] if multi else [])
-                    began = time.perf_counter()
-                    job = run(["bash", "run_nccl_optimized.sh", preset,
-                               *trainer_flags(Path(out), args.steps, *extra)], env={"NPROC_PER_NODE": "1"})
-                    ok = job.returncode == 0 and (Path(out) / "checkpoints").is_dir()
-                    train = events(Path(out), "train") if (Path(out) / "metrics.jsonl").exists() else []
-                    ok = ok and bool(events(Path(out), "eval")) and bool(train)
-                    results[name] = {"exit": job.returncode, "seconds": round(time.perf_counter() - began, 1),
-                                     "frames_per_sec": train[-1]["frames_per_sec"] if train else None,
-                                     "mfu": train[-1]["mfu"] if train else None,
-                                     "data_wait_frac": train[-1]["data_wait_frac"] if train else None,
-                                     "bad_steps": train[-1]["bad_steps"] if train else None}
-                    if not ok:
-                        failed.append(name)
-                        results[name]["stderr"] = job.stderr[-3000:]
-    return not failed, f"{len(results) - len(failed)}/{len(results)} runs passed {failed or ''}", results
+    from concurrent.futures import ThreadPoolExecutor
+
+    from data.demo_corpus import ensure_demo_corpus
+
+    ensure_demo_corpus()
+    runs = {f"{preset} {precision}{' multi-length' if multi else ''}": (preset, precision, multi)
+            for preset in PRESETS for precision in ("bf16", "fp16") for multi in (False, True)}
+    with ThreadPoolExecutor(args.jobs) as pool:
+        futures = {name: pool.submit(preset_run, *run_args, args.steps) for name, run_args in runs.items()}
+        results = {name: future.result() for name, future in futures.items()}
+    failed = [name for name, result in results.items() if not result.pop("ok")]
+    return not failed, f"{len(results) - len(failed)}/{len(results)} runs passed, {args.jobs} at a time " \
+                       f"{failed or ''}", results
 
 
 def step_fp32_losses(args):
@@ -194,35 +206,49 @@ def step_fp32_losses(args):
     for name, extra in {"host": [], "prefetch": ["--prefetch", "--num_workers", "1"],
                         "cache": ["--use_gpu_cache"]}.items():
         with tempfile.TemporaryDirectory(prefix="smoke") as out:
-            job = run([*TRAINER, *trainer_flags(Path(out), 40, "--precision", "fp32", *extra)])
+            job = run([*TRAINER, *trainer_flags(Path(out), 40, "--precision", "fp32", "--deterministic", *extra)])
             if job.returncode:
                 return False, f"{name}: exit {job.returncode}", {"stderr": job.stderr[-3000:]}
             losses[name] = [e["loss"] for e in events(Path(out), "train")]
     worst = {name: max(abs(a - b) / abs(b) for a, b in zip(losses[name], losses["host"], strict=True))
              for name in LOSS_RTOL}
     return all(worst[n] <= LOSS_RTOL[n] for n in LOSS_RTOL), \
-        "max relative loss difference to the host path: " + \
+        "--deterministic, max relative loss difference to the host path: " + \
         ", ".join(f"{n} {worst[n]:.1e} (tolerance {LOSS_RTOL[n]})" for n in LOSS_RTOL), losses
 
 
+def last_loss(out_dir: Path) -> float:
+    return events(out_dir, "train")[-1]["loss"]
+
+
 def step_resume(args):
-    """Stopped by SIGTERM at step 20 and resumed: the same weights as an unbroken 40-step run."""
+    """Stopped by SIGTERM at step 20 and resumed: under --deterministic the same weights as an unbroken 40-step
+    run; without it, the same last loss within RESUME_LOSS_RTOL (a second unbroken run shows the noise)."""
     needs_cuda()
     figures = {}
     for deterministic in (True, False):
         extra = ["--deterministic"] if deterministic else []
-        with tempfile.TemporaryDirectory(prefix="smoke") as a, tempfile.TemporaryDirectory(prefix="smoke") as b:
+        with tempfile.TemporaryDirectory(prefix="smoke") as folder:
+            a, b, c = (Path(folder) / name for name in ("whole", "resumed", "again"))
             flags = ["--max_steps", 40, "--save_every", 1000, "--eval_every", 1000, *extra]
-            whole = run([*TRAINER, "--output_dir", a, *flags])
-            first = run([*TRAINER, "--output_dir", b, *flags], env={"RVQ_FAULT": "signal:rank=0:step=20:sig=TERM"})
-            second = run([*TRAINER, "--output_dir", b, *flags])
-            if whole.returncode or first.returncode or second.returncode:
-                return False, "a run failed", {"stderr": (whole.stderr + first.stderr + second.stderr)[-3000:]}
-            figures["deterministic" if deterministic else "default"] = max_weight_diff(last_weights(Path(a)),
-                                                                                       last_weights(Path(b)))
-    ok = figures["deterministic"] == 0 and figures["default"] <= RESUME_ATOL
-    return ok, f"max |weight diff|: {figures['deterministic']:.1e} deterministic (must be 0), " \
-               f"{figures['default']:.1e} default (tolerance {RESUME_ATOL})", figures
+            jobs = [run([*TRAINER, "--output_dir", a, *flags]),
+                    run([*TRAINER, "--output_dir", b, *flags], env={"RVQ_FAULT": "signal:rank=0:step=20:sig=TERM"}),
+                    run([*TRAINER, "--output_dir", b, *flags])]
+            if not deterministic:
+                jobs.append(run([*TRAINER, "--output_dir", c, *flags]))
+            if any(job.returncode for job in jobs):
+                return False, "a run failed", {"stderr": "".join(job.stderr for job in jobs)[-3000:]}
+            key = "deterministic" if deterministic else "default"
+            figures[key] = {"weight_diff": max_weight_diff(last_weights(a), last_weights(b)),
+                            "loss_rdiff": abs(last_loss(b) / last_loss(a) - 1)}
+            if not deterministic:
+                figures[key]["unbroken_loss_rdiff"] = abs(last_loss(c) / last_loss(a) - 1)
+                figures[key]["unbroken_weight_diff"] = max_weight_diff(last_weights(a), last_weights(c))
+    det, default = figures["deterministic"], figures["default"]
+    ok = det["weight_diff"] == 0 and default["loss_rdiff"] <= RESUME_LOSS_RTOL
+    return ok, f"--deterministic: max |weight diff| {det['weight_diff']:.1e} (must be 0); default: last loss " \
+               f"{default['loss_rdiff']:.1%} off (tolerance {RESUME_LOSS_RTOL:.0%}; two unbroken runs: " \
+               f"{default['unbroken_loss_rdiff']:.1%})", figures
 
 
 NCCL_SCRIPT = r"""
@@ -250,21 +276,28 @@ dist.destroy_process_group()
 """
 
 DRILL_SCRIPT = r"""
-import datetime, os, torch, torch.distributed as dist
+import datetime, os, sys, time, torch, torch.distributed as dist
 torch.cuda.set_device(0)
 dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=5), device_id=torch.device("cuda", 0))
+t = torch.ones(1, device="cuda")
+dist.all_reduce(t); torch.cuda.synchronize()  # the communicator works
+if dist.get_world_size() == 1:
+    # one GPU: no peer can stay away, so the collective is queued behind a kernel that outlasts the timeout
+    torch.cuda._sleep(int(torch.cuda.get_device_properties(0).clock_rate * 1e3 * float(os.environ["KERNEL_S"])))
 if int(os.environ["RANK"]) == 0:
-    t = torch.ones(1, device="cuda"); dist.all_reduce(t); torch.cuda.synchronize()
-import time; time.sleep(60)
+    dist.all_reduce(t)  # with two ranks, rank 1 never joins this one
+print("collective enqueued", flush=True)
+time.sleep(90)
+sys.exit(0)  # reached only if the watchdog did not end the process
 """
 
 
-def torchrun(script: str, nproc: int, out: Path, timeout: int):
+def torchrun(script: str, nproc: int, out: Path, timeout: int, env=None):
     path = out / "script.py"
     path.write_text(script)
     env = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(out / "nccl_trace_rank_"), "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-           "PYTHONPATH": str(REPO)}
+           "PYTHONPATH": str(REPO), **(env or {})}
     return run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", nproc, "--max_restarts", 0,
                 path], env=env, timeout=timeout)
 
@@ -284,31 +317,43 @@ def step_nccl_one_rank(args):
 
 
 def step_timeout_drill(args):
-    """A collective that cannot finish (its peer never joins) under a 5 s timeout ends the process
-    within a minute and leaves a flight-recorder dump."""
+    """A collective that cannot finish under a 5 s timeout: the watchdog leaves a flight-recorder dump and ends
+    the process. With two GPUs its peer never joins, and the process ends within a minute. With one, it waits
+    behind a compute kernel of DRILL_KERNEL_S seconds (one rank has no peer to wait for); the dump must come
+    within 30 s, but the process can only end when that kernel does (an abort cannot stop a running kernel,
+    unlike NCCL's own kernel spinning for a lost peer)."""
     needs_cuda()
-    if torch.cuda.device_count() < 2:
-        raise Skip("needs 2 GPUs: one NCCL rank has no peer to wait for")
+    nproc = 2 if torch.cuda.device_count() >= 2 else 1
     with tempfile.TemporaryDirectory(prefix="smoke") as out:
-        began = time.perf_counter()
-        job = torchrun(DRILL_SCRIPT, 2, Path(out), 120)
-        seconds = time.perf_counter() - began
+        began = time.time()
+        job = torchrun(DRILL_SCRIPT, nproc, Path(out), 150, env={"KERNEL_S": str(DRILL_KERNEL_S)})
+        seconds = time.time() - began
         dumps = list(Path(out).glob("nccl_trace_rank_*"))
-    ok = job.returncode != 0 and seconds < 60 and bool(dumps)
-    return ok, f"exit {job.returncode} after {seconds:.0f} s, {len(dumps)} dump(s)", {"seconds": seconds}
+        dumped = min((d.stat().st_mtime - began for d in dumps), default=float("inf"))
+    output = job.stdout + job.stderr
+    ends_by = 60 if nproc == 2 else DRILL_KERNEL_S + 60  # startup, the kernel, the abort
+    ok = job.returncode != 0 and "collective enqueued" in output and "operation timeout" in output \
+        and dumped < 30 and seconds < ends_by
+    return ok, f"{nproc} rank(s): dump after {dumped:.0f} s (< 30), exit {job.returncode} after {seconds:.0f} s " \
+               f"(< {ends_by})", {"seconds": seconds, "dump_s": dumped, "ranks": nproc, "output": output[-3000:]}
 
 
 def step_benchmarks(args):
+    """bench_data (the host side of batch assembly) and bench_train at the default codec and batch on the GPU,
+    against the plain DataLoader loop: with --use_gpu_cache, data_wait_frac <= 1% and at least 2x its frames/s."""
     needs_cuda()
     figures = {}
-    # bench_data measures the host side of batch assembly; bench_train trains on the GPU, against the plain loop
-    for script, extra in (("bench_data.py", []), ("bench_train.py", ["--device", "cuda"])):
+    for script, extra in (("bench_data.py", []), ("bench_train.py", ["--device", "cuda", "--codec", "default"])):
         out = REPO / "benchmarks" / "results" / f"gpu_{script.replace('.py', '.json')}"
         job = run([sys.executable, REPO / "benchmarks" / script, "--out", out, *extra], timeout=900)
         if job.returncode:
             return False, f"{script}: exit {job.returncode}", {"stderr": job.stderr[-3000:]}
         figures[script] = json.loads(out.read_text())
-    return True, "results in benchmarks/results/gpu_bench_*.json", figures
+    cache = next(row for name, row in figures["bench_train.py"]["runs"].items() if name.startswith("ours: --use_gpu_cache (all"))
+    ok = cache["data_wait_frac"] <= 0.01 and cache["vs_best_plain"] >= 2
+    return ok, f"--use_gpu_cache: {cache['frames_per_sec']:,} frames/s, data wait {cache['data_wait_frac']:.1%} " \
+               f"(<= 1%), {cache['vs_best_plain']}x the plain loop (>= 2x), MFU {cache['mfu']:.1%}; " \
+               "benchmarks/results/gpu_bench_*.json", figures
 
 
 def step_w2v_bert_bf16(args):
@@ -359,11 +404,17 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu-only", action="store_true", help="run the CPU-runnable steps; SKIP the CUDA ones")
     parser.add_argument("--only", nargs="*", choices=[name for name, _, _ in STEPS], help="run these steps only")
     parser.add_argument("--steps", type=int, default=120, help="training steps per preset run")
+    parser.add_argument("--jobs", type=int, default=4, help="preset runs at a time on the GPU")
     parser.add_argument("--out", type=Path, help="results JSON (default benchmarks/results/gpu_smoke_<device>.json)")
     args = parser.parse_args(argv)
     device = "cpu" if args.cpu_only or not torch.cuda.is_available() else torch.cuda.get_device_name(0)
     out = args.out or REPO / "benchmarks" / "results" / f"gpu_smoke_{re.sub(r'[^A-Za-z0-9]+', '_', device)}.json"
     results, failed = {}, 0
+    if args.only and out.exists():  # a re-run of some steps updates them in the device's results
+        earlier = json.loads(out.read_text())
+        if earlier.get("device") == device:
+            results = earlier["steps"]
+    out.parent.mkdir(parents=True, exist_ok=True)
     for name, fn, cpu_ok in STEPS:
         if args.only and name not in args.only:
             continue
@@ -381,9 +432,10 @@ def main(argv=None) -> int:
         seconds = time.perf_counter() - began
         print(f"{status} {name}: {figure} [{seconds:.0f} s]", flush=True)
         results[name] = {"status": status, "figure": figure, "seconds": round(seconds, 1), "details": details}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": device, "torch": torch.__version__, "steps": results}, indent=1,
-                              default=str) + "\n")
+        results = {step: results[step] for step, _, _ in STEPS if step in results}
+        # written after every step: a run cut short keeps what it measured
+        out.write_text(json.dumps({"device": device, "torch": torch.__version__, "steps": results}, indent=1,
+                                  default=str) + "\n")
     print(f"{'FAILED' if failed else 'OK'}: {failed} step(s) failed; results in {out}")
     return 1 if failed else 0
 

@@ -62,6 +62,9 @@ def test_bf16_only_where_the_gpu_has_it_natively(monkeypatch):
     assert device_mod.compute_dtype("auto", gpu) is None and device_mod.cache_dtype(gpu) == torch.float16
     fake_gpus(monkeypatch, 1, bf16_native=True)
     assert device_mod.compute_dtype("auto", gpu) == torch.bfloat16 and device_mod.cache_dtype(gpu) == torch.bfloat16
+    # --precision fp32 keeps the features as the host path gives them; a float16 dump stays float16
+    assert device_mod.cache_dtype(gpu, precision="fp32") == torch.float32
+    assert device_mod.cache_dtype(gpu, stored_float16=True, precision="fp32") == torch.float16
     assert device_mod.compute_dtype("auto", torch.device("cpu")) is None
 
 

@@ -68,13 +68,14 @@ def make_deterministic() -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def cache_dtype(device: torch.device, stored_float16: bool = False) -> torch.dtype:
+def cache_dtype(device: torch.device, stored_float16: bool = False, precision: str = "auto") -> torch.dtype:
     """The type of features kept on `device` by the feature cache: float16 for a float16 dump, kept as stored
-    (no rounding, half the memory); else bf16 where the GPU has it, else fp16; fp32 on a CPU, where the cache
-    is RAM and converting half precision would cost 4x the gather itself."""
+    (no rounding, half the memory); fp32 under `--precision fp32` (the features as stored, as the host path gives
+    them); else bf16 where the GPU has it, else fp16; fp32 on a CPU, where the cache is RAM and converting half
+    precision would cost 4x the gather itself."""
     if stored_float16:
         return torch.float16
-    if device.type == "cpu":
+    if device.type == "cpu" or precision == "fp32":
         return torch.float32
     return torch.bfloat16 if bf16_supported(device) else torch.float16
 
