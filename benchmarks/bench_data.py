@@ -44,20 +44,21 @@ SEGMENT_LENGTHS = (64, 128, 256, 512)
 BASE_LENGTH, FRAMES_PER_STEP = 128, 64 * 128  # the trainer's defaults: --segment_length 128, --batch_size 64
 
 
-def write_synthetic(folder: Path, utterances: int, seed: int = 0) -> np.ndarray:
-    """Both layouts of the same utterances (64-600 frames, 1.3-12 s at 50 Hz); returns the lengths."""
+def write_synthetic(folder: Path, utterances: int, seed: int = 0, dim: int = DIM) -> np.ndarray:
+    """Both layouts of the same utterances (64-600 frames, 1.3-12 s at 50 Hz) of `dim` features; returns the
+    lengths."""
     rng = np.random.default_rng(seed)
     lengths = rng.integers(64, 601, size=utterances)
     (folder / "files").mkdir(parents=True)
     with open(folder / "train_0_1.npy", "wb") as dump:
         np.lib.format.write_array_header_1_0(dump, {"descr": "<f4", "fortran_order": False,
-                                                    "shape": (int(lengths.sum()), DIM)})
+                                                    "shape": (int(lengths.sum()), dim)})
         for i, n in enumerate(lengths):
-            utt = rng.standard_normal((int(n), DIM), dtype=np.float32)
+            utt = rng.standard_normal((int(n), dim), dtype=np.float32)
             dump.write(utt.tobytes())
             np.save(folder / "files" / f"utt{i:06d}.npy", utt)
     (folder / "train_0_1.len").write_text("".join(f"{n}\n" for n in lengths))
-    np.save(folder / "valid_0_1.npy", rng.standard_normal((BASE_LENGTH, DIM), dtype=np.float32))
+    np.save(folder / "valid_0_1.npy", rng.standard_normal((BASE_LENGTH, dim), dtype=np.float32))
     (folder / "valid_0_1.len").write_text(f"{BASE_LENGTH}\n")
     return lengths
 

@@ -29,7 +29,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_data import forever, plain_loader, write_synthetic  # noqa: E402
+from benchmarks.bench_data import DIM, forever, plain_loader, write_synthetic  # noqa: E402
 from benchmarks.demo_run import machine  # noqa: E402
 from data.training_data import AUTO_LENGTHS, DEFAULT_BATCH  # noqa: E402
 from models.codec import CodecConfig, RVQCodec  # noqa: E402
@@ -39,7 +39,7 @@ from training.device import compute_dtype  # noqa: E402
 # codec and its default batch on the device (data.training_data.DEFAULT_BATCH) at the automatic length;
 # --codec tiny: so little arithmetic that a CPU step is mostly host overhead (Python, dispatch), as a GPU step
 # of the default codec is: a CUDA-free proxy for what the loop adds per step (run it with more steps)
-CODEC_DEFAULTS = CodecConfig(feature_dim=160)
+CODEC_DEFAULTS = CodecConfig(feature_dim=DIM)
 CONFIGS = {
     "small": {"latent_dim": 128, "num_quantizers": 4, "codebook_size": 256, "batch_size": 32, "segment_length": 128},
     "default": {"latent_dim": CODEC_DEFAULTS.latent_dim, "num_quantizers": CODEC_DEFAULTS.num_quantizers,
@@ -73,14 +73,15 @@ def run_ours(data_dir: Path, steps: int, log_every: int, flags: list[str], devic
             "mfu": round(float(np.mean([e["mfu"] for e in train])), 4)}
 
 
-def run_plain(data_dir: Path, lengths, steps: int, log_every: int, num_workers: int, device: str) -> dict:
+def run_plain(data_dir: Path, lengths, steps: int, log_every: int, num_workers: int, device: str,
+              dim: int = DIM) -> dict:
     torch.manual_seed(0)
     np.random.seed(0)
     loader = plain_loader(data_dir, lengths, CONFIG["segment_length"], CONFIG["batch_size"], num_workers)
     batches = forever(loader)
-    model = RVQCodec(CodecConfig(feature_dim=160, latent_dim=CONFIG["latent_dim"],
+    model = RVQCodec(CodecConfig(feature_dim=dim, latent_dim=CONFIG["latent_dim"],
                                  num_quantizers=CONFIG["num_quantizers"], codebook_size=CONFIG["codebook_size"])).to(device)
-    sample = torch.cat([next(batches).reshape(-1, 160) for _ in range(4)])
+    sample = torch.cat([next(batches).reshape(-1, dim) for _ in range(4)])
     model.set_feature_stats(sample.mean(0).to(device), sample.std(0).to(device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.99))
     amp = compute_dtype("auto", torch.device(device))  # the trainer's default precision: bf16 where native
@@ -113,17 +114,21 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2, help="interleaved runs of each loop; the best is kept")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "bench_train.json"))
     parser.add_argument("--device", default="cpu", help="cpu or cuda: both loops train there")
+    parser.add_argument("--dim", type=int, default=DIM,
+                        help=f"feature dim of the synthetic store ({DIM}: Seamless fbank; 1024: w2v-BERT layers)")
     parser.add_argument("--codec", choices=sorted(CONFIGS), default="small",
                         help="small (the CPU figures), default (the trainer's codec and default batch) or tiny (host overhead)")
+    parser.add_argument("--batch_size", type=int, help="crops per step (default: the --codec config's, or the "
+                                                        "trainer's default on the device)")
     args = parser.parse_args()
     CONFIG.clear()
     CONFIG.update(CONFIGS[args.codec])
-    CONFIG.setdefault("batch_size", DEFAULT_BATCH[torch.device(args.device).type])
+    CONFIG["batch_size"] = args.batch_size or CONFIG.get("batch_size") or DEFAULT_BATCH[torch.device(args.device).type]
     load_at_start = round(os.getloadavg()[0], 2)
     rows = {}
     with tempfile.TemporaryDirectory(prefix="bench_train_data") as tmp:
-        lengths = write_synthetic(Path(tmp), args.utterances)
-        gb = lengths.sum() * 160 * 4 / 1e9  # the cache keeps fp32 on a CPU
+        lengths = write_synthetic(Path(tmp), args.utterances, dim=args.dim)
+        gb = lengths.sum() * args.dim * 4 / 1e9  # the cache keeps fp32 on a CPU
         budget = round(gb / 4, 3)
         runs = [
             ("ours: batches on the main thread (preset basic)", "ours", []),
@@ -139,7 +144,8 @@ def main() -> int:
             for name, kind, option in runs:
                 print(f"repeat {repeat + 1}/{args.repeats}: {name}", file=sys.stderr)
                 row = (run_ours(Path(tmp), args.steps, args.log_every, option, args.device) if kind == "ours"
-                       else run_plain(Path(tmp), lengths, args.steps, args.log_every, option, args.device))
+                       else run_plain(Path(tmp), lengths, args.steps, args.log_every, option, args.device,
+                                      args.dim))
                 if name not in rows or row["frames_per_sec"] > rows[name]["frames_per_sec"]:
                     rows[name] = row
     best_plain = max(v["frames_per_sec"] for k, v in rows.items() if k.startswith("plain"))
@@ -147,9 +153,9 @@ def main() -> int:
         row["vs_best_plain"] = round(row["frames_per_sec"] / best_plain, 2)
     result = {"command": "python benchmarks/bench_train.py " + " ".join(sys.argv[1:]), "machine": machine(),
               "load_average_1min_at_start": load_at_start,
-              "codec": args.codec, "config": CONFIG, "steps": args.steps, "repeats": args.repeats, "log_every": args.log_every, "utterances": args.utterances,
+              "codec": args.codec, "dim": args.dim, "config": CONFIG, "steps": args.steps, "repeats": args.repeats, "log_every": args.log_every, "utterances": args.utterances,
               "runs": rows}
-    print(f"Training steps on {result['machine']}: codec latent {CONFIG['latent_dim']}, "
+    print(f"Training steps on {result['machine']}: {args.dim}-d features, codec latent {CONFIG['latent_dim']}, "
           f"{CONFIG['num_quantizers']} x {CONFIG['codebook_size']} codes, {CONFIG['batch_size']} crops of "
           f"{CONFIG['segment_length']} frames per step, {args.steps} steps (first {args.log_every} left out).\n")
     print("| loop | frames/s | data_wait_frac | vs best plain loop |")

@@ -140,15 +140,16 @@ class RVQCodec(nn.Module):
         self.feature_mean.copy_(mean)
         self.feature_std.copy_(std.clamp_min(1e-5))
 
-    def _drop_crops(self, features: torch.Tensor, keep: torch.Tensor | None):
-        """The features with the crops not kept zeroed, and the quantizer's mask [B, T'] (None: keep all)."""
+    def _drop_crops(self, features: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        """The features with each crop not kept replaced by a copy of the first kept one (zeros when none is):
+        the quantizer sees only real frames, with no host sync and no mask. The library's mask path costs
+        about 4 ms of host time per training step (its einx calls), more than a whole step of a small codec
+        on a GPU; a duplicated crop weighs twice in the EMA statistics of a step that dropped one."""
         if keep is None:
-            return features, None
-        features = torch.where(keep[:, None, None], features, torch.zeros((), dtype=features.dtype,
-                                                                             device=features.device))
-        # an all-false mask would leave this rank out of the library's dead-code collectives: a hang
-        mask = (keep | ~keep.any())[:, None].expand(-1, features.shape[1] // self.config.downsample)
-        return features, mask
+            return features
+        first = features[keep.to(torch.int8).argmax()]  # crop 0 when none is kept
+        spare = torch.where(keep.any(), first, torch.zeros((), dtype=features.dtype, device=features.device))
+        return torch.where(keep[:, None, None], features, spare)
 
     def _encode_latent(self, features: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """[B, T, D] -> [B, T', C].
@@ -177,17 +178,17 @@ class RVQCodec(nn.Module):
     def forward(self, features: torch.Tensor, keep: torch.Tensor | None = None, beam_size: int = 1) -> CodecOutput:
         """features: [B, T, D] with T a multiple of the downsample factor.
 
-        keep: [B] bool, the crops to train on (data/bad_crops.py); the others are zeroed, left out of the
-        quantizer's EMA, k-means and dead-code sampling (its mask) and out of both losses, with the batch's
-        shape unchanged so the quantizer's collectives and DDP run as on any step. When a rank keeps no crop
-        its loss is made non-finite, so every rank skips the step (and restores the codebooks).
+        keep: [B] bool, the crops to train on (data/bad_crops.py); the others are replaced by a copy of a kept
+        crop for the quantizer (`_drop_crops`) and left out of the reconstruction loss, with the batch's shape
+        unchanged so the quantizer's collectives and DDP run as on any step. When a rank keeps no crop its
+        loss is made non-finite, so every rank skips the step (and restores the codebooks).
         beam_size: in eval mode, the codes of a beam search this wide (`encode`'s); training picks the nearest
         code at each level."""
         if beam_size > 1 and self.training:
             raise RuntimeError("a beam search runs in eval mode only; training picks the nearest code at each level")
-        features, mask = self._drop_crops(features, keep)
+        features = self._drop_crops(features, keep)
         latent = self._encode_latent(features)
-        quantized, codes, commit = self.rvq(latent, mask=mask, beam_size=beam_size if beam_size > 1 else None)
+        quantized, codes, commit = self.rvq(latent, beam_size=beam_size if beam_size > 1 else None)
         recon_std = self.decoder(quantized.transpose(1, 2)).transpose(1, 2)
         target_std = (features - self.feature_mean) / self.feature_std
         sq_error = (recon_std.float() - target_std.float()) ** 2
@@ -231,8 +232,7 @@ class RVQCodec(nn.Module):
             raise RuntimeError("init_codebooks() runs the quantizer in training mode; call model.train() first")
         dropout, self.rvq.quantize_dropout = self.rvq.quantize_dropout, False  # every level sees the sample
         try:
-            features, mask = self._drop_crops(features, keep)
-            self.rvq(self._encode_latent(features), mask=mask)
+            self.rvq(self._encode_latent(self._drop_crops(features, keep)))
         finally:
             self.rvq.quantize_dropout = dropout
         scale = batch_frames / (features.shape[0] * features.shape[1])

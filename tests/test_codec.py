@@ -235,8 +235,9 @@ def test_a_skipped_first_step_runs_the_kmeans_init_again():
 
 
 def test_a_dropped_crop_leaves_no_trace_in_the_codebooks():
-    """A crop with a NaN frame, dropped by `finite_crops`: the codebooks and losses are those of the batch
-    without it, and the gradient is finite."""
+    """A crop with a NaN frame, dropped by `finite_crops`: the quantizer sees the first kept crop in its place
+    (no NaN reaches a codebook), the reconstruction loss is that of the batch without it, and the gradient is
+    finite."""
     torch.manual_seed(0)
     model = RVQCodec(CodecConfig(feature_dim=12, latent_dim=16, num_quantizers=3, codebook_size=16, downsample=2))
     model(torch.randn(8, 32, 12))
@@ -248,12 +249,18 @@ def test_a_dropped_crop_leaves_no_trace_in_the_codebooks():
     torch.manual_seed(1)
     masked = model(x, keep)
     after_masked = model.codebook_state()
+    assert all(torch.isfinite(t).all() for t in after_masked if t.is_floating_point())
     model.restore_codebook_state(start)
     torch.manual_seed(1)
-    clean = model(x[keep])
+    replaced = x.clone()
+    replaced[3] = x[0]
+    same = model(replaced)
     for a, b in zip(after_masked, model.codebook_state()):
         torch.testing.assert_close(a, b)
-    torch.testing.assert_close(masked.loss, clean.loss)
+    torch.testing.assert_close(masked.commit_loss, same.commit_loss)
+    # recon_space "feature": the squared error in feature space over the mean feature variance
+    per_crop = ((same.reconstruction - replaced) ** 2).mean((1, 2)) / (model.feature_std ** 2).mean()
+    torch.testing.assert_close(masked.recon_loss, per_crop[keep].mean())
     masked.loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 

@@ -64,7 +64,10 @@ def test_max_minutes_on_two_ranks_stops_every_rank_at_the_same_step(tmp_path, da
         codes = job.wait(timeout=200)
         assert codes == [0, 0], job.output(0)[-2000:] + job.output(1)[-2000:]
         last = assert_stopped_on_time(out)
-        assert last % 3 == 0  # decided at a sync check, from rank 0's clock
+        # decided from rank 0's clock, which the ranks first share at the step-3 sync check: at a later check,
+        # or at the end of the schedule that its time estimate set (a check too; the same step everywhere,
+        # else the refit's and the final eval's collectives would not meet and the ranks would not exit 0)
+        assert last >= 3
         assert f"finished at step {last}: max_minutes" in job.output(0)
     finally:
         job.close()
