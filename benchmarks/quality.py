@@ -78,7 +78,8 @@ def score(valid, reconstruct, levels: int, size: int) -> dict:
 # ---------------------------------------------------------------- (a) our codec
 
 
-def run_codec(data_dir, out_dir: Path, max_minutes: float, extra: list[str], valid) -> dict:
+def run_codec(data_dir, out_dir: Path, max_minutes: float, extra: list[str], valid) -> tuple[dict, RVQCodec]:
+    """Train with the defaults and `extra` flags; (what the run did, the codec from its last checkpoint)."""
     cmd = [sys.executable, str(TRAINER), "--output_dir", str(out_dir), "--resume", "none",
            "--max_minutes", str(max_minutes), *extra]
     if data_dir:
@@ -100,7 +101,7 @@ def run_codec(data_dir, out_dir: Path, max_minutes: float, extra: list[str], val
         print(f"note: utterances are cut to a multiple of downsample {model.config.downsample}", file=sys.stderr)
     trained = dict(train_seconds=round(seconds, 1), trainer_seconds=round(train_seconds, 1), steps=stop["step"],
                    stop_reason=stop["reason"], codec=state["codec"], command=" ".join(cmd[1:]), trainer_flags=extra)
-    return {**score_encoded(model, valid, model.config.beam_size, trained), "method": "codec (ours)"}, model
+    return trained, model
 
 
 def score_encoded(model: RVQCodec, valid, beam: int, trained: dict) -> dict:
@@ -264,7 +265,9 @@ def main() -> int:
                 trained, model = run_codec(args.data_dir, Path(args.codec_dir or tmp), args.max_minutes,
                                            args.trainer_flags, valid)
                 codec, steps = trained["codec"], trained["steps"]
-                results.append(trained)
+                # the codec's own codes (its --beam_size, as tools.encode), then each --encode_beams width
+                results.append({**score_encoded(model, valid, model.config.beam_size, trained),
+                                "method": "codec (ours)"})
                 results += [score_encoded(model, valid, beam, trained) for beam in args.encode_beams]
             elif method in ("faiss1", "faiss8"):
                 train_std = ((all_frames(train) - f_mean) / f_std).astype(np.float32)
