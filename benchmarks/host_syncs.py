@@ -70,12 +70,14 @@ def count_host_syncs():
 
 def one_step_syncs(model, x: torch.Tensor, optimizer, scaler) -> tuple[HostSyncCounter, HostSyncCounter, float]:
     """(the model's forward and backward, the trainer's step decision, seconds of the step): the
-    trainer's own part is clip_grad_norm_ and training/step_guard.guarded_step, as in train_step."""
+    forward as train_step calls it (with the finite-crop mask of data/bad_crops.py), then the trainer's own
+    part, clip_grad_norm_ and training/step_guard.guarded_step."""
+    from data.bad_crops import finite_crops
     from training.step_guard import guarded_step
 
     start = time.perf_counter()
     with count_host_syncs() as model_syncs:
-        out = model(x)
+        out = model(x, finite_crops(x))
         scaler.scale(out.loss).backward()
     with count_host_syncs() as step_syncs:
         scaler.unscale_(optimizer)

@@ -147,7 +147,8 @@ class RVQCodec(nn.Module):
         on a GPU; a duplicated crop weighs twice in the EMA statistics of a step that dropped one."""
         if keep is None:
             return features
-        first = features[keep.to(torch.int8).argmax()]  # crop 0 when none is kept
+        # index_select, not features[i]: a tensor index would be read on the host (a sync every step)
+        first = features.index_select(0, keep.to(torch.int8).argmax().view(1))  # crop 0 when none is kept
         spare = torch.where(keep.any(), first, torch.zeros((), dtype=features.dtype, device=features.device))
         return torch.where(keep[:, None, None], features, spare)
 

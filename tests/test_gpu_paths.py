@@ -169,6 +169,8 @@ def test_the_trainers_step_decision_syncs_the_host_once_per_step():
         model_syncs, step_syncs, _ = one_step_syncs(model, x, optimizer, scaler)
     assert step_syncs.total == 1 and all("step_guard" in where for where in step_syncs.by_caller)
     assert model_syncs.total > 0  # the library's own reads are counted, not hidden
+    # the forward, dropped-crop check included, adds none of its own: every one is the library's
+    assert all(where.startswith("vector_quantize_pytorch/") for where in model_syncs.by_caller), model_syncs.by_caller
     with count_host_syncs() as none:
         torch.randn(3) + 1
     assert none.total == 0
