@@ -19,3 +19,7 @@ class DistributedFailure(Exception):
     """A rank was lost, timed out or diverged: exit code 3."""
 
     exit_code = EXIT_DISTRIBUTED
+
+
+class RanksDiverged(DistributedFailure):
+    """Every rank found the same mismatch in one exchange (a sync check): the process groups are still intact."""

@@ -30,14 +30,15 @@ from tqdm import tqdm  # noqa: E402
 
 from data.bad_crops import BadCrops
 from data.training_data import TrainingData, batch_source, open_training_data
-from errors import EXIT_FAILURE, EXIT_OK, BadInputError, DistributedFailure
+from errors import EXIT_FAILURE, EXIT_OK, BadInputError, DistributedFailure, RanksDiverged
 from models.codec import CodecConfig, RVQCodec, codebook_tensors
 from training.checkpoint import Checkpointer, Resume
 from training.codebooks import feature_stats, init_codebooks, refit
 from training.config import TrainConfig, parse_args, save_config
 from training.device import cache_dtype, compute_dtype, make_deterministic, select_device
 from training.distributed import (DistContext, all_reduce_sum, destroy, detect_launch, dump_flight_recorder,
-                                  final_barrier, init_distributed, is_distributed_error, phase_timeout, wrap_ddp)
+                                  final_barrier, free_destroyed_groups, init_distributed, is_distributed_error,
+                                  phase_timeout, wrap_ddp)
 from training.evaluate import evaluate
 from training.faults import FaultInjector
 from training.metrics_log import MetricsLog, require_tensorboard
@@ -94,6 +95,8 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
                 trainer.evaluate()
             trainer.maybe_save()
         return trainer.finish()
+    except RanksDiverged:  # every rank raises it from the same exchange: the groups go down in close(), as after
+        raise  # a clean run (left to the interpreter's exit, a gloo rank once ended in SIGABRT instead of exit 3)
     except Exception as e:
         trainer.failed = True
         if not is_distributed_error(e):
@@ -383,6 +386,7 @@ def main(argv=None) -> int:
         return EXIT_FAILURE
     finally:
         stop.restore()
+        free_destroyed_groups()
 
 
 if __name__ == "__main__":

@@ -25,6 +25,10 @@ def env(**extra) -> dict:
     return e
 
 
+# extra_env that makes a subprocess print its OS threads at the interpreter's exit (tests/exit_probe)
+EXIT_PROBE = {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "exit_probe")])}
+
+
 def run_trainer(args, *, timeout=240, extra_env=None, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(TRAINER), *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=env(**(extra_env or {})), cwd=cwd or REPO)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import TINY, Ranks, events, run_trainer, write_fairseq
+from tests.helpers import EXIT_PROBE, TINY, Ranks, events, run_trainer, write_fairseq
 
 SYNC_TIMEOUT = 10
 
@@ -125,10 +125,13 @@ def test_hung_rank_is_named_while_peer_blocks_in_gradient_allreduce(tmp_path, da
 
 def test_perturbed_codebook_is_caught_at_the_next_sync_check(tmp_path, data, ranks):
     out = tmp_path / "run"
-    job = ranks(flags(data, out, "--max_steps", 30), extra_env={"RVQ_FAULT": "desync:rank=1:step=5"})
-    assert job.wait(timeout=120) == [3, 3], job.output(0)
+    job = ranks(flags(data, out, "--max_steps", 30), extra_env={"RVQ_FAULT": "desync:rank=1:step=5", **EXIT_PROBE})
+    assert job.wait(timeout=120) == [3, 3], job.output(0) + job.output(1)
     for r in (0, 1):
         assert "sync check at step 8: the codebooks of rank(s) 1 differ from rank 0's" in job.output(r)
+        # every rank raised it together: the groups went down, and their threads ended before the interpreter's
+        # exit (left to it, a rank once aborted there as its peer exited first)
+        assert "exit probe: 1 thread(s)" in job.output(r), job.output(r)[-2000:]
 
 
 def test_sigterm_to_one_rank_stops_both_at_one_step_and_resumes_exactly(tmp_path, data, ranks):
@@ -187,7 +190,7 @@ def test_too_many_bad_steps_checkpoint_and_exit_1(tmp_path, data, ranks):
     out = tmp_path / "run"
     faults = ",".join(f"nan:step={s}" for s in range(3, 7))
     job = ranks(flags(data, out, "--max_steps", 20, "--max_bad_steps", 3), extra_env={"RVQ_FAULT": faults})
-    assert job.wait(timeout=200) == [1, 1], job.output(0)
+    assert job.wait(timeout=200) == [1, 1], job.output(0) + job.output(1)
     assert "4 non-finite steps in a row" in job.output(0)
     assert [e["step"] for e in events(out, "checkpoint")] == [7]
 
@@ -195,9 +198,11 @@ def test_too_many_bad_steps_checkpoint_and_exit_1(tmp_path, data, ranks):
 @pytest.mark.parametrize("style", ["slurm", "accelerate"])
 def test_other_launchers_environments(tmp_path, data, ranks, style):
     out = tmp_path / "run"
-    job = ranks(flags(data, out, "--max_steps", 8, "--grad_accum", 2), style=style)
+    job = ranks(flags(data, out, "--max_steps", 8, "--grad_accum", 2), style=style, extra_env=EXIT_PROBE)
     assert job.wait(timeout=200) == [0, 0], job.output(0) + job.output(1)
     assert "world size 2" in job.output(0) and "in 2 micro-batch(es)" in job.output(0)
+    for r in (0, 1):  # the groups and their threads ended before the interpreter's exit
+        assert "exit probe: 1 thread(s)" in job.output(r), job.output(r)[-2000:]
     assert events(out, "stop")[-1]["step"] == 8
 
 

@@ -10,6 +10,7 @@ interface NCCL uses (GLOO_SOCKET_IFNAME).
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import logging
 import os
@@ -135,6 +136,16 @@ def final_barrier(ctx: DistContext, timeout_s: int) -> None:
 def destroy() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def free_destroyed_groups() -> None:
+    """After destroy(), the groups (and their transport threads) live on while the run's objects still refer to
+    them: the DDP wrapper, reference cycles only the garbage collector breaks. Collecting them here ends those
+    threads while the interpreter is whole, rather than in its exit, where a gloo rank was seen to abort (SIGABRT,
+    "terminate called without an active exception") as its peer exited. Groups left up on purpose (a lost peer,
+    whose teardown can block) are left to the process exit, as before."""
+    if not (dist.is_available() and dist.is_initialized()):
+        gc.collect()
 
 
 def all_reduce_sum(ctx: DistContext, tensor: torch.Tensor, chunk_elements: int = 1 << 22) -> torch.Tensor:

@@ -2,11 +2,11 @@
 
 Every `--sync_check_every` steps each rank contributes its step, epoch,
 samples seen, stop request, whether its --max_minutes are up, the steps its
-clock says fit in them, and a checksum of its codebooks; a mismatch ends every rank with DistributedFailure naming the
-rank(s) and step. A stop requested on any rank (a signal) becomes a stop on all
-of them; rank 0's clock decides --max_minutes, and the schedule's length under
-them, for every rank. One exchange
-carries every reason to stop.
+clock says fit in them, and a checksum of its codebooks; a mismatch ends every
+rank with RanksDiverged (exit 3) naming the rank(s) and step. A stop requested
+on any rank (a signal) becomes a stop on all of them; rank 0's clock decides
+--max_minutes, and the schedule's length under them, for every rank. One
+exchange carries every reason to stop.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from training.distributed import DistContext
-from errors import DistributedFailure
+from errors import RanksDiverged
 
 FIELDS = ("step", "epoch", "samples_seen", "stop", "out_of_time", "time_total", "codebook_sum", "codebook_sq")
 CHECKSUM_RTOL = 1e-6
@@ -65,12 +65,12 @@ def sync_check(ctx: DistContext, *, step: int, epoch: int, samples_seen: int, st
         bad = _differs(col[name])
         if bad:
             detail = ", ".join(f"rank {r} at {int(col[name][r])}" for r in bad)
-            raise DistributedFailure(
+            raise RanksDiverged(
                 f"sync check at step {step}: ranks disagree on {name}: rank 0 at {int(col[name][0])}, {detail}")
     bad = sorted(set(_differs(col["codebook_sum"], CHECKSUM_RTOL)) | set(_differs(col["codebook_sq"], CHECKSUM_RTOL)))
     if bad:
         ranks = ", ".join(str(r) for r in bad)
-        raise DistributedFailure(
+        raise RanksDiverged(
             f"sync check at step {step}: the codebooks of rank(s) {ranks} differ from rank 0's "
             f"(checksums {[round(float(v), 6) for v in col['codebook_sum']]})")
     stop_ranks = [r for r in range(len(table)) if col["stop"][r] > 0]
