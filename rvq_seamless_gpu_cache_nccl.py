@@ -96,7 +96,7 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
             trainer.maybe_save()
         return trainer.finish()
     except RanksDiverged:  # every rank raises it from the same exchange: the groups go down in close(), as after
-        raise  # a clean run (left to the interpreter's exit, a gloo rank once ended in SIGABRT instead of exit 3)
+        raise  # a clean run, and main() frees them (free_destroyed_groups)
     except Exception as e:
         trainer.failed = True
         if not is_distributed_error(e):
