@@ -106,6 +106,8 @@ def step_host_syncs(args):
     for _ in range(3):  # past the k-means init
         model_syncs, step_syncs, seconds = one_step_syncs(model, x, optimizer, scaler)
     details = {"trainer": step_syncs.total, "library": dict(model_syncs.by_caller), "step_s": seconds}
+    model_ops, step_ops, _ = one_step_syncs(model, x, optimizer, scaler, count_ops=True)
+    details["ops_by_owner"] = dict(model_ops.ops_by_owner + step_ops.ops_by_owner)  # host work per step
     if device.type == "cuda":  # the driver's own count: every sync warns once
         import warnings
         torch.cuda.set_sync_debug_mode("warn")

@@ -174,3 +174,12 @@ def test_the_trainers_step_decision_syncs_the_host_once_per_step():
     with count_host_syncs() as none:
         torch.randn(3) + 1
     assert none.total == 0
+    # every op dispatched, by owner: the host work of a step
+    model_ops, step_ops, _ = one_step_syncs(model, x, optimizer, scaler, count_ops=True)
+    assert model_ops.total == model_syncs.total and step_ops.total == 1  # counting ops changes no sync count
+    assert set(model_ops.ops_by_owner) == {"vector-quantize-pytorch (forward)", "this repo (forward, step decision)",
+                                           "autograd (backward)"}, model_ops.ops_by_owner
+    assert set(step_ops.ops_by_owner) == {"torch.optim and clip_grad_norm_", "this repo (forward, step decision)"}, \
+        step_ops.ops_by_owner
+    assert model_ops.ops_by_owner["vector-quantize-pytorch (forward)"] > model_ops.ops_by_owner[
+        "this repo (forward, step decision)"]
