@@ -130,7 +130,7 @@ class Trainer:
                          if ctx.is_distributed else None)
 
     def slow_phase(self):
-        """The process group's timeout for a legitimately slow phase: k-means init, eval, refit."""
+        """The process group's timeout for a legitimately slow phase: k-means init, eval, refit, checkpoint."""
         return phase_timeout(self.ctx, self.cfg.dist.slow_phase_s)
 
     # ---- set up
@@ -319,7 +319,7 @@ class Trainer:
         p = self.progress
         if p.step % self.cfg.run.save_every and p.stop_reason is None:
             return
-        with p.phase_of("checkpoint"):
+        with self.slow_phase(), p.phase_of("checkpoint"):  # the others wait for rank 0's write
             path = self.checkpointer.save(self.model, self.optimizer, self.scaler, p,
                                           before_write=self.faults.before_write)
         if path is not None:

@@ -120,19 +120,24 @@ class Checkpointer:
         self.codec, self.config, self.steps_per_epoch = codec, config, steps_per_epoch
 
     def save(self, model, optimizer, scaler, progress: Progress, before_write=None) -> Path | None:
-        """Every rank calls it (the RNG states are gathered); rank 0 writes. Returns the path on rank 0.
-        before_write(step) runs on rank 0 first (fault injection)."""
+        """Every rank calls it (the RNG states are gathered); rank 0 writes while the others wait for it on the
+        control plane, so that the wait runs under the caller's slow-phase timeout rather than in the next
+        step's collective. Returns the path on rank 0. before_write(step) runs on rank 0 first (fault
+        injection)."""
         rng = gather_rng_states(self.ctx)
-        if self.ctx.rank != 0:
-            return None
-        if before_write is not None:
-            before_write(progress.step)
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
-                 "step": progress.step, "samples_seen": progress.samples_seen,
-                 "schedule_fraction": progress.schedule_fraction,
-                 "epoch": progress.step // self.steps_per_epoch, "codec": self.codec.to_dict(),
-                 "config": self.config, "rng": rng}
-        return save_checkpoint(self.folder, progress.step, state, keep=self.keep)
+        path = None
+        if self.ctx.rank == 0:
+            if before_write is not None:
+                before_write(progress.step)
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                     "scaler": scaler.state_dict(), "step": progress.step, "samples_seen": progress.samples_seen,
+                     "schedule_fraction": progress.schedule_fraction,
+                     "epoch": progress.step // self.steps_per_epoch, "codec": self.codec.to_dict(),
+                     "config": self.config, "rng": rng}
+            path = save_checkpoint(self.folder, progress.step, state, keep=self.keep)
+        if self.ctx.is_distributed:
+            dist.barrier(group=self.ctx.control)
+        return path
 
     def restore(self, resume: Resume, model, optimizer, scaler, progress: Progress) -> None:
         state = resume.state
