@@ -232,13 +232,41 @@ def test_stall_shorter_than_sync_timeout_is_no_alarm(tmp_path, data, ranks):
     assert events(out, "stop")[-1]["step"] == 20
 
 
-def test_checkpoint_write_longer_than_sync_timeout_is_no_alarm(tmp_path, data, ranks):
+@pytest.mark.parametrize("step", [8, 16])  # a save mid-run, and the last one, before the final barrier
+def test_checkpoint_write_longer_than_the_timeouts_is_no_alarm(tmp_path, data, ranks, step):
+    """The write outlasts --sync_timeout and the process groups' own timeout but not --slow_phase_timeout: the
+    other rank waits for it inside the save, under the slow-phase timeout, not in the next collective."""
     out = tmp_path / "run"
-    job = ranks(flags(data, out, "--max_steps", 16, "--save_every", 8),
-                extra_env={"RVQ_FAULT": f"slow_save:seconds={SYNC_TIMEOUT + 8}"})
+    job = ranks(flags(data, out, "--max_steps", 16, "--save_every", 8, "--nccl_timeout", 15,
+                      "--slow_phase_timeout", 120),
+                extra_env={"RVQ_FAULT": f"slow_save:seconds=25:step={step}"})
     assert job.wait(timeout=240) == [0, 0], job.output(0) + job.output(1)
-    assert "this checkpoint write takes 18s longer" in job.output(0)
+    assert "this checkpoint write takes 25s longer" in job.output(0)
     assert [e["step"] for e in events(out, "checkpoint")] == [8, 16]
+
+
+def test_a_stopped_rank_0_that_hosts_the_store_is_reported_within_the_timeout(tmp_path, data, ranks):
+    """srun and hand-started ranks: rank 0's process hosts the rendezvous store. Stopped, it leaves the other
+    rank's store requests unanswered (a request can then block for good); the collective timeout is 600 s."""
+    out = tmp_path / "run"
+    job = ranks(flags(data, out, "--max_steps", 60), extra_env={"RVQ_FAULT": "hang:rank=0:step=10"})
+    codes = job.wait(timeout=SYNC_TIMEOUT + 90, ranks=[1])
+    assert codes[0] is None and 0 in job.stopped  # stopped, not dead
+    assert codes[1] == 3, job.output(1)
+    assert job.ended[1] - job.stopped[0] <= SYNC_TIMEOUT + 30
+    assert re.search(r"the rendezvous store at 127\.0\.0\.1:\d+, hosted by rank 0, has not answered for \d+s",
+                     job.output(1)), job.output(1)
+
+
+@pytest.mark.parametrize("phase", ["train", "sync check"])  # rank 0 waits in that phase's collective
+def test_a_rank_stuck_in_the_phase_where_the_other_waits_in_a_collective_is_named(tmp_path, data, ranks, phase):
+    out = tmp_path / "run"
+    job = ranks(flags(data, out, "--max_steps", 60), extra_env={"RVQ_FAULT": f"stall:rank=1:step=12:at={phase}"})
+    assert job.wait(timeout=SYNC_TIMEOUT + 150) == [3, 3], job.output(0) + job.output(1)
+    for r in (0, 1):
+        assert f"rank(s) [1] stuck: rank 1 in {phase} at step 12 for" in job.output(r), job.output(r)
+        assert "in stall (allowance 10s). The others wait: rank 0 in " in job.output(r), job.output(r)
+    assert "Thread 0x" in job.output(1) and "Thread 0x" not in job.output(0)  # the stuck rank's stacks only
 
 
 @pytest.mark.parametrize("phase, step", [("forward", 0),  # a slow first step

@@ -7,8 +7,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from training.progress import Progress
-from training.watchdog import PeerWatchdog
+from training.progress import FAILED, Progress
+from training.watchdog import PeerWatchdog, stuck_ranks
 
 TIMEOUT = 30  # the client's store timeout is a third of it: above a slow reverse lookup as it connects
 
@@ -81,3 +81,32 @@ def test_a_stuck_rank_gets_one_verdict_that_every_rank_reads(store):
     paragraph = wds[0].paragraph(json.loads(verdicts[0]))
     assert paragraph.startswith("rank(s) [1] stuck: rank 1 in data at step 5 for 35s, at ")
     assert "(allowance 30s). The others wait: rank 0 in forward at step 5" in paragraph
+
+
+def test_of_ranks_at_one_point_the_one_outside_a_collective_is_the_one_the_others_wait_for():
+    def allowance(phase, step):
+        return 10
+
+    waiting = {"step": 12, "phase": "train", "for": 30,
+               "where": ".../torch/distributed/distributed_c10d.py:3252 in all_reduce, called from x.py:1 in log_step"}
+    stalled = {"step": 12, "phase": "train", "for": 30, "where": "training/faults.py:155 in stall"}
+    assert stuck_ranks({0: waiting, 1: stalled}, allowance) == ([1], False)
+    assert stuck_ranks({0: waiting, 1: dict(waiting)}, allowance) == ([0, 1], True)  # one collective never ends
+    assert stuck_ranks({0: stalled, 1: dict(stalled)}, allowance) == ([0, 1], False)  # both stuck, no collective
+    assert stuck_ranks({0: waiting, 1: {**stalled, "for": 5}}, allowance) == ([], False)  # not overstayed yet
+    assert stuck_ranks({0: {**waiting, "phase": FAILED}, 1: stalled}, allowance) == ([1], False)
+
+
+def test_a_store_request_that_never_returns_ends_the_rank_after_the_timeout(store, monkeypatch):
+    """The clock thread, not the blocked watchdog thread, reports it, naming the store and who hosts it."""
+    wd = PeerWatchdog(0, 2, timeout_s=2, slow_timeout_s=12, progress=Progress(), interval_s=0.5)
+    failed = []
+    monkeypatch.setattr(wd, "round", lambda now: time.sleep(3600))  # as a client reading a stopped host's socket
+    monkeypatch.setattr(wd, "_fail", failed.append)
+    start = time.monotonic()
+    wd.start()
+    while not failed and time.monotonic() - start < 10:
+        time.sleep(0.1)
+    wd._stop.set()  # the clock's loop ends; the blocked thread is a daemon
+    assert failed and 2 <= time.monotonic() - start <= 6, failed
+    assert failed[0].startswith(f"the rendezvous store at 127.0.0.1:{store.port}, hosted by rank 0, has not answered")

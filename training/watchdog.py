@@ -9,7 +9,9 @@ has not moved for `timeout` seconds (a stopped or hung process), or whose
 process is gone (seen at once when it runs on this host), ends this rank with
 exit code 3 and a message naming the peer and the step. It runs beside the main
 thread because that thread may be stuck inside a collective whose own timeout
-is far longer.
+is far longer. A second thread, the clock, never touches the store: it ends the
+rank when one round has waited on the store for longer than the same timeout (a
+store request can block for good where the store's host is stopped).
 
 A live process whose main thread is stuck beats on, so each rank also publishes
 its main thread's progress: step, phase, how long it has been in that phase and,
@@ -85,15 +87,21 @@ def in_collective(state: dict) -> bool:
 
 def stuck_ranks(states: dict, allowance) -> tuple[list, bool]:
     """The ranks the others wait for that have overstayed their phase (empty: none), and whether every rank
-    is at the same point (then they are all inside one collective that does not complete)."""
+    is at the same point inside a collective (then it is one collective that does not complete). Of ranks at
+    the same step and phase, one waiting in a collective waits for one that is not: only the latter is
+    behind. That needs where each main thread is (a state's "where"); without it, ranks at one point count
+    alike."""
     states = {r: s for r, s in states.items() if s["phase"] != FAILED}  # reported already; the watchdog judges
     if not states:
         return [], False
     keys = {r: order(s["step"], s["phase"]) for r, s in states.items()}
     furthest_behind = min(keys.values())
     behind = [r for r, k in keys.items() if k == furthest_behind]
+    outside = [r for r in behind if "where" in states[r] and not in_collective(states[r])]
+    together = len(behind) == len(states) and not outside
+    behind = outside or behind
     late = [r for r in behind if states[r]["for"] > allowance(states[r]["phase"], states[r]["step"])]
-    return sorted(late), len(behind) == len(states)
+    return sorted(late), together
 
 
 class PeerWatchdog:
@@ -125,9 +133,19 @@ class PeerWatchdog:
         self.store.set(f"{prefix}/who/{rank}", f"{self.host} {os.getpid()}")
         self._publish()
         self.store.compare_set(self.verdict_key, "", "")  # creates it empty; a verdict written already stays
+        # who hosts the store: torchrun's agent (on the first node), or rank 0 (srun, hand-started ranks)
+        self.store_host = ("the launcher (torchrun's agent)" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+                           else "rank 0")
+        self.answered = time.monotonic()  # when the store last answered a whole round
+        self.round_started = None  # when the round in progress began (None between rounds)
         self._stop = threading.Event()
         self._verdict = threading.Event()
+        self._ending = False  # a verdict or failure is being reported: the clock leaves it to finish
         self._thread = threading.Thread(target=self._run, name="peer-watchdog", daemon=True)
+        # A store request can block for good, past its own timeout, where the store's host is stopped with its
+        # socket open: the client reads the reply to its cancelled wait with no timeout. The clock thread, which
+        # never touches the store, ends the rank when a round has been waiting for longer than the timeout.
+        self._clock = threading.Thread(target=self._watch_store, name="peer-watchdog-clock", daemon=True)
 
     def allowance(self, phase: str, step: int) -> float:
         """How long the main thread may stay in one phase: the first step may run the k-means init."""
@@ -135,12 +153,14 @@ class PeerWatchdog:
 
     def start(self) -> "PeerWatchdog":
         self._thread.start()
+        self._clock.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self.interval_s + 15)
+        for thread in (self._thread, self._clock):
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(timeout=self.interval_s + 15)
 
     def _publish(self) -> None:
         """This rank's state with its next beat number, and where its main thread is: one message, no reply."""
@@ -179,26 +199,30 @@ class PeerWatchdog:
     def _judge(self, states: dict) -> str:
         """The verdict when a rank the others wait for has overstayed its phase's allowance, or "": the first
         rank to see it writes it, with where every main thread is; every rank reads the same one."""
+        if not stuck_ranks(states, self.allowance)[0]:  # where the main threads are is read only past here
+            return ""
+        wheres = [w.decode() for w in self.store.multi_get(self.where_keys)]
+        states = {r: {**states[r], "where": wheres[r]} for r in sorted(states)}
         late, together = stuck_ranks(states, self.allowance)
         if not late:
             return ""
-        wheres = [w.decode() for w in self.store.multi_get(self.where_keys)]
         proposal = json.dumps({"late": late, "together": together, "by": self.rank,
-                               "states": {str(r): {**states[r], "where": wheres[r]} for r in sorted(states)}})
+                               "states": {str(r): s for r, s in states.items()}})
         return self.store.compare_set(self.verdict_key, "", proposal).decode()
 
     def _run(self) -> None:
-        store_ok = time.monotonic()
         while not self._stop.wait(self.interval_s):
             now = time.monotonic()
+            self.round_started = now
             try:
                 verdict, dead, silent = self.round(now)
-                store_ok = now
+                self.answered = now
             except Exception as e:  # noqa: BLE001 - an unreachable store is itself the symptom
-                if now - store_ok > self.timeout_s:
-                    self._fail(f"the rendezvous store at {self.address} (hosted by rank 0 or the launcher) has not "
-                               f"answered for {now - store_ok:.0f}s ({e})")
+                if now - self.answered > self.timeout_s:
+                    self._fail(self._store_silent(now - self.answered, e))
                 continue
+            finally:
+                self.round_started = None
             if (dead or silent) and not verdict:  # a rank that wrote a verdict exits at once: it explains the loss
                 with contextlib.suppress(Exception):
                     verdict = self.store.get(self.verdict_key).decode()
@@ -209,6 +233,24 @@ class PeerWatchdog:
             if silent:
                 self._fail(f"rank(s) {silent} silent: no heartbeat for more than {self.timeout_s:.0f}s "
                            "(stopped, hung or unreachable)")
+
+    def _watch_store(self) -> None:
+        """The clock: ends the rank when one round has waited on the store for longer than the timeout, seen so at
+        two checks an interval apart (after a pause of the whole process the round is let finish first)."""
+        overdue = None
+        while not self._stop.wait(self.interval_s):
+            started = self.round_started
+            if started is None or time.monotonic() - started <= self.timeout_s or self._ending:
+                overdue = None
+                continue
+            if overdue == started:
+                self._fail(self._store_silent(time.monotonic() - started, None))
+            overdue = started
+
+    def _store_silent(self, seconds: float, error: Exception | None) -> str:
+        return (f"the rendezvous store at {self.address}, hosted by {self.store_host}, has not answered for "
+                f"{seconds:.0f}s{f' ({error})' if error is not None else ''}: its host is stopped, hung, gone or "
+                "unreachable")
 
     def paragraph(self, verdict: dict) -> str:
         states = {int(r): s for r, s in verdict["states"].items()}
@@ -229,9 +271,10 @@ class PeerWatchdog:
         stuck = "; ".join(f"{at(r)} (allowance {self.allowance(states[r]['phase'], states[r]['step']):.0f}s)"
                           for r in late)
         others = "; ".join(f"{at(r)}" for r in sorted(states) if r not in late)
-        return f"rank(s) {late} stuck: {stuck}. The others wait: {others}"
+        return f"rank(s) {late} stuck: {stuck}" + (f". The others wait: {others}" if others else "")
 
     def _stuck(self, verdict: dict) -> None:
+        self._ending = True
         text = self.paragraph(verdict)
         if self.rank in verdict["late"]:
             log.error("rank %d is stuck; the stacks of all its threads follow (the main thread is the one in %s)",
@@ -248,6 +291,7 @@ class PeerWatchdog:
         self._fail(text)
 
     def _fail(self, what: str) -> None:
+        self._ending = True
         self._verdict.set()
         if self.on_verdict is not None:
             with contextlib.suppress(Exception):  # the exit must not depend on a diagnostic
