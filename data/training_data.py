@@ -44,7 +44,7 @@ class DataConfig:
     data_dir: str | None = field(default=None, metadata={
         "help": "feature store (fairseq dump or folder of [T, D] .npy/.pt); none: the built-in demo corpus"})
     train_split: str = "train"
-    valid_split: str = field(default="valid", metadata={"help": "when absent, 2%% of training utterances are held out"})
+    valid_split: str = field(default="valid", metadata={"help": "when absent, 2% of training utterances are held out"})
     batch_size: int | None = field(default=None, metadata={
         "help": f"crops per rank per step at --segment_length; frames per step stay this x that (with the automatic "
                 f"length, this x {AUTO_LENGTHS[0]}: a shorter length gets more crops); none: "

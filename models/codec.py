@@ -32,11 +32,11 @@ class CodecConfig:
         "help": "residual conv blocks in the encoder and in the decoder each"})
     kmeans_init: bool = True
     kmeans_iters: int = field(default=10, metadata={"flag": False})
-    ema_decay: float = 0.99
+    ema_decay: float = field(default=0.99, metadata={"kind": "fraction"})
     dead_code_threshold: float = field(default=0.5, metadata={
-        "help": "re-seed a code whose EMA count of frames per step falls below this"})
+        "kind": "nonnegative", "help": "re-seed a code whose EMA count of frames per step falls below this"})
     quantize_dropout: bool = field(default=False, metadata={"help": "train for variable bitrate (fewer levels)"})
-    commitment_weight: float = 0.25
+    commitment_weight: float = field(default=0.25, metadata={"kind": "nonnegative"})
     beam_size: int = field(default=4, metadata={
         "help": "partial code sequences the encoder's beam search over the levels keeps per frame (1: the nearest "
                 "code level by level); the end-of-schedule refit trains the codebooks for it"})

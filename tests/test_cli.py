@@ -1,4 +1,5 @@
 """The trainer from the command line: bad input, single process, resume, signals."""
+import argparse
 import math
 
 import numpy as np
@@ -46,11 +47,33 @@ def test_bad_data_exits_2_names_it_and_writes_nothing(tmp_path, case):
     (["--segment_lengths", "64,x"], "comma-separated"),
     (["--downsample", "4", "--segment_length", "30"], "not multiples of --downsample 4"),
     (["--resume", "/no/such/step_00000008.pt"], "--resume /no/such/step_00000008.pt: cannot read it"),
+    (["--ema_decay", "1.5"], "argument --ema_decay: expected a number from 0 to 1, got 1.5"),
+    (["--warmup_steps", "-5"], "argument --warmup_steps: expected zero or more, got -5"),
+    (["--grad_clip", "-1"], "argument --grad_clip: expected zero or more"),
+    (["--device", "tpu"], "--device tpu: not a device; use auto, cpu, cuda or cuda:N"),
+    (["--device", "mps"], "--device mps: not supported"),
 ])
 def test_bad_flags_exit_2(tmp_path, argv, message):
     r = run_trainer([*argv, "--output_dir", tmp_path / "run"], timeout=60)
     assert r.returncode == 2 and message in r.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: --device cuda is no bad flag here")
+def test_device_cuda_without_a_gpu_exits_2(tmp_path):
+    r = run_trainer(["--device", "cuda", "--output_dir", tmp_path / "run"], timeout=60)
+    assert r.returncode == 2 and "--device cuda was asked for, but no GPU is visible" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and not (tmp_path / "run").exists()
+
+
+def test_help_lists_every_flag():
+    from training.config import build_parser
+
+    r = run_trainer(["--help"], timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    flags = [o for a in build_parser()._actions if a.help != argparse.SUPPRESS for o in a.option_strings]
+    assert len(flags) > 50 and all(f in r.stdout for f in flags), [f for f in flags if f not in r.stdout]
+    assert "when absent, 2% of training utterances are held out" in r.stdout  # a % in a help text shows as it is
 
 
 def test_bad_fault_spec_exits_2(tmp_path):

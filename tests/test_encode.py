@@ -281,3 +281,10 @@ def test_report_of_the_run(pipeline):
     for name in (*report.PLOTS, "report.md"):
         assert (pipeline.run / "report" / name).stat().st_size > 0
     assert "eval rel_mse" in (pipeline.run / "report" / "report.md").read_text()
+
+
+def test_encode_refuses_zero_levels(pipeline, tmp_path, caplog):
+    assert encode.main(["--checkpoint", pipeline.run, "--data_dir", pipeline.feats, "--num_quantizers", "0",
+                        "--output_dir", tmp_path / "out"]) == 2
+    assert "--num_quantizers 0: this codec has levels 1 to 2" in caplog.text
+    assert not (tmp_path / "out").exists()

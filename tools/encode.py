@@ -91,7 +91,7 @@ def encode_store(args) -> int:
     device = select_device(args.device)
     model, state, ckpt_path = load_codec(args.checkpoint, device)
     config = model.config
-    q = args.num_quantizers or config.num_quantizers
+    q = config.num_quantizers if args.num_quantizers is None else args.num_quantizers
     beam = args.beam_size or config.beam_size
     if not 1 <= q <= config.num_quantizers:
         raise BadInputError(f"--num_quantizers {q}: this codec has levels 1 to {config.num_quantizers}")

@@ -57,6 +57,14 @@ def positive_float(text: str) -> float:
     return _number(float, text, lambda v: v > 0, "a positive number")
 
 
+def nonnegative_float(text: str) -> float:
+    return _number(float, text, lambda v: v >= 0, "zero or more")
+
+
+def fraction(text: str) -> float:
+    return _number(float, text, lambda v: 0 <= v <= 1, "a number from 0 to 1")
+
+
 def on_off(text: str) -> bool:
     lowered = text.lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -97,10 +105,10 @@ class OptimConfig:
     epochs: int | None = flag(None, "passes over the training frames (used when --max_steps is not given)")
     grad_accum: int = flag(1, "micro-batches per step; gradients are all-reduced on the last one only")
     lr: float = flag(2e-3, kind="positive")
-    min_lr_ratio: float = flag(0.1, "cosine decay ends at lr x this")
-    warmup_steps: int = flag(50, kind="any")
-    weight_decay: float = flag(0.0)
-    grad_clip: float = flag(1.0, "0: no clipping")
+    min_lr_ratio: float = flag(0.1, "cosine decay ends at lr x this", kind="fraction")
+    warmup_steps: int = flag(50, kind="nonnegative")
+    weight_decay: float = flag(0.0, kind="nonnegative")
+    grad_clip: float = flag(1.0, "0: no clipping", kind="nonnegative")
     max_bad_steps: int = flag(10, "non-finite steps in a row (each skipped on every rank) before the run stops",
                               kind="nonnegative")
     precision: str = flag("auto", "auto: bf16 on a GPU that supports it, else fp32",
@@ -177,12 +185,14 @@ def flag_fields(section) -> list[dataclasses.Field]:
 def _argparse_options(f: dataclasses.Field) -> dict:
     """argparse options from a field's default, annotation and metadata.
 
-    metadata: "help"; "choices"; "kind": "nonnegative" or "any" for an int (default: positive),
-    "positive" for a float (default: any number, positive when the default is None); "switch": True for
-    a bool that is off by default but takes a value (`--pin_memory true`); "flag": False: not a flag.
+    metadata: "help" (plain text: a % is shown as it is); "choices"; "kind": "nonnegative" or "any" for an int
+    (default: positive), "positive", "nonnegative" or "fraction" (0 to 1) for a float (default: any number,
+    positive when the default is None); "switch": True for a bool that is off by default but takes a value
+    (`--pin_memory true`); "flag": False: not a flag.
     """
     default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-    options = {"default": default, "help": f.metadata.get("help")}
+    help_text = f.metadata.get("help")
+    options = {"default": default, "help": help_text.replace("%", "%%") if help_text else help_text}
     annotation, kind = str(f.type), f.metadata.get("kind")
     if annotation == "bool":
         # on by default, or a switch: --name [true|false]; else a plain flag that turns it on
@@ -197,7 +207,8 @@ def _argparse_options(f: dataclasses.Field) -> dict:
     elif annotation.startswith("int"):
         options["type"] = {"nonnegative": nonnegative_int, "any": int}.get(kind, positive_int)
     elif annotation.startswith("float"):
-        options["type"] = positive_float if kind == "positive" or annotation.endswith("None") else float
+        options["type"] = {"positive": positive_float, "nonnegative": nonnegative_float, "fraction": fraction}.get(
+            kind, positive_float if annotation.endswith("None") else float)
     return options
 
 

@@ -10,6 +10,8 @@ import os
 
 import torch
 
+from errors import BadInputError
+
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -25,15 +27,21 @@ def select_device(flag: str, local_rank: int = 0, *, bind_local_rank: bool = Fal
     """
     if flag == "auto":
         flag = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(flag)
-    if device.type != "cuda":
+    try:
+        device = torch.device(flag)
+    except RuntimeError:
+        raise BadInputError(f"--device {flag}: not a device; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
         return device
+    if device.type != "cuda":
+        raise BadInputError(f"--device {flag}: not supported; use auto, cpu, cuda or cuda:N")
     if not torch.cuda.is_available():
-        raise RuntimeError(f"--device {flag} was asked for, but no GPU is visible")
+        raise BadInputError(f"--device {flag} was asked for, but no GPU is visible (torch {torch.__version__}); "
+                            "use --device cpu or auto")
     count = torch.cuda.device_count()
     index = local_rank % count if bind_local_rank else (device.index or 0)
     if index >= count:
-        raise RuntimeError(f"--device {flag}: only {count} GPU(s) visible")
+        raise BadInputError(f"--device {flag}: only {count} GPU(s) visible")
     device = torch.device("cuda", index)
     torch.cuda.set_device(device)
     return device
