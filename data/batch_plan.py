@@ -4,9 +4,13 @@ A pure function of (seed, epoch, step, rank, world size), so a resumed run sees
 the same batches as one never stopped, and every rank agrees on the segment
 length and on the number of steps per epoch whatever the size of its shard:
 uneven step counts are the commonest cause of an all-reduce that waits forever.
+An utterance excluded during the run (a bad frame in it) is left out from the
+first step not drawn yet, so a batch once drawn (by a prefetcher, say) is the
+same whenever it is drawn again.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,18 +73,19 @@ class BatchPlan:
         self.total_frames = int(lengths.sum())
         self.steps_per_epoch = max(1, self.total_frames // (frames_per_step * world_size))
         self._mine = shards[rank]
-        self.excluded = np.zeros(len(self._mine), dtype=bool)
         self._candidates = self._draw_tables()
+        never = np.iinfo(np.int64).max
+        self.excluded_from = np.full(len(self._mine), never, dtype=np.int64)  # per utterance: first step without it
+        self._all_excluded_from = dict.fromkeys(self.segment_lengths, never)  # per length: then every one is drawn
+        self._undrawn = 0  # the first step after every step drawn so far
+        self._lock = threading.Lock()  # a prefetch worker draws while the main thread excludes
 
     def _draw_tables(self) -> dict:
         """Per segment length: (utterances, their lengths, cumulative draw weights); crops are drawn uniformly
-        over frames, an utterance weighing (len - L + 1). An excluded utterance is left out, unless that would
-        leave a length with none (every rank must draw a batch at every length)."""
+        over frames, an utterance weighing (len - L + 1)."""
         mine, tables = self._mine, {}
         for L in self.segment_lengths:
-            idx = np.flatnonzero((mine >= L) & ~self.excluded)
-            if len(idx) == 0:
-                idx = np.flatnonzero(mine >= L)
+            idx = np.flatnonzero(mine >= L)
             weight = (mine[idx] - L + 1).astype(np.float64)
             cdf = (weight / weight.sum()).cumsum()
             cdf /= cdf[-1]
@@ -88,10 +93,15 @@ class BatchPlan:
         return tables
 
     def exclude(self, utterances) -> None:
-        """Never draw these of this rank's utterances again (a bad frame was found in them). Only this rank's
-        draws change: every rank keeps its steps, segment lengths and batch sizes."""
-        self.excluded[np.asarray(utterances, dtype=np.int64)] = True
-        self._candidates = self._draw_tables()  # one assignment: a prefetch worker sees the old or the new
+        """Never draw these of this rank's utterances again (a bad frame was found in them), from the first
+        step not drawn yet: a batch already drawn stays as it is. Only this rank's draws change: every rank
+        keeps its steps, segment lengths and batch sizes. A length whose utterances are all excluded draws
+        from all of them again (every rank must draw a batch at every length)."""
+        utterances = np.asarray(utterances, dtype=np.int64)
+        with self._lock:
+            self.excluded_from[utterances] = np.minimum(self.excluded_from[utterances], self._undrawn)
+            self._all_excluded_from = {L: int(self.excluded_from[idx].max())
+                                       for L, (idx, _, _) in self._candidates.items()}
 
     def batch_size(self, segment_length: int) -> int:
         return max(1, self.frames_per_step // segment_length)
@@ -109,8 +119,15 @@ class BatchPlan:
         epoch = step // self.steps_per_epoch
         rng = np.random.default_rng([self.seed, epoch, step, self.rank, self.world_size, 1])
         idx, lens, cdf = self._candidates[L]
+        with self._lock:  # an exclusion from now on leaves this step's batch as it is
+            self._undrawn = max(self._undrawn, step + 1)
         # what rng.choice(len(idx), p=...) draws, without rebuilding the cumulative sum at every step
         pick = cdf.searchsorted(rng.random(self.batch_size(L)), side="right")
+        if step < self._all_excluded_from[L]:  # a crop of an utterance excluded by this step is drawn again
+            redraw = np.flatnonzero(self.excluded_from[idx[pick]] <= step)
+            while len(redraw):
+                pick[redraw] = cdf.searchsorted(rng.random(len(redraw)), side="right")
+                redraw = redraw[self.excluded_from[idx[pick[redraw]]] <= step]
         starts = (rng.random(len(pick)) * (lens[pick] - L + 1)).astype(np.int64)
         return StepBatch(step, L, idx[pick], starts)
 

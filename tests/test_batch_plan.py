@@ -41,6 +41,29 @@ def test_plan_is_a_pure_function_of_its_inputs():
         np.testing.assert_array_equal(x.starts, y.starts)
 
 
+def test_an_exclusion_leaves_the_batches_drawn_so_far_and_only_those():
+    """A prefetcher draws steps ahead of the loop: excluding an utterance must not change them."""
+    p, fresh = plans(1)[0], plans(1)[0]
+    ahead = [p.batch(step) for step in range(6)]  # drawn ahead, as a prefetcher does
+    bad = np.unique(np.concatenate([b.utterances for b in ahead]))[:5]
+    p.exclude(bad)
+    for step, before in enumerate(ahead):  # drawn again (the device cache's part of a streamed batch)
+        again = p.batch(step)
+        np.testing.assert_array_equal(again.utterances, before.utterances)
+        np.testing.assert_array_equal(again.starts, before.starts)
+    later = [p.batch(step) for step in range(6, 200)]
+    assert not np.isin(np.concatenate([b.utterances for b in later]), bad).any()
+    assert all(b.frames == 2048 for b in later)
+    fresh.exclude(bad)  # nothing drawn yet: excluded from step 0
+    assert not np.isin(np.concatenate([fresh.batch(s).utterances for s in range(6)]), bad).any()
+
+
+def test_a_length_with_every_utterance_excluded_draws_from_all_again():
+    p = BatchPlan([100, 40, 120], segment_lengths=[64], frames_per_step=256, seed=0)
+    p.exclude([0, 2])
+    assert set(p.batch(0).utterances) <= {0, 2}
+
+
 def test_lengths_no_rank_can_serve_are_dropped_and_reported():
     p = BatchPlan([100, 300, 120, 110], segment_lengths=[64, 256], frames_per_step=512, seed=0, rank=0, world_size=2)
     assert p.segment_lengths == [64] and p.dropped_lengths == [256]

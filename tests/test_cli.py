@@ -1,6 +1,7 @@
 """The trainer from the command line: bad input, single process, resume, signals."""
 import argparse
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -194,6 +195,37 @@ def test_a_nan_frame_in_the_data_is_dropped_named_once_and_never_used_again(tmp_
     assert all(math.isfinite(e["rel_mse"]) for e in events(out, "eval"))
     final = weights(out)["model"]
     assert all(torch.isfinite(v).all() for k, v in final.items() if "rvq" in k and v.is_floating_point())
+
+
+@pytest.mark.parametrize("source", [
+    ["--use_gpu_cache", "--gpu_cache_gb", "0.0001", "--prefetch"],  # part cached, the rest prefetched
+    ["--use_gpu_cache", "--prefetch"],
+    ["--prefetch"],
+    ["--use_gpu_cache", "--gpu_cache_gb", "0.0001"],
+    ["--use_gpu_cache", "--gpu_cache_gb", "0.0001", "--prefetch", "--multi_length_training", "--segment_lengths",
+     "16,32"],
+], ids=["partial_cache_prefetch", "cache_prefetch", "prefetch", "partial_cache", "multi_length_partial_prefetch"])
+def test_utterances_with_nan_rows_are_dropped_and_named_once_by_every_batch_source(tmp_path, source):
+    """A folder of utterances, every second one with NaN rows: bad utterances are found while batches ahead of
+    the step are already planned (prefetched, or partly cached and partly streamed)."""
+    data = tmp_path / "data"
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 40), ("valid", 2)):
+        (data / split).mkdir(parents=True)
+        for i in range(n):
+            u = rng.standard_normal((int(rng.integers(40, 120)), 16)).astype(np.float32)
+            if split == "train" and i % 2:
+                u[5:-5, 0] = np.nan  # every 32-frame crop of it has a NaN frame
+            np.save(data / split / f"u{i:03d}.npy", u)
+    out = tmp_path / "run"
+    r = run_trainer(["--data_dir", data, *TINY, "--max_steps", "24", "--output_dir", out, *source])
+    assert r.returncode == 0, r.stderr[-3000:]
+    named = [line.split(" in ", 1)[1].split(":", 1)[0] for line in r.stderr.splitlines()
+             if "non-finite values (NaN or Inf) in" in line]
+    assert named and len(named) == len(set(named))  # each bad utterance named once
+    assert all(int(Path(n).stem[1:]) % 2 for n in named)
+    train = events(out, "train")
+    assert train[-1]["bad_utterances"] == len(named) and train[-1]["dropped_crops"] >= len(named)
 
 
 def test_float16_and_float32_dumps_of_the_same_features_train_alike(tmp_path):
