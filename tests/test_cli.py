@@ -167,6 +167,46 @@ def test_truncated_checkpoint_falls_back_to_the_previous(tmp_path, small_data):
     assert "unreadable" in r.stderr and "at step 4" in r.stderr
 
 
+def test_unreadable_checkpoints_are_moved_aside_and_never_push_new_ones_out(tmp_path, small_data):
+    """Every checkpoint truncated: the run starts at step 0, and the retention window holds its own checkpoints,
+    not the unreadable ones (which sort newer); those are kept, renamed, and never overwritten."""
+    out = tmp_path / "run"
+    common = ["--data_dir", small_data, *TINY, "--eval_every", "100", "--refit_iters", "0", "--output_dir", out]
+    assert run_trainer([*common, "--max_steps", "12", "--save_every", "4"]).returncode == 0
+    folder = out / "checkpoints"
+    cut = {}
+    for step in (4, 8, 12):
+        path = folder / f"step_{step:08d}.pt"
+        cut[step] = path.read_bytes()[:path.stat().st_size // 2]
+        path.write_bytes(cut[step])
+    r = run_trainer([*common, "--max_steps", "10", "--save_every", "2"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.count("is unreadable (RuntimeError: PytorchStreamReader failed") == 3
+    assert r.stderr.count("moved aside") == 3 and "resumed from" not in r.stderr
+    assert [e["step"] for e in events(out, "checkpoint")[-5:]] == [2, 4, 6, 8, 10]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "step_00000004.pt.unreadable", "step_00000006.pt", "step_00000008.pt", "step_00000008.pt.unreadable",
+        "step_00000010.pt", "step_00000012.pt.unreadable"]
+    assert all((folder / f"step_{step:08d}.pt.unreadable").read_bytes() == cut[step] for step in cut)
+    assert weights(out)["step"] == 10  # the newest readable one is what --resume auto continues from
+
+    r = run_trainer([*common, "--max_steps", "12", "--save_every", "2"])  # moved aside once: no warning again
+    assert r.returncode == 0 and "is unreadable" not in r.stderr and "at step 10" in r.stderr, r.stderr[-3000:]
+
+
+def test_an_empty_or_truncated_checkpoint_is_reported_with_the_reason(tmp_path, caplog):
+    from training.checkpoint import load_latest, save_checkpoint
+
+    save_checkpoint(tmp_path, 2, {"step": 2}, keep=3)
+    (tmp_path / "step_00000004.pt").write_bytes(b"")
+    (tmp_path / "step_00000006.pt").write_bytes(b"not a checkpoint")
+    path, state = load_latest(tmp_path)
+    assert path.name == "step_00000002.pt" and state == {"step": 2}
+    assert "step_00000004.pt is unreadable (empty file)" in caplog.text
+    assert "step_00000006.pt is unreadable (UnpicklingError: " in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir())[-1] == "step_00000006.pt"  # load_latest only reads
+
+
 def test_nan_loss_step_is_skipped_and_counted(tmp_path, small_data):
     out = tmp_path / "run"
     r = run_trainer(["--data_dir", small_data, *TINY, "--max_steps", "8", "--output_dir", out],

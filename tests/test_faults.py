@@ -109,8 +109,26 @@ def test_rank_0s_fallback_from_a_truncated_checkpoint_is_what_every_rank_loads(t
     job = ranks(flags(data, out, "--max_steps", 10))
     assert job.wait(timeout=90) == [0, 0], job.output(0) + job.output(1)  # the sync check at step 8 compares steps
     assert "step_00000008.pt is unreadable" in job.output(0) and "unreadable" not in job.output(1)
+    assert "moved aside to step_00000008.pt.unreadable" in job.output(0)
     assert re.search(r"resumed from \S+/step_00000004\.pt at step 4", job.output(0))
     assert events(out, "stop")[-1]["step"] == 10
+
+
+@pytest.mark.timeout(120)
+def test_when_every_checkpoint_is_unreadable_rank_0_moves_them_aside_before_any_rank_looks(tmp_path, data,
+                                                                                            checkpointed, ranks):
+    """Rank 0 alone renames them, before it sends its choice: rank 1, on the same filesystem, sees none to ignore."""
+    out = tmp_path / "run"
+    shutil.copytree(checkpointed, out)
+    for step in (4, 8):
+        (out / "checkpoints" / f"step_{step:08d}.pt").write_bytes(b"")
+    job = ranks(flags(data, out, "--max_steps", 2))
+    assert job.wait(timeout=90) == [0, 0], job.output(0) + job.output(1)
+    assert job.output(0).count("is unreadable (empty file); moved aside") == 2
+    assert "is unreadable" not in job.output(1) and "are ignored" not in job.output(1)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "step_00000002.pt", "step_00000004.pt.unreadable", "step_00000008.pt.unreadable"]
+    assert [e["step"] for e in events(out, "train")][-2:] == [1, 2]
 
 
 def test_hung_rank_is_named_while_peer_blocks_in_gradient_allreduce(tmp_path, data, ranks):

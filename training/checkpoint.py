@@ -4,9 +4,9 @@ A checkpoint is a plain dict: model, optimizer, grad scaler, step, samples seen,
 epoch, the codec's config, every flag, and every rank's RNG states. `Checkpointer`
 is the one place that decides that content, both ways. A file is written to a
 temporary name, fsynced, then renamed into place, so the last good checkpoint is
-never overwritten in place; a truncated file is detected on resume and the
-previous checkpoint used instead. Which checkpoint every rank resumes from is
-rank 0's choice (training/resume.py).
+never overwritten in place; a truncated file is detected on resume, moved aside
+(NAME.pt.unreadable) and the previous checkpoint used instead. Which checkpoint
+every rank resumes from is rank 0's choice (training/resume.py).
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from training.progress import Progress
 log = logging.getLogger(__name__)
 
 NAME = re.compile(r"^step_(\d{8})\.pt$")
+UNREADABLE = ".unreadable"  # the suffix of a checkpoint moved aside on resume: no longer NAME, so never listed
 
 
 def checkpoint_path(folder: Path, step: int) -> Path:
@@ -67,14 +68,39 @@ def load_checkpoint(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def load_latest(folder: Path) -> tuple[Path, dict] | None:
-    """The newest checkpoint that loads; unreadable ones are reported and skipped."""
+def load_latest(folder: Path, *, set_aside: bool = False) -> tuple[Path, dict] | None:
+    """The newest checkpoint that loads; unreadable ones are reported and skipped. With set_aside (resuming, on
+    rank 0, the one process that writes checkpoints/) each is also renamed NAME.pt.unreadable, so that it neither
+    counts among the --keep_checkpoints, where it would sort newer and push the run's new checkpoints out, nor is
+    overwritten by a new checkpoint of its step. Nothing is deleted."""
     for path in list_checkpoints(folder):
         try:
             return path, load_checkpoint(path)
         except Exception as e:  # noqa: BLE001 - a truncated file: fall back to the one before
-            log.warning("checkpoint %s is unreadable (%s); trying the one before it", path, e)
+            reason = unreadable_reason(path, e)
+        if not set_aside:
+            log.warning("checkpoint %s is unreadable (%s); trying the one before it", path, reason)
+            continue
+        aside = path.with_name(path.name + UNREADABLE)
+        try:
+            os.replace(path, aside)
+        except OSError as e:
+            raise BadInputError(f"checkpoint {path} is unreadable ({reason}) and cannot be moved aside ({e}): "
+                                f"--output_dir must be writable") from e
+        log.warning("checkpoint %s is unreadable (%s); moved aside to %s, trying the one before it", path, reason,
+                    aside.name)
     return None
+
+
+def unreadable_reason(path: Path, error: Exception) -> str:
+    """Why a checkpoint did not load, in a few words: an empty file, else the error's type and first line."""
+    try:
+        if path.stat().st_size == 0:
+            return "empty file"
+    except OSError:
+        pass
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 @dataclass
@@ -85,16 +111,17 @@ class Resume:
 
 def find_resume(resume: str, folder: Path, codec: CodecConfig) -> Resume | None:
     """The checkpoint to continue from (--resume auto, none, or a path), trained with this run's codec.
-    On several ranks, rank 0 alone calls it and the others load its choice (training/resume.py)."""
+    On several ranks, rank 0 alone calls it (it moves unreadable checkpoints aside) and the others load its
+    choice (training/resume.py)."""
     if resume == "none":
         return None
     if resume == "auto":
-        found = load_latest(folder)
+        found = load_latest(folder, set_aside=True)
     else:
         try:
             found = Path(resume), load_checkpoint(Path(resume))
         except Exception as e:  # noqa: BLE001 - missing, truncated or not a checkpoint: the flag is wrong
-            raise BadInputError(f"--resume {resume}: cannot read it: {e}") from e
+            raise BadInputError(f"--resume {resume}: cannot read it: {unreadable_reason(Path(resume), e)}") from e
     if found is None:
         return None
     path, state = found

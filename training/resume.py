@@ -4,9 +4,10 @@ Ranks that each picked their own newest file (two nodes with different
 `--output_dir`s, or one not on a shared filesystem) would start at different
 steps and deadlock in mismatched collectives. So rank 0 alone chooses, as a
 single process does (`find_resume`: the newest readable checkpoint, a truncated
-one skipped, or the `--resume` path), and broadcasts the path and step over the
-control plane. Every other rank reads that checkpoint where its own flags point
-(its `--output_dir`'s checkpoints/, or its `--resume` path) and checks its step;
+one moved aside, or the `--resume` path), and broadcasts the path and step over
+the control plane; rank 0 alone renames files, before it sends its choice. Every
+other rank reads that checkpoint where its own flags point (its `--output_dir`'s
+checkpoints/, or its `--resume` path) and checks its step;
 then one all-gather of each rank's outcome ends every rank at once, with exit 2
 and the rank, the path and the cause named, when any of them could not. When
 rank 0 has none, every rank starts from step 0.
