@@ -167,6 +167,24 @@ def test_truncated_checkpoint_falls_back_to_the_previous(tmp_path, small_data):
     assert "unreadable" in r.stderr and "at step 4" in r.stderr
 
 
+def test_a_run_that_would_start_behind_the_checkpoints_in_its_output_dir_exits_2_and_keeps_them(tmp_path, small_data):
+    """--resume none in a run dir, or an older --resume path: the new run's checkpoints would be the oldest there,
+    pruned first under --keep_checkpoints, and a later --resume auto would pick the old run's."""
+    out = tmp_path / "run"
+    common = ["--data_dir", small_data, *TINY, "--eval_every", "100", "--refit_iters", "0", "--output_dir", out]
+    assert run_trainer([*common, "--max_steps", "12", "--save_every", "4"]).returncode == 0
+    folder = out / "checkpoints"
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    for resume, start in (("none", 0), (str(folder / "step_00000004.pt"), 4)):
+        r = run_trainer([*common, "--max_steps", "14", "--save_every", "2", "--resume", resume])
+        assert r.returncode == 2, r.stderr[-3000:]
+        assert (f"holds checkpoints of another run, up to step_00000012.pt, ahead of step {start} where this run "
+                f"starts (--resume {resume})") in r.stderr
+        assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    r = run_trainer([*common, "--max_steps", "14", "--save_every", "2", "--resume", str(folder / "step_00000012.pt")])
+    assert r.returncode == 0 and "at step 12" in r.stderr, r.stderr[-3000:]  # the newest: nothing ahead of it
+
+
 def test_unreadable_checkpoints_are_moved_aside_and_never_push_new_ones_out(tmp_path, small_data):
     """Every checkpoint truncated: the run starts at step 0, and the retention window holds its own checkpoints,
     not the unreadable ones (which sort newer); those are kept, renamed, and never overwritten."""

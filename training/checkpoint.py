@@ -112,16 +112,24 @@ class Resume:
 def find_resume(resume: str, folder: Path, codec: CodecConfig) -> Resume | None:
     """The checkpoint to continue from (--resume auto, none, or a path), trained with this run's codec.
     On several ranks, rank 0 alone calls it (it moves unreadable checkpoints aside) and the others load its
-    choice (training/resume.py)."""
-    if resume == "none":
-        return None
+    choice (training/resume.py). A run that would start behind checkpoints already in `folder` (--resume none
+    there, or an older --resume path) is refused: its own checkpoints would be the oldest, pruned first."""
+    found = None
     if resume == "auto":
         found = load_latest(folder, set_aside=True)
-    else:
+    elif resume != "none":
         try:
             found = Path(resume), load_checkpoint(Path(resume))
         except Exception as e:  # noqa: BLE001 - missing, truncated or not a checkpoint: the flag is wrong
             raise BadInputError(f"--resume {resume}: cannot read it: {unreadable_reason(Path(resume), e)}") from e
+    start = found[1]["step"] if found is not None else 0
+    ahead = [p for p in list_checkpoints(folder) if int(NAME.match(p.name).group(1)) > start]
+    if ahead:
+        raise BadInputError(
+            f"{folder} holds checkpoints of another run, up to {ahead[0].name}, ahead of step {start} where this "
+            f"run starts (--resume {resume}): they would outlive this run's own under --keep_checkpoints, and "
+            "--resume auto would later pick them. Use another --output_dir, move them away, or --resume auto to "
+            "continue that run")
     if found is None:
         return None
     path, state = found
