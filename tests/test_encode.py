@@ -283,6 +283,13 @@ def test_report_of_the_run(pipeline):
     assert "eval rel_mse" in (pipeline.run / "report" / "report.md").read_text()
 
 
+def test_a_file_that_is_no_checkpoint_exits_2_with_one_reason(tmp_path, caplog):
+    (tmp_path / "notes.pt").write_text("not a checkpoint")
+    assert export.main([tmp_path / "notes.pt", tmp_path / "out"]) == 2
+    assert "could not be read: not a torch checkpoint" in caplog.text and "weights_only" not in caplog.text
+    assert not (tmp_path / "out").exists()
+
+
 def test_encode_refuses_zero_levels(pipeline, tmp_path, caplog):
     assert encode.main(["--checkpoint", pipeline.run, "--data_dir", pipeline.feats, "--num_quantizers", "0",
                         "--output_dir", tmp_path / "out"]) == 2

@@ -7,7 +7,7 @@ import torch
 
 from errors import BadInputError
 from models.codec import CodecConfig, RVQCodec
-from training.checkpoint import load_checkpoint, load_latest
+from training.checkpoint import load_checkpoint, load_latest, unreadable_reason
 
 
 def load_codec(path: str | Path, device: str | torch.device = "cpu") -> tuple[RVQCodec, dict, Path]:
@@ -22,7 +22,7 @@ def load_codec(path: str | Path, device: str | torch.device = "cpu") -> tuple[RV
         try:
             state = load_checkpoint(path)
         except Exception as e:  # noqa: BLE001 - a truncated or foreign file is the user's to fix
-            raise BadInputError(f"--checkpoint {path} could not be read: {e}") from None
+            raise BadInputError(f"--checkpoint {path} could not be read: {unreadable_reason(path, e)}") from None
     else:
         raise BadInputError(f"--checkpoint {path} does not exist: give a checkpoint file or a run's --output_dir")
     if not isinstance(state, dict) or "model" not in state or "codec" not in state:

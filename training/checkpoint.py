@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +100,8 @@ def unreadable_reason(path: Path, error: Exception) -> str:
             return "empty file"
     except OSError:
         pass
+    if isinstance(error, pickle.UnpicklingError):  # torch's text here suggests weights_only=False: not ours to say
+        return "not a torch checkpoint, or one holding objects other than tensors and plain values"
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
