@@ -284,13 +284,42 @@ def _one_dim(dims: dict) -> int:
     return values[0] if values else 0
 
 
-def find_split(data_dir: Path, split: str, loose_files: bool = False, pending: list | None = None,
+TRAIN_SPLIT, VALID_SPLIT = "train", "valid"  # the defaults of --train_split and --valid_split
+_DUMP_LEN = re.compile(r"^(.+)_(\d+)_(\d+)\.len$")
+
+
+def dump_splits(folder: Path) -> list[str]:
+    """The splits of a fairseq dump in `folder`: names with a `{split}_{shard}_{nshard}.npy` and its `.len`
+    beside it (the .len tells a dump's shard from an utterance file that happens to be named like one)."""
+    names = set(os.listdir(folder))
+    return sorted({m.group(1) for name in names if (m := _DUMP_LEN.match(name)) and f"{name[:-4]}.npy" in names})
+
+
+def split_names(folder: Path) -> list[str]:
+    """Every split in `folder`: a fairseq dump's, and sub-folders that hold utterance files."""
+    subs = {p.name for p in folder.iterdir()
+            if p.is_dir() and any(f.suffix in UTTERANCE_SUFFIXES for f in p.iterdir())}
+    return sorted(set(dump_splits(folder)) | subs)
+
+
+def missing_split(data_dir: Path, split: str, flag: str) -> BadInputError:
+    """The error for a split that `data_dir` does not hold, naming the splits it does."""
+    found = split_names(data_dir)
+    if found:
+        return BadInputError(f"no split '{split}' in {data_dir}, which holds the split(s) "
+                             f"{', '.join(repr(s) for s in found)}: give one of them to {flag}")
+    return BadInputError(f"no split '{split}' in {data_dir}: expected a fairseq dump ({split}_0_1.npy with "
+                         f"{split}_0_1.len) or a folder {split}/ of .npy/.pt arrays [T, D]")
+
+
+def find_split(data_dir: Path, split: str, loose_files: bool | None = None, pending: list | None = None,
                manifest_dir: Path | None = None) -> FeatureStore | None:
     """The store of `split` in `data_dir`, or None when the split is not there.
 
     Looked for in order: a fairseq dump (`{split}_{shard}_{nshard}.npy`), a
     sub-folder `{split}/` of utterance files, and, with `loose_files` (the
-    training split), utterance files directly in `data_dir`.
+    training split; by default when `split` is 'train'), utterance files directly
+    in `data_dir` unless it is a fairseq dump (whose shards are not utterances).
     """
     shards = _fairseq_shards(data_dir, split)
     if shards:
@@ -298,7 +327,10 @@ def find_split(data_dir: Path, split: str, loose_files: bool = False, pending: l
     sub = data_dir / split
     if sub.is_dir() and any(p.suffix in UTTERANCE_SUFFIXES for p in sub.iterdir()):
         return _open_directory(sub, split, pending, manifest_dir)
-    if loose_files and any(p.suffix in UTTERANCE_SUFFIXES for p in data_dir.iterdir()):
+    if loose_files is None:
+        loose_files = split == TRAIN_SPLIT
+    if loose_files and any(p.suffix in UTTERANCE_SUFFIXES for p in data_dir.iterdir()) \
+            and not dump_splits(data_dir):
         return _open_directory(data_dir, split, pending, manifest_dir)
     return None
 
@@ -307,8 +339,9 @@ def open_stores(data_dir: str | Path, train_split: str, valid_split: str, *, see
                 manifest_dir: Path | None = None, pending: list | None = None):
     """Open the training and held-out stores; returns (train, valid, note).
 
-    When `valid_split` is absent, a fixed share of the training utterances
-    (chosen from `seed`) is held out, and `note` says so. `manifest_dir` and
+    When `valid_split` is the default ('valid') and absent, a fixed share of the
+    training utterances (chosen from `seed`) is held out, and `note` says so; any
+    other split name that names no split is an error. `manifest_dir` and
     `pending`: where read-only folders' lengths manifests are looked for, and
     the list that collects those to save (`_open_directory`).
     """
@@ -318,14 +351,20 @@ def open_stores(data_dir: str | Path, train_split: str, valid_split: str, *, see
     if not data_dir.is_dir():
         raise BadInputError(f"--data_dir {data_dir} is not a folder")
     train = find_split(data_dir, train_split, loose_files=True, pending=pending, manifest_dir=manifest_dir)
-    if train is None or len(train) == 0:
+    if train is None and split_names(data_dir):
+        raise missing_split(data_dir, train_split, "--train_split")
+    if train is None:
         raise BadInputError(
             f"no training features found in {data_dir}: expected a fairseq dump "
             f"({train_split}_0_1.npy with {train_split}_0_1.len), a folder {train_split}/ of "
             ".npy/.pt arrays [T, D], or such arrays directly in the folder"
         )
-    valid = find_split(data_dir, valid_split, pending=pending, manifest_dir=manifest_dir)
+    if len(train) == 0:
+        raise BadInputError(f"no training features found: {train.description} holds no utterances")
+    valid = find_split(data_dir, valid_split, loose_files=False, pending=pending, manifest_dir=manifest_dir)
     note = None
+    if valid is None and valid_split != VALID_SPLIT:  # a split the user named: a typo must not become a holdout
+        raise missing_split(data_dir, valid_split, "--valid_split")
     if valid is None:
         if len(train) < 2:
             raise BadInputError(f"{train.description} has {len(train)} utterance; at least 2 are needed to hold one out")

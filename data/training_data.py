@@ -24,7 +24,7 @@ from data.crops import CropReader, HostBatches
 from data.demo_corpus import ensure_demo_corpus
 from data.device_cache import DeviceFeatureCache
 from data.prefetcher import Prefetcher
-from data.stores import FeatureStore, open_stores, save_manifest
+from data.stores import TRAIN_SPLIT, VALID_SPLIT, FeatureStore, open_stores, save_manifest
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,9 @@ DEFAULT_BATCH = {"cpu": 16, "cuda": 64}
 class DataConfig:
     data_dir: str | None = field(default=None, metadata={
         "help": "feature store (fairseq dump or folder of [T, D] .npy/.pt); none: the built-in demo corpus"})
-    train_split: str = "train"
-    valid_split: str = field(default="valid", metadata={"help": "when absent, 2% of training utterances are held out"})
+    train_split: str = TRAIN_SPLIT
+    valid_split: str = field(default=VALID_SPLIT, metadata={
+        "help": f"when '{VALID_SPLIT}' is absent, 2% of training utterances are held out; another name must exist"})
     batch_size: int | None = field(default=None, metadata={
         "help": f"crops per rank per step at --segment_length; frames per step stay this x that (with the automatic "
                 f"length, this x {AUTO_LENGTHS[0]}: a shorter length gets more crops); none: "

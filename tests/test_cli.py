@@ -41,6 +41,24 @@ def test_bad_data_exits_2_names_it_and_writes_nothing(tmp_path, case):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("splits,argv,missing,flag", [
+    (["train", "valid"], ["--train_split", "foo", "--valid_split", "bar"], "foo", "--train_split"),
+    (["train"], ["--train_split", "trian"], "trian", "--train_split"),
+    (["train", "valid"], ["--valid_split", "dev"], "dev", "--valid_split"),
+])
+def test_a_split_not_in_a_fairseq_dump_exits_2_naming_the_splits_there(tmp_path, splits, argv, missing, flag):
+    d = tmp_path / "data"
+    for split in splits:
+        write_fairseq(d, split, [100, 120, 140, 160])
+    before = sorted(p.name for p in d.iterdir())
+    out = tmp_path / "run"
+    r = run_trainer(["--data_dir", d, "--output_dir", out, *TINY, "--max_steps", "2", *argv], timeout=120)
+    assert r.returncode == 2, r.stderr[-3000:]
+    there = ", ".join(repr(s) for s in splits)
+    assert f"no split '{missing}' in {d}, which holds the split(s) {there}: give one of them to {flag}" in r.stderr
+    assert not out.exists() and sorted(p.name for p in d.iterdir()) == before  # no manifest in the user's folder
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--batch_size", "0"], "expected a positive number"),
     (["--downsample", "3"], "invalid choice"),
@@ -74,7 +92,7 @@ def test_help_lists_every_flag():
     assert r.returncode == 0, r.stderr[-2000:]
     flags = [o for a in build_parser()._actions if a.help != argparse.SUPPRESS for o in a.option_strings]
     assert len(flags) > 50 and all(f in r.stdout for f in flags), [f for f in flags if f not in r.stdout]
-    assert "when absent, 2% of training utterances are held out" in r.stdout  # a % in a help text shows as it is
+    assert "2% of training utterances are held out" in r.stdout  # a % in a help text shows as it is
 
 
 def test_bad_fault_spec_exits_2(tmp_path):

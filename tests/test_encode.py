@@ -215,6 +215,21 @@ def test_encode_bad_input_exits_2_and_writes_nothing(pipeline, tmp_path, caplog)
     assert not out.exists()
 
 
+def test_encode_reads_utterance_files_directly_in_the_data_dir_as_the_trainer_does(pipeline, tmp_path):
+    """A folder of [T, D] .npy files, the trainer's training split: encode's default --split train reads them."""
+    p = pipeline
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    for i in range(len(p.store)):
+        np.save(loose / f"u{i}.npy", np.asarray(p.store.utterance(i)))
+    r = run_module("tools.encode", "--checkpoint", p.run, "--data_dir", loose, "--output_dir", tmp_path / "codes")
+    assert r.returncode == 0, r.stderr[-3000:]
+    codes, lengths, meta = read_codes(tmp_path / "codes", "train_0_1")
+    expected, expected_lengths, _ = read_codes(p.codes, "train_0_1")
+    assert lengths == expected_lengths and meta["feature_frames"] == list(p.store.lengths)
+    np.testing.assert_array_equal(codes, expected)
+
+
 def run_ops(ops: list, x: torch.Tensor, tensors: dict) -> torch.Tensor:
     """The exported op list in plain torch, on [batch, channels, time]."""
     for op in ops:

@@ -89,6 +89,21 @@ def test_bad_stores_are_named(tmp_path, case):
     assert expected in str(info.value)
 
 
+def test_a_fairseq_dump_is_never_read_as_utterance_files_but_files_named_like_shards_are(tmp_path):
+    dump = tmp_path / "dump"
+    write_fairseq(dump, "train", [40, 50])
+    write_fairseq(dump, "valid", [40])
+    assert find_split(dump, "foo", loose_files=True) is None
+    with pytest.raises(BadInputError, match="no split 'foo' in .*'train', 'valid': give one of them to --train_split"):
+        open_stores(dump, "foo", "valid", seed=0)
+    assert not (dump / ".lengths.npz").exists()
+    loose = tmp_path / "loose"  # utterance files whose names look like shards, with no .len: utterances
+    loose.mkdir()
+    for name in ("spk_1_2.npy", "spk_2_2.npy", "spk_3_2.npy"):
+        np.save(loose / name, np.zeros((40, 4), np.float32))
+    assert len(find_split(loose, "train")) == 3
+
+
 def run_check(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tools.check", *map(str, args)], capture_output=True, text=True,
                           timeout=120, env=env(), cwd=REPO)

@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 
 from data.batch_plan import shard_indices
-from data.stores import find_split, non_finite_utterances
+from data.stores import find_split, missing_split, non_finite_utterances
 from errors import EXIT_BAD_INPUT, EXIT_OK, BadInputError
 from tools.cli import bad_input_exits_2, run
 
@@ -39,10 +39,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if not args.data_dir.is_dir():
         raise BadInputError(f"{args.data_dir} is not a folder")
-    store = find_split(args.data_dir, args.split, loose_files=args.split == "train")
+    store = find_split(args.data_dir, args.split)  # utterance files directly in DATA_DIR: 'train', as trained
     if store is None:
-        raise BadInputError(f"no split '{args.split}' in {args.data_dir}: expected {args.split}_*_*.npy/.len "
-                            f"or a folder {args.split}/ of .npy/.pt utterances")
+        raise missing_split(args.data_dir, args.split, "--split")
     mine = store.subset(shard_indices(len(store), args.rank, args.nshard), store.description)
     bad = 0
     for i in non_finite_utterances(mine):

@@ -43,7 +43,7 @@ from tqdm import tqdm
 from data.audio_manifest import manifest_lines, share_manifest
 from data.code_shard import CodeShardWriter, changed_settings, finished_meta, remove_shard
 from data.dump_writer import NpyRowWriter, len_text, publish, shard_range, write_temporary
-from data.stores import FeatureStore, find_split
+from data.stores import FeatureStore, find_split, missing_split
 from errors import EXIT_OK, BadInputError
 from models.codec import CodecConfig
 from models.codes import code_dtype, code_frames, decode_utterance, encode_in_batches
@@ -64,10 +64,11 @@ def open_share(args, config: CodecConfig, ckpt_path: Path) -> tuple[FeatureStore
     codec. The split's metadata are read; only the share's sources stay open."""
     if not args.data_dir.is_dir():
         raise BadInputError(f"--data_dir {args.data_dir} is not a folder")
-    split = find_split(args.data_dir, args.split)
-    if split is None or len(split) == 0:
-        raise BadInputError(f"no split '{args.split}' in {args.data_dir}: expected a fairseq dump "
-                            f"({args.split}_0_1.npy with .len) or a folder {args.split}/ of .npy/.pt arrays")
+    split = find_split(args.data_dir, args.split)  # utterance files directly in --data_dir: 'train', as trained
+    if split is None:
+        raise missing_split(args.data_dir, args.split, "--split")
+    if len(split) == 0:
+        raise BadInputError(f"{split.description} holds no utterances")
     if split.dim != config.feature_dim:
         raise BadInputError(f"{split.description} has {split.dim}-d features; the codec in {ckpt_path} was "
                             f"trained on {config.feature_dim}-d")
