@@ -25,6 +25,7 @@ from data.demo_corpus import ensure_demo_corpus
 from data.device_cache import DeviceFeatureCache
 from data.prefetcher import Prefetcher
 from data.stores import TRAIN_SPLIT, VALID_SPLIT, FeatureStore, open_stores, save_manifest
+from errors import BadInputError
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,7 @@ def open_training_data(cfg: DataConfig, *, rank: int, world_size: int, seed: int
         log.warning("segment length(s) %s dropped: not every rank has an utterance that long; training on %s",
                     plan.dropped_lengths, plan.segment_lengths)
     length = min(plan.segment_lengths)
+    check_eval_windows(valid, length, cfg, holdout=holdout_note is not None)
     valid_shard = valid.subset(shard_indices(len(valid), rank, world_size), "held out")
     utterances, starts, skipped = eval_windows(valid_shard.lengths, length)
     if skipped:
@@ -182,6 +184,27 @@ def open_training_data(cfg: DataConfig, *, rank: int, world_size: int, seed: int
         log.info("the data folder is read-only: its lengths manifest is in %s", path)
     return TrainingData(cfg, train, shard, plan, EvalWindows(valid_shard, utterances[picked], starts[picked], length,
                                                         resident=cfg.eval_frames > 0))
+
+
+def check_eval_windows(valid: FeatureStore, length: int, cfg: DataConfig, *, holdout: bool) -> None:
+    """A BadInputError unless some held-out utterance holds an eval window of `length` frames. Decided from every
+    held-out utterance, not this rank's, so every rank decides alike; a rank with no window of its own evaluates
+    nothing and joins the others' sums."""
+    longest = int(valid.lengths.max()) if len(valid) else 0
+    if longest >= length:
+        return
+    if holdout:
+        where = f"the {len(valid)} utterance(s) held out of '{cfg.train_split}' (there is no '{cfg.valid_split}' split)"
+        choose = f"add a '{cfg.valid_split}' split"
+    else:
+        where = f"the held-out split '{cfg.valid_split}' ({valid.description}, {len(valid)} utterance(s))"
+        choose = "choose a --valid_split"
+    lower = "--segment_lengths" if cfg.multi_length_training else "--segment_length"
+    raise BadInputError(
+        f"no held-out window to evaluate: the longest utterance of {where} has {longest} frames, fewer than the "
+        f"eval window of {length} frames (the shortest segment length); "
+        + (f"lower {lower} to at most {longest}, or " if longest else "")
+        + f"{choose} with utterances of at least {length} frames")
 
 
 def batch_source(cfg: DataConfig, store: FeatureStore, plan, device: torch.device, *, start_step: int,

@@ -41,6 +41,54 @@ def test_bad_data_exits_2_names_it_and_writes_nothing(tmp_path, case):
     assert not out.exists()
 
 
+def short_held_out(tmp_path, case):
+    """A store whose held-out utterances are all shorter than the eval window; (data, flags, message parts)."""
+    d = tmp_path / "data"
+    i = TINY.index("--segment_length")
+    no_length = TINY[:i] + TINY[i + 2:]  # the automatic segment length
+    if case == "holdout":  # 4 extracted utterances, no valid split: --seed 1234 holds out the first (40 frames)
+        write_fairseq(d, "train", [40, 100, 120, 150])
+        return d, no_length, ["the longest utterance of the 1 utterance(s) held out of 'train' (there is no 'valid' "
+                              "split) has 40 frames, fewer than the eval window of 64 frames",
+                              "lower --segment_length to at most 40, or add a 'valid' split"]
+    write_fairseq(d, "train", np.random.default_rng(0).integers(64, 200, size=20).tolist())
+    write_fairseq(d, "valid", [40, 50], seed=1)
+    flags = [*TINY, "--segment_length", "64"] if case == "valid_split" else [*no_length, "--multi_length_training"]
+    return d, flags, ["held-out split 'valid'", "has 50 frames, fewer than the eval window of 64 frames",
+                      "lower --segment_length" + ("s" if case == "multi_length" else "") + " to at most 50",
+                      "or choose a --valid_split with utterances of at least 64 frames"]
+
+
+@pytest.mark.parametrize("case", ["valid_split", "multi_length", "holdout"])
+def test_a_held_out_split_with_no_eval_window_exits_2_at_start_and_writes_nothing(tmp_path, case):
+    data, flags, message = short_held_out(tmp_path, case)
+    out = tmp_path / "run"
+    r = run_trainer(["--data_dir", data, "--output_dir", out, *flags, "--max_steps", "3"], timeout=120)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "no held-out window to evaluate" in r.stderr and "Traceback" not in r.stderr
+    for part in message:
+        assert part in r.stderr, r.stderr[-2000:]
+    assert not out.exists()
+
+
+def test_an_eval_that_fails_after_the_sums_are_reduced_is_skipped_and_training_goes_on(tmp_path):
+    """Every held-out window has a NaN frame, so none is evaluated: the metrics of the reduced sums fail."""
+    d = tmp_path / "data"
+    write_fairseq(d, "train", np.random.default_rng(0).integers(40, 200, size=20).tolist())
+    utts = write_fairseq(d, "valid", [64, 64], seed=1)
+    valid = np.concatenate(utts)
+    valid[::16] = np.nan
+    np.save(d / "valid_0_1.npy", valid)
+    out = tmp_path / "run"
+    r = run_trainer(["--data_dir", d, "--output_dir", out, *TINY, "--max_steps", "4", "--eval_every", "2",
+                     "--refit_iters", "0"], timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "eval at step 2 failed on every rank" in r.stderr and "Traceback" not in r.stderr
+    assert [(e["step"], e["ranks"]) for e in events(out, "eval_failed")] == [(2, [0]), (4, [0])]
+    assert [e["step"] for e in events(out, "checkpoint")] == [4]
+    assert events(out, "stop")[-1]["reason"] == "max_steps"
+
+
 @pytest.mark.parametrize("splits,argv,missing,flag", [
     (["train", "valid"], ["--train_split", "foo", "--valid_split", "bar"], "foo", "--train_split"),
     (["train"], ["--train_split", "trian"], "trian", "--train_split"),

@@ -31,3 +31,30 @@ def test_launchers_with_multi_length_and_uneven_shards(tmp_path, launcher):
     assert "holding out 1 of 61" in r.stderr
     assert [e["step"] for e in events(out, "eval")] == [6, 12]
     assert events(out, "stop")[-1] == {**events(out, "stop")[-1], "step": 12, "reason": "max_steps"}
+
+
+@pytest.mark.parametrize("valid,codes", [([20, 24, 30], [2, 2]), ([100, 24], [0, 0])])
+def test_held_out_windows_on_no_rank_end_every_rank_at_start_and_on_one_rank_are_evaluated(tmp_path, valid, codes):
+    """Windows of 32 frames: held-out utterances [20, 24, 30] give none on any rank, [100, 24] three on rank 0
+    and none on rank 1, whose eval adds nothing to the sums."""
+    import numpy as np
+
+    from tests.helpers import Ranks, write_fairseq
+
+    data = tmp_path / "data"
+    write_fairseq(data, "train", np.random.default_rng(0).integers(40, 200, size=40).tolist())
+    write_fairseq(data, "valid", valid, seed=1)
+    out = tmp_path / "run"
+    job = Ranks(["--data_dir", data, "--output_dir", out, *TINY, "--max_steps", "4", "--eval_every", "2",
+                 "--refit_iters", "0", "--sync_timeout", "30"], log_dir=tmp_path / "logs")
+    try:
+        assert job.wait(timeout=150) == codes, job.output(0) + job.output(1)
+    finally:
+        job.close()
+    if codes == [2, 2]:
+        for rank in (0, 1):
+            assert "no held-out window to evaluate" in job.output(rank) and "has 30 frames" in job.output(rank)
+        assert not out.exists()
+    else:
+        assert [(e["step"], e["frames"]) for e in events(out, "eval")] == [(2, 96), (4, 96)]
+        assert not events(out, "eval_failed")

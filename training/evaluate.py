@@ -48,19 +48,23 @@ def evaluate(model: RVQCodec, windows: EvalWindows, ctx: DistContext, *, amp_dty
     """Eval on all ranks, written to `metrics` as an `eval` event; None (and an `eval_failed` event) when it
     failed on any rank, in which case every rank skipped it. beam_size: the codes' (1: the nearest code at each
     level, as training picks them; the codec's `beam_size`: as `encode` gives them)."""
-    sums = None
+    sums = vector = None
     try:
         faults.in_eval(step)
         sums = evaluate_shard(model, windows, ctx.device, amp_dtype, batch_frames, beam_size)
+        vector = sums.vector()
     except Exception as e:  # noqa: BLE001 - reported, agreed on, and training goes on
         log.error("eval at step %d failed on rank %d: %r", step, ctx.rank, e)
-    failed = [r for r, flag in enumerate(exchange(ctx, [sums is None])[:, 0]) if flag > 0]
+    failed = [r for r, flag in enumerate(exchange(ctx, [vector is None])[:, 0]) if flag > 0]
     if failed:
-        metrics.write("eval_failed", step, ranks=failed)
-        log.warning("eval at step %d skipped on every rank: it failed on rank(s) %s", step, failed)
-        return None
-    sums.load_vector(all_reduce_sum(ctx, sums.vector()))
-    result = {**sums.result(model.config.downsample), "dead_codes": dead_code_counts(model), "beam_size": beam_size}
+        return skipped(metrics, step, failed)
+    sums.load_vector(all_reduce_sum(ctx, vector))  # a failed collective is a lost peer, not a failed eval
+    try:  # from the reduced sums, the same on every rank: it fails on all of them alike (no frames evaluated...)
+        result = {**sums.result(model.config.downsample), "dead_codes": dead_code_counts(model),
+                  "beam_size": beam_size}
+    except Exception as e:  # noqa: BLE001 - as above, with no need to agree
+        log.error("eval at step %d failed on every rank: %r", step, e)
+        return skipped(metrics, step, list(range(ctx.world_size)))
     metrics.write("eval", step, **result)
     log.info("eval at step %d%s: rel_mse %.4f, cosine %.4f, code usage %s, dead codes %s, %.0f bits/frame", step,
              f" (codes from a beam search {beam_size} wide)" if beam_size > 1 else "", result["rel_mse"],
@@ -70,3 +74,10 @@ def evaluate(model: RVQCodec, windows: EvalWindows, ctx: DistContext, *, amp_dty
         log.warning("eval at step %d: level(s) %s use less than %.0f%% of their codes on held-out data (usage %s): "
                     "codebook collapse", step, low, 100 * LOW_USAGE, [result["code_usage"][level] for level in low])
     return result
+
+
+def skipped(metrics, step: int, failed: list[int]) -> None:
+    """The `eval_failed` event of an eval that every rank skipped."""
+    metrics.write("eval_failed", step, ranks=failed)
+    log.warning("eval at step %d skipped on every rank: it failed on rank(s) %s", step, failed)
+    return None
