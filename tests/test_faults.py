@@ -131,14 +131,22 @@ def test_when_every_checkpoint_is_unreadable_rank_0_moves_them_aside_before_any_
     assert [e["step"] for e in events(out, "train")][-2:] == [1, 2]
 
 
-def test_hung_rank_is_named_while_peer_blocks_in_gradient_allreduce(tmp_path, data, ranks):
+@pytest.mark.parametrize("stopped, fault, named", [
+    # rank 1 stopped while rank 0 blocks in the gradient all-reduce: its heartbeat stops
+    (1, "hang:rank=1:step=6:at=backward", r"stopping at step 6 \(\w+\): rank\(s\) \[1\] silent: no heartbeat"),
+    # rank 0 stopped, and with it the rendezvous store it hosts (srun, hand-started ranks): rank 1's store
+    # requests go unanswered (one can block for good); the collective timeout is 600 s
+    (0, "hang:rank=0:step=10", r"the rendezvous store at 127\.0\.0\.1:\d+, hosted by rank 0, has not answered for \d+s"),
+])
+def test_a_stopped_rank_is_named_within_the_timeout(tmp_path, data, ranks, stopped, fault, named):
     out = tmp_path / "run"
-    job = ranks(flags(data, out, "--max_steps", 30), extra_env={"RVQ_FAULT": "hang:rank=1:step=6:at=backward"})
-    codes = job.wait(timeout=SYNC_TIMEOUT + 90, ranks=[0])
-    assert codes[1] is None and 1 in job.stopped  # stopped, not dead
-    assert codes[0] == 3, job.output(0)
-    assert job.ended[0] - job.stopped[1] <= SYNC_TIMEOUT + 30
-    assert "rank(s) [1] silent" in job.output(0) and "at step 6" in job.output(0)
+    job = ranks(flags(data, out, "--max_steps", 60), extra_env={"RVQ_FAULT": fault})
+    other = 1 - stopped
+    codes = job.wait(timeout=SYNC_TIMEOUT + 90, ranks=[other])
+    assert codes[stopped] is None and stopped in job.stopped  # stopped, not dead
+    assert codes[other] == 3, job.output(other)
+    assert job.ended[other] - job.stopped[stopped] <= SYNC_TIMEOUT + 30
+    assert re.search(named, job.output(other)), job.output(other)
 
 
 def test_perturbed_codebook_is_caught_at_the_next_sync_check(tmp_path, data, ranks):
@@ -261,19 +269,6 @@ def test_checkpoint_write_longer_than_the_timeouts_is_no_alarm(tmp_path, data, r
     assert job.wait(timeout=240) == [0, 0], job.output(0) + job.output(1)
     assert "this checkpoint write takes 25s longer" in job.output(0)
     assert [e["step"] for e in events(out, "checkpoint")] == [8, 16]
-
-
-def test_a_stopped_rank_0_that_hosts_the_store_is_reported_within_the_timeout(tmp_path, data, ranks):
-    """srun and hand-started ranks: rank 0's process hosts the rendezvous store. Stopped, it leaves the other
-    rank's store requests unanswered (a request can then block for good); the collective timeout is 600 s."""
-    out = tmp_path / "run"
-    job = ranks(flags(data, out, "--max_steps", 60), extra_env={"RVQ_FAULT": "hang:rank=0:step=10"})
-    codes = job.wait(timeout=SYNC_TIMEOUT + 90, ranks=[1])
-    assert codes[0] is None and 0 in job.stopped  # stopped, not dead
-    assert codes[1] == 3, job.output(1)
-    assert job.ended[1] - job.stopped[0] <= SYNC_TIMEOUT + 30
-    assert re.search(r"the rendezvous store at 127\.0\.0\.1:\d+, hosted by rank 0, has not answered for \d+s",
-                     job.output(1)), job.output(1)
 
 
 @pytest.mark.parametrize("phase", ["train", "sync check"])  # rank 0 waits in that phase's collective
