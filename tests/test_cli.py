@@ -140,7 +140,7 @@ def test_help_lists_every_flag():
     assert r.returncode == 0, r.stderr[-2000:]
     flags = [o for a in build_parser()._actions if a.help != argparse.SUPPRESS for o in a.option_strings]
     assert len(flags) > 50 and all(f in r.stdout for f in flags), [f for f in flags if f not in r.stdout]
-    assert "2% of training utterances are held out" in r.stdout  # a % in a help text shows as it is
+    assert "2% of training utterances are held out" in " ".join(r.stdout.split())  # a % shows as it is
 
 
 def test_bad_fault_spec_exits_2(tmp_path):
@@ -287,7 +287,8 @@ def test_an_empty_or_truncated_checkpoint_is_reported_with_the_reason(tmp_path, 
     path, state = load_latest(tmp_path)
     assert path.name == "step_00000002.pt" and state == {"step": 2}
     assert "step_00000004.pt is unreadable (empty file)" in caplog.text
-    assert "step_00000006.pt is unreadable (UnpicklingError: " in caplog.text
+    assert "step_00000006.pt is unreadable (not a torch checkpoint, or one holding objects other than tensors" \
+        in caplog.text
     assert sorted(p.name for p in tmp_path.iterdir())[-1] == "step_00000006.pt"  # load_latest only reads
 
 
