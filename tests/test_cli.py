@@ -324,12 +324,10 @@ def test_a_nan_frame_in_the_data_is_dropped_named_once_and_never_used_again(tmp_
 
 @pytest.mark.parametrize("source", [
     ["--use_gpu_cache", "--gpu_cache_gb", "0.0001", "--prefetch"],  # part cached, the rest prefetched
-    ["--use_gpu_cache", "--prefetch"],
     ["--prefetch"],
-    ["--use_gpu_cache", "--gpu_cache_gb", "0.0001"],
     ["--use_gpu_cache", "--gpu_cache_gb", "0.0001", "--prefetch", "--multi_length_training", "--segment_lengths",
      "16,32"],
-], ids=["partial_cache_prefetch", "cache_prefetch", "prefetch", "partial_cache", "multi_length_partial_prefetch"])
+], ids=["partial_cache_prefetch", "prefetch", "multi_length_partial_prefetch"])
 def test_utterances_with_nan_rows_are_dropped_and_named_once_by_every_batch_source(tmp_path, source):
     """A folder of utterances, every second one with NaN rows: bad utterances are found while batches ahead of
     the step are already planned (prefetched, or partly cached and partly streamed)."""
