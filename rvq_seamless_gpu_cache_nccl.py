@@ -35,7 +35,8 @@ from models.codec import CodecConfig, RVQCodec, codebook_tensors
 from training.checkpoint import Checkpointer, Resume
 from training.codebooks import feature_stats, init_codebooks, refit
 from training.config import TrainConfig, parse_args, save_config
-from training.device import cache_dtype, compute_dtype, make_deterministic, select_device
+from training.device import (cache_dtype, check_compile, compile_mode, compute_dtype, make_deterministic,
+                             select_device)
 from training.distributed import (DistContext, all_reduce_sum, destroy, detect_launch, dump_flight_recorder,
                                   final_barrier, free_destroyed_groups, init_distributed, is_distributed_error,
                                   phase_timeout, wrap_ddp)
@@ -66,6 +67,7 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
     if cfg.optim.deterministic:
         make_deterministic()  # before any CUDA work
     device = select_device(cfg.run.device, launch.local_rank, bind_local_rank=launch.world_size > 1)
+    check_compile(cfg.optim.compile, device)
     data = open_training_data(cfg.data, rank=launch.rank, world_size=launch.world_size, seed=cfg.optim.seed,
                               multiple_of=cfg.codec["downsample"], device_type=device.type,
                               manifest_dir=Path(cfg.run.output_dir))
@@ -121,6 +123,7 @@ class Trainer:
         self.amp_dtype = compute_dtype(cfg.optim.precision, ctx.device)
         self.metrics = MetricsLog(None)  # rank 0's writes to the output dir, once build() opens it
         self.batches = None
+        self.codebooks_before = None  # the quantizer's buffers before the step (Trainer.train_step)
         self.failed = False  # a collective failed: the process groups are left to the process exit
         self.exit_code = EXIT_OK
         self.progress.on_enter.append(faults.on_phase)
@@ -142,8 +145,12 @@ class Trainer:
         self.model = RVQCodec(self.codec).to(ctx.device)  # after the process group: the quantizer syncs on it
         if resume is None:  # a resumed model brings its statistics in its state dict
             self.model.set_feature_stats(*(t.to(ctx.device) for t in feature_stats(self.data.train)))
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=(0.9, 0.99),
-                                           weight_decay=cfg.optim.weight_decay)
+        self.params = list(self.model.parameters())  # listed once: walking the modules every step is host time
+        # AdamW fused into one kernel over every parameter (CUDA and CPU), not several ops per parameter
+        fused = ctx.device.type in ("cuda", "cpu")
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, betas=(0.9, 0.99),
+                                           weight_decay=cfg.optim.weight_decay, fused=fused or None,
+                                           foreach=None if fused else True)
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=self.amp_dtype == torch.float16)
         torch.manual_seed(cfg.optim.seed + ctx.rank)
         if resume is not None:
@@ -164,11 +171,59 @@ class Trainer:
                 init_codebooks(self.model, self.data.shard, frames=cfg.codebooks.kmeans_init_frames,
                                length=min(self.data.plan.segment_lengths), seed=cfg.optim.seed + ctx.rank,
                                batch_frames=cfg.data.frames_per_step, device=ctx.device)
+        mode, why = compile_mode(cfg.optim.compile, ctx.device, steps=self.schedule.steps,
+                                 minutes=cfg.optim.max_minutes)
+        if mode is None:
+            log.info("compile: the training step runs eager (%s)", why)
+        else:
+            with self.slow_phase(), p.phase_of("compile"):
+                self.compile_step(mode, why)
         self.bar = tqdm(total=self.schedule.steps, initial=p.step, disable=not self.main_rank, desc="train",
                         unit="step", dynamic_ncols=True, mininterval=1.0)
         self.timer = start_step_timer(self.model, ctx.device, self.amp_dtype, ctx.world_size, log)
         p.phase = "train"
         p.stop_reason = self.schedule.stop_reason(p.step)
+
+    def compile_step(self, mode: str, why: str) -> None:
+        """The codec's training forward and backward under torch.compile, compiled now for each segment length
+        (and quantize-dropout depth) by a step on zeros whose codebook updates and gradients are then undone, so
+        that no step of the loop waits for the compiler. Counted in --max_minutes, as everything since the
+        process start is. With the k-means init left to the first batch, the first step runs eager and the
+        second compiles."""
+        start = time.monotonic()
+        lengths = self.data.plan.segment_lengths
+        seeds = self.model.dropout_variants()
+        self.model.compile_training(mode, variants=len(lengths) * len(seeds))
+        if not self.model.init_done():
+            log.info("compile: torch.compile (mode %s; %s) at the second step, after the k-means init on the first "
+                     "batch", mode, why)
+            return
+        state = self.model.codebook_state()
+        devices = [self.ctx.device] if self.ctx.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):  # a resumed run draws what an unbroken one would
+            for length in lengths:
+                x = torch.zeros(self.data.plan.batch_size(length), length, self.data.train.dim, device=self.ctx.device)
+                keep = torch.ones(len(x), dtype=torch.bool, device=x.device)
+                for seed in seeds:
+                    with torch.autocast(self.ctx.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                        out = self.ddp_model(x, keep, dropout_seed=seed)
+                    self.scaler.scale(out.loss).backward()
+        self.model.restore_codebook_state(state)
+        self.optimizer.zero_grad(set_to_none=True)
+        log.info("compile: the training step compiled (torch.compile, mode %s; %s) for segment length(s) %s%s in "
+                 "%.1f s", mode, why, lengths, f" x {len(seeds)} dropout depths" if len(seeds) > 1 else "",
+                 time.monotonic() - start)
+
+    def forward_backward(self, x: torch.Tensor, keep: torch.Tensor, step: int, micro_batches: int = 1):
+        """One micro-batch's forward and backward (the gradient all-reduce, under DDP); returns the forward's output."""
+        p = self.progress
+        with p.phase_of("forward"), torch.autocast(self.ctx.device.type, dtype=self.amp_dtype,
+                                                   enabled=self.amp_dtype is not None):
+            # quantize dropout's depth: from --seed and the step, alike on every rank, no collective
+            out = self.ddp_model(x, keep, dropout_seed=self.cfg.optim.seed * 1_000_003 + step)
+        with p.phase_of("backward"):  # the gradient all-reduce
+            self.scaler.scale(self.faults.loss(p.step, out.loss) / micro_batches).backward()
+        return out
 
     def open_outputs(self) -> None:
         """Rank 0 alone writes: config.json, metrics.jsonl (and TensorBoard), checkpoints/."""
@@ -197,7 +252,8 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = self.schedule.learning_rate(p.step)
         self.optimizer.zero_grad(set_to_none=True)
-        codebooks_before = self.model.codebook_state()  # the forward updates them; a skipped step puts them back
+        # the forward updates them; a skipped step puts them back (copied into the same tensors every step)
+        self.codebooks_before = self.model.codebook_state(into=self.codebooks_before)
         # the first step may run the k-means init across ranks: it gets the slow-phase timeout
         with self.slow_phase() if p.step == 0 else contextlib.nullcontext():
             for micro in range(accum):
@@ -206,23 +262,20 @@ class Trainer:
                 keep = self.bad_crops.check(batch, x)  # crops with a NaN or Inf frame are dropped on the device
                 # gradients are all-reduced once per step, on the last micro-batch
                 with self.ddp_model.no_sync() if ctx.is_distributed and micro < accum - 1 else contextlib.nullcontext():
-                    with p.phase_of("forward"), torch.autocast(ctx.device.type, dtype=self.amp_dtype,
-                                                               enabled=self.amp_dtype is not None):
-                        out = self.ddp_model(x, keep)
-                    with p.phase_of("backward"):  # the gradient all-reduce
-                        self.scaler.scale(self.faults.loss(p.step, out.loss) / accum).backward()
+                    out = self.forward_backward(x, keep, p.step * accum + micro, micro_batches=accum)
                 p.samples_seen += len(batch.utterances)
                 self.timer.add_frames(batch.frames * ctx.world_size)
         p.enter("optimizer")
         self.scaler.unscale_(self.optimizer)
         # The gradients are all-reduced, so this norm is the same on every rank: a NaN on any
         # rank skips the step on all of them, with no extra collective.
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip or math.inf)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip or math.inf)
         outcome = guarded_step(self.scaler, self.optimizer, grad_norm)
         if outcome is StepOutcome.APPLIED:
             p.bad_in_a_row = 0
+            self.model.maybe_expire_dead_codes(p.step + 1, x, out.codes, keep)  # every --dead_code_every steps
         else:  # skipped: the quantizer's updates in this step's forward are undone too
-            self.model.restore_codebook_state(codebooks_before)
+            self.model.restore_codebook_state(self.codebooks_before)
         if outcome is StepOutcome.BAD:
             p.bad_steps += 1
             p.bad_in_a_row += 1

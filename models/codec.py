@@ -7,6 +7,8 @@ nothing larger, so nothing big can be gathered or reduced by mistake.
 """
 from __future__ import annotations
 
+import functools
+import random
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
@@ -14,6 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from vector_quantize_pytorch import ResidualVQ
+
+
+# Steps between dead-code expiries (benchmarks/README.md, "Dead-code expiry"): each expiry reads the codebooks on
+# the host, so a GPU step waits for it; between expiries the step runs without a host sync from the quantizer.
+DEAD_CODE_EVERY = 10
 
 
 @dataclass
@@ -35,6 +42,9 @@ class CodecConfig:
     ema_decay: float = field(default=0.99, metadata={"kind": "fraction"})
     dead_code_threshold: float = field(default=0.5, metadata={
         "kind": "nonnegative", "help": "re-seed a code whose EMA count of frames per step falls below this"})
+    dead_code_every: int = field(default=DEAD_CODE_EVERY, metadata={
+        "help": "steps between dead-code expiries, at the same steps on every rank (1: after every step); the "
+                "steps between run without the expiry's host syncs"})
     quantize_dropout: bool = field(default=False, metadata={"help": "train for variable bitrate (fewer levels)"})
     commitment_weight: float = field(default=0.25, metadata={"kind": "nonnegative"})
     beam_size: int = field(default=4, metadata={
@@ -134,6 +144,24 @@ class RVQCodec(nn.Module):
             rotation_trick=False,
             beam_score_quantizer_weights=beam_score_weights(config.num_quantizers),
         )
+        # The library's per-forward bookkeeping, run when this codec says (see "Bookkeeping" below): no
+        # expiry inside a forward, only in expire_dead_codes()
+        for codebook in self._codebooks():
+            codebook.has_dead_code_replacement = False
+        self._init_settled = False  # set once every level's k-means init is done: forwards stop checking for it
+        self._compiled_forward = None  # the training forward under torch.compile (compile_training)
+        self._cuda_graphs = False  # compiled with CUDA graphs (torch.compile's reduce-overhead mode)
+        self._quantizer_buffers = None  # list(self.rvq.buffers()), listed once: walking the modules costs ~0.1 ms
+
+    def _apply(self, fn, *args, **kwargs):
+        self._quantizer_buffers = None  # .to(), .cuda(), .half() replace the buffers
+        return super()._apply(fn, *args, **kwargs)
+
+    def quantizer_buffers(self) -> list[torch.Tensor]:
+        """Every buffer of the quantizer (codebooks, EMA sizes and sums, init flags), in a fixed order."""
+        if self._quantizer_buffers is None:
+            self._quantizer_buffers = list(self.rvq.buffers())
+        return self._quantizer_buffers
 
     @torch.no_grad()
     def set_feature_stats(self, mean: torch.Tensor, std: torch.Tensor) -> None:
@@ -176,7 +204,8 @@ class RVQCodec(nn.Module):
         x = self.decoder(latent.transpose(1, 2)).transpose(1, 2)
         return x * self.feature_std + self.feature_mean
 
-    def forward(self, features: torch.Tensor, keep: torch.Tensor | None = None, beam_size: int = 1) -> CodecOutput:
+    def forward(self, features: torch.Tensor, keep: torch.Tensor | None = None, beam_size: int = 1,
+                dropout_seed: int | None = None) -> CodecOutput:
         """features: [B, T, D] with T a multiple of the downsample factor.
 
         keep: [B] bool, the crops to train on (data/bad_crops.py); the others are replaced by a copy of a kept
@@ -184,12 +213,26 @@ class RVQCodec(nn.Module):
         unchanged so the quantizer's collectives and DDP run as on any step. When a rank keeps no crop its
         loss is made non-finite, so every rank skips the step (and restores the codebooks).
         beam_size: in eval mode, the codes of a beam search this wide (`encode`'s); training picks the nearest
-        code at each level."""
+        code at each level.
+        dropout_seed: with quantize_dropout, the seed of this training forward's dropout depth, the same on every
+        rank (the trainer's --seed and step); None: the library draws one on the device and all-reduces it.
+        In training mode, after compile_training() and once the k-means init is done, the compiled forward runs."""
         if beam_size > 1 and self.training:
             raise RuntimeError("a beam search runs in eval mode only; training picks the nearest code at each level")
+        self._settle_init()
+        seed = self._dropout_seed(dropout_seed)
+        if self.training and self._compiled_forward is not None and self._init_settled:
+            if self._cuda_graphs:  # the last replay's outputs are read by now: the next may overwrite them
+                torch.compiler.cudagraph_mark_step_begin()
+            return self._compiled_forward(features, keep, 1, seed)
+        return self._forward(features, keep, beam_size, seed)
+
+    def _forward(self, features: torch.Tensor, keep: torch.Tensor | None, beam_size: int = 1,
+                 dropout_seed: int | None = None) -> CodecOutput:
         features = self._drop_crops(features, keep)
         latent = self._encode_latent(features)
-        quantized, codes, commit = self.rvq(latent, beam_size=beam_size if beam_size > 1 else None)
+        quantized, codes, commit = self.rvq(latent, beam_size=beam_size if beam_size > 1 else None,
+                                            rand_quantize_dropout_fixed_seed=dropout_seed)
         recon_std = self.decoder(quantized.transpose(1, 2)).transpose(1, 2)
         target_std = (features - self.feature_mean) / self.feature_std
         sq_error = (recon_std.float() - target_std.float()) ** 2
@@ -206,19 +249,133 @@ class RVQCodec(nn.Module):
         return CodecOutput(reconstruction, codes, recon_loss, commit_loss, loss)
 
     @torch.no_grad()
-    def codebook_state(self) -> list[torch.Tensor]:
+    def codebook_state(self, into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """A device copy of every quantizer buffer (codebooks, EMA sizes and sums, init flags): the library
-        updates them inside the training forward, before any gradient check; no host sync."""
-        return [buffer.detach().clone() for buffer in self.rvq.buffers()]
+        updates them inside the training forward, before any gradient check; no host sync. into: the list an
+        earlier call returned, copied into in one multi-tensor op with no allocation (the trainer's every step)."""
+        buffers = self.quantizer_buffers()
+        if into is None or len(into) != len(buffers):
+            return [buffer.detach().clone() for buffer in buffers]
+        torch._foreach_copy_(into, buffers)
+        return into
 
     @torch.no_grad()
     def restore_codebook_state(self, state: list[torch.Tensor]) -> None:
         """Put back what `codebook_state` copied: a skipped step leaves the quantizer as it was."""
-        buffers = list(self.rvq.buffers())
+        buffers = self.quantizer_buffers()
         if len(buffers) != len(state):  # the library re-registers a buffer only in options this codec never sets
             raise RuntimeError(f"the quantizer has {len(buffers)} buffers, the snapshot {len(state)}")
-        for buffer, saved in zip(buffers, state):
-            buffer.copy_(saved)
+        torch._foreach_copy_(buffers, state)
+
+    # ---- Bookkeeping. The library does three things inside every training forward that make the host wait
+    # for the device: it reads each level's k-means init flag, it checks for dead codes (torch.any, .item()),
+    # and with quantize dropout it draws the depth on the device, all-reduces it and reads it. This codec
+    # decides when they run instead, the same way on every rank with no collective of its own: the init flag
+    # is read until the init is done, then no more; expiry runs every `dead_code_every` steps, called by the
+    # trainer between steps (the library's own expire_codes_, on the same buffers); the dropout depth comes
+    # from a seed the trainer derives from --seed and the step. What is left of the forward compiles whole.
+
+    def _codebooks(self) -> list[nn.Module]:
+        return [layer._codebook for layer in self.rvq.layers]
+
+    def _settle_init(self) -> None:
+        """Once every level is initialised (k-means on the first batch or `init_codebooks`, or restored from a
+        checkpoint), the library's init check becomes a no-op on each level: it read the flag on the host in
+        every forward. Until then, one host read per forward."""
+        if self._init_settled:
+            return
+        codebooks = self._codebooks()
+        if not bool(torch.stack([c.initted for c in codebooks]).all()):
+            return
+        for codebook in codebooks:
+            codebook.init_embed_ = _init_done
+        self._init_settled = True
+
+    def init_done(self) -> bool:
+        """Every level's k-means init is done (or restored): the training forward reads no flag any more."""
+        self._settle_init()
+        return self._init_settled
+
+    def dropout_variants(self) -> list[int | None]:
+        """The dropout seeds to compile the training forward for: one per quantize-dropout depth ([None]
+        without quantize dropout)."""
+        rvq = self.rvq
+        if not rvq.quantize_dropout:
+            return [None]
+        return list(_depth_seeds(rvq.quantize_dropout_cutoff_index, rvq.num_quantizers).values())
+
+    def _dropout_seed(self, seed: int | None) -> int | None:
+        """The seed handed to the library's quantize dropout: one that gives the depth `seed` would (the
+        library's own rule, random.Random(seed).randrange), taken from one seed per depth, so that a compiled
+        forward has one variant per depth rather than one per step."""
+        rvq = self.rvq
+        if seed is None or not (self.training and rvq.quantize_dropout):
+            return None
+        depths = range(rvq.quantize_dropout_cutoff_index, rvq.num_quantizers)
+        return _depth_seeds(depths.start, depths.stop)[random.Random(seed).randrange(depths.start, depths.stop)]
+
+    def compile_training(self, mode: str = "default", variants: int = 1) -> None:
+        """Run the training forward (and so its backward) under torch.compile, one graph per input shape
+        (static shapes: one per segment length) and per quantize-dropout depth; `variants`: how many such
+        graphs the run may need. mode: torch.compile's ("default"; "reduce-overhead": CUDA graphs). The
+        eval-mode forward, encode and decode stay eager."""
+        needed = variants * (self.rvq.num_quantizers if self.rvq.quantize_dropout else 1)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, needed)
+        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
+                                                               needed)
+        self._compiled_forward = torch.compile(self._forward, mode=mode, dynamic=False)
+        self._cuda_graphs = mode == "reduce-overhead"
+
+    @property
+    def compiled(self) -> bool:
+        return self._compiled_forward is not None
+
+    @torch.no_grad()
+    def expire_dead_codes(self, features: torch.Tensor, codes: torch.Tensor, keep: torch.Tensor | None = None) -> int:
+        """The library's dead-code expiry (its `expire_codes_`) on every level that has a dead code: each code
+        whose EMA cluster size is below the threshold is re-seeded from this batch's residuals at that level.
+        features, keep: the step's batch, as given to `forward`; codes: the codes that forward returned (the
+        residual at a level is the latent less the codes of the levels before, as in the training forward).
+        A training-mode call that every rank makes at the same step: the library samples the new codes across
+        ranks, and the EMA sizes it reads are alike on every rank. One host read finds the levels with dead
+        codes (none: nothing else runs); the library reads each such level twice more. Returns their number."""
+        if not self.training:
+            raise RuntimeError("expire_dead_codes() is training bookkeeping; call model.train() first")
+        threshold = self.config.dead_code_threshold
+        if threshold <= 0:
+            return 0
+        levels = self.rvq.layers
+        dead = torch.stack([layer._codebook.cluster_size.lt(threshold).any() for layer in levels]).tolist()
+        if not any(dead):
+            return 0
+        latent = self._encode_latent(self._drop_crops(features, keep))
+        residual = self.rvq.project_in(latent.float())
+        quantized = self.rvq.get_codes_from_indices(codes)  # [levels, B, T', codebook_dim]; 0 where dropped out
+        for layer, level_codes, has_dead in zip(levels, quantized, dead):
+            if has_dead:
+                codebook = layer._codebook
+                codebook.has_dead_code_replacement = True
+                try:  # [1, frames, dim]: the library reads the first dim as its codebook heads
+                    layer.expire_codes_(residual.reshape(1, -1, residual.shape[-1]))
+                finally:
+                    codebook.has_dead_code_replacement = False
+            residual = residual - level_codes
+        return sum(dead)
+
+    def maybe_expire_dead_codes(self, step: int, features: torch.Tensor, codes: torch.Tensor,
+                                keep: torch.Tensor | None = None) -> int:
+        """`expire_dead_codes` after every `dead_code_every`-th step (`step` counts steps done, from 1)."""
+        if self.config.dead_code_threshold <= 0 or step % self.config.dead_code_every:
+            return 0
+        return self.expire_dead_codes(features, codes, keep)
+
+    @torch.no_grad()
+    def scale_codebook_(self, level: int, factor: float) -> None:
+        """Scale one level's codebook and its EMA sums (the library recomputes the codebook from them): a
+        codebook that differs on one rank, for the sync check's fault drill."""
+        codebook = self._codebooks()[level]
+        codebook.embed_avg.mul_(factor)
+        codebook.embed.mul_(factor)
 
     @torch.no_grad()
     def init_codebooks(self, features: torch.Tensor, batch_frames: int, keep: torch.Tensor | None = None) -> None:
@@ -237,9 +394,10 @@ class RVQCodec(nn.Module):
         finally:
             self.rvq.quantize_dropout = dropout
         scale = batch_frames / (features.shape[0] * features.shape[1])
-        for layer in self.rvq.layers:
-            layer._codebook.cluster_size.mul_(scale)
-            layer._codebook.embed_avg.mul_(scale)
+        for codebook in self._codebooks():
+            codebook.cluster_size.mul_(scale)
+            codebook.embed_avg.mul_(scale)
+        self._settle_init()
 
     @torch.no_grad()
     def refit_codebooks(self, utterances: list[torch.Tensor], iters: int, batch_frames: int, all_reduce=None,
@@ -393,6 +551,21 @@ def split_empty_codes(means: torch.Tensor, counts: torch.Tensor, generator: torc
         half = counts[donor] // 2
         counts[code], counts[donor] = half, counts[donor] - half
         weight[code], weight[donor] = (half - 1).clamp_min(0), (counts[donor] - 1).clamp_min(0)
+
+
+def _init_done(data, mask=None) -> None:
+    """A level's k-means init, once it is done: nothing to check (the library's reads its flag on the host)."""
+
+
+@functools.cache
+def _depth_seeds(first: int, stop: int) -> dict[int, int]:
+    """For each quantize-dropout depth in range(first, stop), the smallest seed from which the library's rule
+    (random.Random(seed).randrange(first, stop)) draws it."""
+    seeds, seed = {}, 0
+    while len(seeds) < stop - first:
+        seeds.setdefault(random.Random(seed).randrange(first, stop), seed)
+        seed += 1
+    return seeds
 
 
 def dead_code_counts(model: RVQCodec) -> list[int]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from data.training_data import DataConfig
 from models.codec import CodecConfig
+from training.device import COMPILE_CHOICES
 
 DEFAULT_NCCL_TIMEOUT = 1800  # seconds; PyTorch's own default for NCCL groups
 
@@ -114,6 +115,11 @@ class OptimConfig:
     precision: str = flag("auto", "auto: bf16 on a GPU that supports it, else fp32",
                           choices=("auto", "fp32", "bf16", "fp16"))
     seed: int = flag(1234, kind="any")
+    compile: str = flag("auto", "run the training forward and backward compiled (torch.compile), one graph per "
+                                "segment length, compiled before the first step: auto (on with a GPU; off on a CPU, "
+                                "where it does not pay at the default codec), on, off, or cudagraphs (on, plus CUDA "
+                                "graphs: torch.compile's reduce-overhead mode)",
+                        choices=COMPILE_CHOICES)
     deterministic: bool = flag(False, "deterministic kernels only (torch.use_deterministic_algorithms, cuBLAS "
                                       "workspace :4096:8), so that a resumed GPU run matches an unbroken one bit for bit; "
                                       "costs speed (scatter/index_add and GEMMs without their fastest kernels) and "

@@ -102,10 +102,7 @@ class FaultInjector:
         if fault:
             os.kill(os.getpid(), getattr(signal, f"SIG{fault.sig}"))
         if self._take("desync", step):
-            codebook = model.rvq.layers[0]._codebook
-            with torch.no_grad():  # the library recomputes embed from embed_avg: scale both
-                codebook.embed_avg.mul_(1.01)
-                codebook.embed.mul_(1.01)
+            model.scale_codebook_(0, 1.01)
 
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         """Called between the forward and the backward pass."""

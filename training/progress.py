@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 # Phases that may legitimately take long: they get --slow_phase_timeout, every other phase --sync_timeout.
-SLOW_PHASES = ("setup", "k-means init", "eval", "refit", "checkpoint", "teardown")
+SLOW_PHASES = ("setup", "k-means init", "compile", "eval", "refit", "checkpoint", "teardown")
 # Within a step (counted as step + 1, the step being done), in the order the main thread enters them ...
 IN_STEP = ("data", "forward", "backward", "optimizer")
 # ... then after the step's count went up.
@@ -25,7 +25,7 @@ def order(step: int, phase: str) -> tuple:
         return step + 1, IN_STEP.index(phase)
     if phase in AFTER_STEP:
         return step, len(IN_STEP) + AFTER_STEP.index(phase)
-    return step, -1  # setup, k-means init: before the first step of this run
+    return step, -1  # setup, k-means init, compile: before the first step of this run
 
 
 @dataclass
