@@ -176,53 +176,32 @@ class Trainer:
         if mode is None:
             log.info("compile: the training step runs eager (%s)", why)
         else:
-            with self.slow_phase(), p.phase_of("compile"):
-                self.compile_step(mode, why)
+            self.model.compile_training(mode, variants=len(self.data.plan.segment_lengths))
+            log.info("compile: the training step runs under torch.compile (mode %s; %s), compiled at the first step "
+                     "of each segment length %s", mode, why, self.data.plan.segment_lengths)
         self.bar = tqdm(total=self.schedule.steps, initial=p.step, disable=not self.main_rank, desc="train",
                         unit="step", dynamic_ncols=True, mininterval=1.0)
         self.timer = start_step_timer(self.model, ctx.device, self.amp_dtype, ctx.world_size, log)
         p.phase = "train"
         p.stop_reason = self.schedule.stop_reason(p.step)
 
-    def compile_step(self, mode: str, why: str) -> None:
-        """The codec's training forward and backward under torch.compile, compiled now for each segment length
-        (and quantize-dropout depth) by a step on zeros whose codebook updates and gradients are then undone, so
-        that no step of the loop waits for the compiler. Counted in --max_minutes, as everything since the
-        process start is. With the k-means init left to the first batch, the first step runs eager and the
-        second compiles."""
-        start = time.monotonic()
-        lengths = self.data.plan.segment_lengths
-        seeds = self.model.dropout_variants()
-        self.model.compile_training(mode, variants=len(lengths) * len(seeds))
-        if not self.model.init_done():
-            log.info("compile: torch.compile (mode %s; %s) at the second step, after the k-means init on the first "
-                     "batch", mode, why)
-            return
-        state = self.model.codebook_state()
-        devices = [self.ctx.device] if self.ctx.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):  # a resumed run draws what an unbroken one would
-            for length in lengths:
-                x = torch.zeros(self.data.plan.batch_size(length), length, self.data.train.dim, device=self.ctx.device)
-                keep = torch.ones(len(x), dtype=torch.bool, device=x.device)
-                for seed in seeds:
-                    with torch.autocast(self.ctx.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-                        out = self.ddp_model(x, keep, dropout_seed=seed)
-                    self.scaler.scale(out.loss).backward()
-        self.model.restore_codebook_state(state)
-        self.optimizer.zero_grad(set_to_none=True)
-        log.info("compile: the training step compiled (torch.compile, mode %s; %s) for segment length(s) %s%s in "
-                 "%.1f s", mode, why, lengths, f" x {len(seeds)} dropout depths" if len(seeds) > 1 else "",
-                 time.monotonic() - start)
-
     def forward_backward(self, x: torch.Tensor, keep: torch.Tensor, step: int, micro_batches: int = 1):
-        """One micro-batch's forward and backward (the gradient all-reduce, under DDP); returns the forward's output."""
+        """One micro-batch's forward and backward (the gradient all-reduce, under DDP); returns the forward's output.
+        The first of each compiled variant (segment length, dropout depth) compiles: a slow phase, timed and logged;
+        compile time counts in --max_minutes like the rest."""
         p = self.progress
-        with p.phase_of("forward"), torch.autocast(self.ctx.device.type, dtype=self.amp_dtype,
-                                                   enabled=self.amp_dtype is not None):
-            # quantize dropout's depth: from --seed and the step, alike on every rank, no collective
-            out = self.ddp_model(x, keep, dropout_seed=self.cfg.optim.seed * 1_000_003 + step)
-        with p.phase_of("backward"):  # the gradient all-reduce
-            self.scaler.scale(self.faults.loss(p.step, out.loss) / micro_batches).backward()
+        seed = self.cfg.optim.seed * 1_000_003 + step  # quantize dropout's depth: alike on every rank, no collective
+        compiling = self.model.compiles(x, seed)
+        start = time.monotonic()
+        with self.slow_phase() if compiling else contextlib.nullcontext():
+            with p.phase_of("compile" if compiling else "forward"), torch.autocast(
+                    self.ctx.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                out = self.ddp_model(x, keep, dropout_seed=seed)
+            with p.phase_of("compile" if compiling else "backward"):  # the gradient all-reduce
+                self.scaler.scale(self.faults.loss(p.step, out.loss) / micro_batches).backward()
+        if compiling:
+            log.info("compile: the training step for segment length %d compiled (forward and backward) in %.1f s",
+                     x.shape[1], time.monotonic() - start)
         return out
 
     def open_outputs(self) -> None:

@@ -37,6 +37,11 @@ LOSS_RTOL = {"prefetch": 1e-5, "cache": 1e-5}
 # comparable; the last logged loss is, within this relative tolerance
 RESUME_LOSS_RTOL = 0.05
 DRILL_KERNEL_S = 30  # one GPU: the kernel the drill's collective waits behind
+# compiled (--compile on, cudagraphs) against eager: fp32 losses of the first steps under --deterministic, relative
+# (the compiler fuses and reorders float sums; tests/test_compiled_step.py holds a CPU run to the same tolerance)
+COMPILED_LOSS_RTOL = 1e-3
+COMPILED_LOSS_STEPS = 20
+LARGE_BATCH = 512  # crops a step: README "Measured" reasons that twice the plain loop needs some 600-700
 W2V_MIN_COSINE = 0.99  # bf16 against fp32 features of a random w2v-BERT, per frame
 
 
@@ -202,6 +207,117 @@ def step_presets(args):
                        f"{failed or ''}", results
 
 
+SPEED: dict[tuple, dict] = {}  # trained_speed's runs in this process
+
+
+def trained_speed(steps: int, *extra) -> dict:
+    """One trainer run on the demo corpus from the device cache (the step's figures, not the host's batch
+    assembly): frames/s over all its windows but the first (warm-up, CUDA graph capture: total frames / total
+    time), with no eval, checkpoint or refit inside them, as in bench_train.py (data_wait_frac: the windows'
+    mean); its compile time from the log. Kept per flags for this process: the "batch 512" step reuses what the
+    "compiled step" step measured."""
+    key = (steps, *map(str, extra))
+    if key in SPEED:
+        return SPEED[key]
+    from benchmarks.bench_train import compile_seconds
+
+    with tempfile.TemporaryDirectory(prefix="smoke") as folder:
+        out = Path(folder)
+        began = time.perf_counter()
+        job = run([*TRAINER, "--output_dir", out, "--resume", "none", "--max_steps", steps, "--log_every", 10,
+                   "--eval_every", 10 * steps, "--save_every", 10 * steps, "--refit_iters", 0, "--use_gpu_cache",
+                   *extra])
+        train = events(out, "train")[1:] if (out / "metrics.jsonl").exists() else []
+    result = {"exit": job.returncode, "seconds": round(time.perf_counter() - began, 1),
+              "compile_seconds": compile_seconds(job.stderr)}
+    if job.returncode == 0 and train:
+        result.update(frames_per_sec=round(len(train) / sum(1 / e["frames_per_sec"] for e in train)),
+                      data_wait_frac=round(sum(e["data_wait_frac"] for e in train) / len(train), 4),
+                      mfu=round(sum(e["mfu"] for e in train) / len(train), 5),
+                      segment_length=train[-1]["segment_length"], windows=len(train))
+    else:
+        result["stderr"] = job.stderr[-3000:]
+    SPEED[key] = result
+    return result
+
+
+def first_losses(compile_flag: str) -> tuple[subprocess.CompletedProcess, list]:
+    """The loss of each of the first COMPILED_LOSS_STEPS steps, fp32 under --deterministic, at --compile
+    `compile_flag` (eager: two such runs give the same losses, so what differs is the compiler's)."""
+    steps = COMPILED_LOSS_STEPS
+    with tempfile.TemporaryDirectory(prefix="smoke") as out:
+        job = run([*TRAINER, "--output_dir", out, "--resume", "none", "--max_steps", steps, "--log_every", 1,
+                   "--eval_every", 10 * steps, "--save_every", 10 * steps, "--refit_iters", 0, "--precision", "fp32",
+                   "--deterministic", "--compile", compile_flag])
+        losses = [e["loss"] for e in events(Path(out), "train")] if job.returncode == 0 else []
+    return job, losses
+
+
+def compile_time(row: dict) -> str:
+    seconds = row.get("compile_seconds")
+    return "no compile time logged" if seconds is None else f"compiled in {seconds:.0f} s"
+
+
+def relative_gap(losses: list, reference: list) -> float:
+    """The largest relative difference step by step (a non-finite loss on either side: infinite)."""
+    if len(losses) != len(reference):
+        return float("inf")
+    return max((abs(a - b) / abs(b) if a is not None and b is not None and b else float("inf")
+                for a, b in zip(losses, reference)), default=float("inf"))
+
+
+def step_compiled_step(args):
+    """The training step compiled (--compile on) and with CUDA graphs (--compile cudagraphs) against eager
+    (--compile off), at the default codec and GPU batch: frames/s of each at the default precision, with its
+    compile time; and the fp32 losses of the first COMPILED_LOSS_STEPS steps under --deterministic, which must
+    agree with eager's within COMPILED_LOSS_RTOL (relative), as a CPU run does in tests/test_compiled_step.py."""
+    needs_cuda()
+    flags = ("off", "on", "cudagraphs")
+    steps = max(args.steps, 30)
+    speed = {flag: trained_speed(steps, "--compile", flag) for flag in flags}
+    losses, failed, stderr = {}, [], {}
+    for flag in flags:
+        job, losses[flag] = first_losses(flag)
+        if job.returncode:
+            failed.append(f"fp32 --compile {flag}: exit {job.returncode}")
+            stderr[f"fp32 {flag}"] = job.stderr[-3000:]
+    failed += [f"--compile {flag}: exit {r['exit']}" for flag, r in speed.items()
+               if r["exit"] or "frames_per_sec" not in r]
+    details = {"speed": speed, "losses": losses, "loss_rtol": COMPILED_LOSS_RTOL, **stderr}
+    if failed:
+        return False, "; ".join(failed), details
+    gaps = {flag: relative_gap(losses[flag], losses["off"]) for flag in ("on", "cudagraphs")}
+    details["loss_gap"] = gaps
+    eager = speed["off"]["frames_per_sec"]
+    figure = ", ".join(f"--compile {flag} {r['frames_per_sec']:,} frames/s"
+                       + ("" if flag == "off" else f" ({r['frames_per_sec'] / eager:.2f}x, {compile_time(r)})")
+                       for flag, r in speed.items())
+    figure += f"; fp32 losses of {COMPILED_LOSS_STEPS} steps against eager: " + ", ".join(
+        f"{flag} {gap:.1e}" for flag, gap in gaps.items()) + f" (tolerance {COMPILED_LOSS_RTOL})"
+    return all(gap <= COMPILED_LOSS_RTOL for gap in gaps.values()), figure, details
+
+
+def step_batch_512(args):
+    """Frames/s of the compiled step (--compile on) at LARGE_BATCH crops a step against the GPU's default batch
+    (64 crops of 128 frames), and eager at LARGE_BATCH: whether a larger batch lifts a host-bound step's
+    throughput (twice the plain loop's takes some 600-700 crops, README "Measured"). A measurement: it passes
+    when the runs finish."""
+    needs_cuda()
+    steps = max(args.steps, 30)
+    runs = {"compiled, default batch": ("--compile", "on"),
+            f"compiled, {LARGE_BATCH} crops": ("--compile", "on", "--batch_size", LARGE_BATCH),
+            f"eager, {LARGE_BATCH} crops": ("--compile", "off", "--batch_size", LARGE_BATCH)}
+    results = {name: trained_speed(steps, *flags) for name, flags in runs.items()}
+    failed = [f"{name}: exit {r['exit']}" for name, r in results.items() if r["exit"] or "frames_per_sec" not in r]
+    if failed:
+        return False, "; ".join(failed), results
+    base, large, eager = (results[name] for name in runs)
+    return True, f"compiled: {large['frames_per_sec']:,} frames/s at {LARGE_BATCH} crops, " \
+                 f"{large['frames_per_sec'] / base['frames_per_sec']:.2f}x the default batch's " \
+                 f"{base['frames_per_sec']:,}; eager at {LARGE_BATCH} crops: {eager['frames_per_sec']:,} " \
+                 f"(data wait {large['data_wait_frac']:.1%}, compiled)", results
+
+
 def step_fp32_losses(args):
     needs_cuda()
     losses = {}
@@ -342,23 +458,30 @@ def step_timeout_drill(args):
 
 def step_benchmarks(args):
     """bench_data (the host side of batch assembly) and bench_train at the default codec and batch on the GPU,
-    against the plain DataLoader loop: with --use_gpu_cache, data_wait_frac <= 1% and at least 2x its frames/s."""
+    eager and compiled, against the plain DataLoader loop: with --use_gpu_cache and --compile on,
+    data_wait_frac <= 1% and at least 2x its frames/s (the eager row's figures are reported beside it)."""
     needs_cuda()
     figures = {}
-    for script, extra in (("bench_data.py", []), ("bench_train.py", ["--device", "cuda", "--codec", "default"])):
+    for script, extra in (("bench_data.py", []),
+                          ("bench_train.py", ["--device", "cuda", "--codec", "default", "--compile", "off,on",
+                                              "--ours", "gpu_cache", "--repeats", 1])):
         out = REPO / "benchmarks" / "results" / f"gpu_{script.replace('.py', '.json')}"
         job = run([sys.executable, REPO / "benchmarks" / script, "--out", out, *extra], timeout=900)
         if job.returncode:
             return False, f"{script}: exit {job.returncode}", {"stderr": job.stderr[-3000:]}
         figures[script] = json.loads(out.read_text())
     runs = figures["bench_train.py"]["runs"]
-    cache = next(row for name, row in runs.items() if name.startswith("ours: --use_gpu_cache (all"))
+    cache = {row["compile"]: row for name, row in runs.items() if name.startswith("ours: --use_gpu_cache (all")}
+    compiled, eager = cache["on"], cache["off"]
     plain = max((row for name, row in runs.items() if name.startswith("plain")), key=lambda row: row["frames_per_sec"])
-    ok = cache["data_wait_frac"] <= 0.01 and cache["vs_best_plain"] >= 2
+    ok = compiled["data_wait_frac"] <= 0.01 and compiled["vs_best_plain"] >= 2
     ceiling = plain["frames_per_sec_no_wait"] / plain["frames_per_sec"]  # the plain loop's step with no data wait
-    return ok, f"--use_gpu_cache: {cache['frames_per_sec']:,} frames/s, data wait {cache['data_wait_frac']:.1%} " \
-               f"(<= 1%), {cache['vs_best_plain']}x the plain loop (>= 2x), MFU {cache['mfu']:.1%}; a perfect " \
-               f"data path at this batch: {ceiling:.2f}x the plain loop; benchmarks/results/gpu_bench_*.json", figures
+    return ok, f"--use_gpu_cache --compile on: {compiled['frames_per_sec']:,} frames/s, data wait " \
+               f"{compiled['data_wait_frac']:.1%} (<= 1%), {compiled['vs_best_plain']}x the plain loop (>= 2x), " \
+               f"MFU {compiled['mfu']:.1%}, {compile_time(compiled)}; eager: " \
+               f"{eager['frames_per_sec']:,} frames/s, data wait {eager['data_wait_frac']:.1%}, " \
+               f"{eager['vs_best_plain']}x; a perfect data path at this batch: {ceiling:.2f}x the plain loop; " \
+               "benchmarks/results/gpu_bench_*.json", figures
 
 
 def step_w2v_bert_bf16(args):
@@ -398,6 +521,8 @@ STEPS = [
     ("nccl one rank", step_nccl_one_rank, False),
     ("timeout drill", step_timeout_drill, False),
     ("fp32 losses", step_fp32_losses, False),
+    ("compiled step", step_compiled_step, False),
+    ("batch 512", step_batch_512, False),
     ("resume", step_resume, False),
     ("presets", step_presets, False),
     ("benchmarks", step_benchmarks, False),

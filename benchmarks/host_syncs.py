@@ -9,8 +9,13 @@ confirms them (benchmarks/gpu_smoke.py). It also counts every op dispatched, by 
 for it: each is host work (on a GPU most are a kernel launch), so where a step is bound by the host,
 that count is its cost.
 
-    python -m benchmarks.host_syncs [--crops 4 --frames 256 --foreach]
+    python -m benchmarks.host_syncs [--crops 4 --frames 256 --foreach] [--compile]
         # one step of the default codec: syncs by source line, ops by owner
+
+With --compile the training forward and backward run as the trainer runs them under `--compile on`
+(torch.compile, one graph): the ops a compiled step dispatches are inductor's kernels (each launched once a
+step; counted as generated) plus the library calls its graphs make (matrix products, convolutions) and what
+runs outside the graph (the optimizer, the step decision), which the dispatch counter sees as in eager.
 """
 from __future__ import annotations
 
@@ -113,8 +118,88 @@ def one_step_syncs(model, x: torch.Tensor, optimizer, scaler,
     return model_syncs, step_syncs, time.perf_counter() - start
 
 
+GRAPH_CALL = "## Call CompiledFxGraph"  # the profiler's event for one run of an inductor graph
+
+
+def _ancestors(event):
+    event = event.cpu_parent
+    while event is not None:
+        yield event
+        event = event.cpu_parent
+
+
+def _is_sync(event) -> bool:
+    return event.name.startswith("aten::") and event.name[6:] in SYNC_OPS | {"item"}
+
+
+def profiled_ops(step) -> dict:
+    """Run `step()` under torch.profiler and count, the same way eager and compiled: the ops the host issues
+    (each aten op called from Python or from autograd, not the ops inside it; each kernel or library call an
+    inductor graph makes) and the host syncs among them (torch.optim's reads of its host-side step counters
+    left out, as above). A TorchDispatchMode cannot see inside a compiled graph (torch.compile runs eager
+    while one is active), the profiler can (inductor's C++ kernels are recorded with
+    `cpp.enable_kernel_profile`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    ops, syncs = collections.Counter(), collections.Counter()
+    for event in prof.events():
+        parents = list(_ancestors(event))
+        if event.cpu_parent is not None and event.cpu_parent.name.startswith(GRAPH_CALL):
+            ops["compiled graphs (inductor kernels and library calls)"] += 1
+        elif event.name.startswith("aten::") and not any(p.name.startswith(("aten::", GRAPH_CALL)) for p in parents):
+            ops["backward" if any(p.name.startswith("autograd::engine") for p in parents) else "eager"] += 1
+        if _is_sync(event) and not any(_is_sync(p) or p.name.startswith("Optimizer.") for p in parents):
+            syncs[event.name] += 1  # the outermost: .item() calls _local_scalar_dense
+    return {"ops": sum(ops.values()), "ops_by_kind": dict(ops), "syncs": sum(syncs.values()),
+            "syncs_by_op": dict(syncs)}
+
+
+def step_report(model, x: torch.Tensor, optimizer, scaler, compiled: bool = False) -> dict:
+    """One training step of `model` (the k-means init done first), eager or compiled as the trainer compiles it
+    (`--compile on`): syncs by source line and ops by owner from the dispatch counter (eager only: a dispatch
+    mode turns torch.compile off), and ops and syncs from the profiler (both)."""
+    from torch._inductor import config as inductor_config
+
+    from data.bad_crops import finite_crops
+    from training.step_guard import guarded_step
+
+    def step():
+        out = model(x, finite_crops(x))
+        scaler.scale(out.loss).backward()
+        scaler.unscale_(optimizer)
+        guarded_step(scaler, optimizer, torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        optimizer.zero_grad(set_to_none=True)
+
+    model.train()
+    model.init_codebooks(x, batch_frames=x.shape[0] * x.shape[1])  # as the trainer, before the first step
+    report = {"compiled": compiled, "threads": torch.get_num_threads()}
+    if compiled:
+        inductor_config.cpp.enable_kernel_profile = True
+        model.compile_training()
+        start = time.perf_counter()
+        step()  # compiles the forward and the backward
+        report["compile_s"] = round(time.perf_counter() - start, 1)
+    else:
+        for _ in range(2):
+            model_syncs, step_syncs, _ = one_step_syncs(model, x, optimizer, scaler)
+        model_ops, step_ops, _ = one_step_syncs(model, x, optimizer, scaler, count_ops=True)
+        report.update(syncs_model=model_syncs.total, syncs_step=step_syncs.total,
+                      syncs_by_caller=dict((model_syncs.by_caller + step_syncs.by_caller).most_common()),
+                      dispatched_ops=sum((model_ops.ops_by_owner + step_ops.ops_by_owner).values()),
+                      dispatched_ops_by_owner=dict((model_ops.ops_by_owner + step_ops.ops_by_owner).most_common()))
+    step()
+    start = time.perf_counter()
+    step()
+    report["step_ms"] = round((time.perf_counter() - start) * 1e3, 1)
+    report["profiler"] = profiled_ops(step)
+    return report
+
+
 def main() -> None:
     import argparse
+    import json
 
     from models.codec import CodecConfig, RVQCodec
 
@@ -122,26 +207,39 @@ def main() -> None:
     parser.add_argument("--crops", type=int, default=4, help="crops per step")
     parser.add_argument("--frames", type=int, default=256, help="frames per crop")
     parser.add_argument("--foreach", action="store_true",
-                        help="the optimizer's multi-tensor path, torch's default on CUDA (on a CPU it steps "
-                             "one parameter at a time)")
+                        help="the optimizer's multi-tensor path instead of the trainer's fused one")
+    parser.add_argument("--compile", action="store_true", help="also the compiled step (--compile on)")
+    parser.add_argument("--out", default=None, help="also write the figures here as JSON")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    model = RVQCodec(CodecConfig(feature_dim=160))
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=args.foreach or None)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    x = torch.randn(args.crops, args.frames, 160)  # [batch, frames, dim]
-    for step in range(3):  # the first step may run the k-means init: report a later one
-        model_syncs, step_syncs, seconds = one_step_syncs(model, x, optimizer, scaler)
-    print(f"one step ({seconds * 1e3:.0f} ms on {torch.get_num_threads()} CPU thread(s)): "
-          f"{model_syncs.total} host syncs in the model, {step_syncs.total} in the trainer's step")
-    for where, n in (model_syncs.by_caller + step_syncs.by_caller).most_common():
-        print(f"  {n:4d}  {where}")
-    model_ops, step_ops, _ = one_step_syncs(model, x, optimizer, scaler, count_ops=True)
-    ops = model_ops.ops_by_owner + step_ops.ops_by_owner
-    print(f"{sum(ops.values())} ops dispatched (on a GPU most are a kernel launch), by whose code asked:")
-    for owner, n in ops.most_common():
-        print(f"  {n:4d}  {owner}")
+    reports = []
+    for compiled in (False, True) if args.compile else (False,):
+        torch.manual_seed(0)
+        model = RVQCodec(CodecConfig(feature_dim=160))
+        # the trainer's optimizer: AdamW fused into one kernel (rvq_seamless_gpu_cache_nccl.Trainer.build)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=None if args.foreach else True,
+                                      foreach=True if args.foreach else None)
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        x = torch.randn(args.crops, args.frames, 160)  # [batch, frames, dim]
+        report = step_report(model, x, optimizer, scaler, compiled=compiled)
+        reports.append(report)
+        prof = report["profiler"]
+        name = f"compiled (in {report['compile_s']} s)" if compiled else "eager"
+        print(f"{name}: one step of {args.crops} x {args.frames} frames ({report['step_ms']:.0f} ms on "
+              f"{report['threads']} CPU thread(s)): {prof['ops']} ops issued by the host {prof['ops_by_kind']}, "
+              f"{prof['syncs']} host syncs {prof['syncs_by_op']} (profiler)")
+        if not compiled:
+            print(f"  dispatch counter: {report['syncs_model']} host syncs in the model, {report['syncs_step']} in "
+                  f"the trainer's step, by source line:")
+            for where, n in report["syncs_by_caller"].items():
+                print(f"  {n:4d}  {where}")
+            print(f"  {report['dispatched_ops']} ops dispatched (on a GPU most are a kernel launch), by whose code:")
+            for owner, n in report["dispatched_ops_by_owner"].items():
+                print(f"  {n:4d}  {owner}")
+    if args.out:
+        from benchmarks.demo_run import machine
+
+        Path(args.out).write_text(json.dumps({"machine": machine(), "torch": torch.__version__, "crops": args.crops,
+                                              "frames": args.frames, "steps": reports}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from vector_quantize_pytorch import ResidualVQ
 
 # Steps between dead-code expiries (benchmarks/README.md, "Dead-code expiry"): each expiry reads the codebooks on
 # the host, so a GPU step waits for it; between expiries the step runs without a host sync from the quantizer.
-DEAD_CODE_EVERY = 10
+DEAD_CODE_EVERY = 2
 
 
 @dataclass
@@ -151,6 +151,7 @@ class RVQCodec(nn.Module):
         self._init_settled = False  # set once every level's k-means init is done: forwards stop checking for it
         self._compiled_forward = None  # the training forward under torch.compile (compile_training)
         self._cuda_graphs = False  # compiled with CUDA graphs (torch.compile's reduce-overhead mode)
+        self._compiled_variants = set()  # (input shape, dropout seed) the compiled forward has run with
         self._quantizer_buffers = None  # list(self.rvq.buffers()), listed once: walking the modules costs ~0.1 ms
 
     def _apply(self, fn, *args, **kwargs):
@@ -224,6 +225,7 @@ class RVQCodec(nn.Module):
         if self.training and self._compiled_forward is not None and self._init_settled:
             if self._cuda_graphs:  # the last replay's outputs are read by now: the next may overwrite them
                 torch.compiler.cudagraph_mark_step_begin()
+            self._compiled_variants.add((tuple(features.shape), seed))
             return self._compiled_forward(features, keep, 1, seed)
         return self._forward(features, keep, beam_size, seed)
 
@@ -291,6 +293,13 @@ class RVQCodec(nn.Module):
             codebook.init_embed_ = _init_done
         self._init_settled = True
 
+    def compiles(self, features: torch.Tensor, dropout_seed: int | None = None) -> bool:
+        """Whether a training forward of these features (and dropout seed) would compile now: the first of each
+        input shape and dropout depth after compile_training() and the k-means init."""
+        if not (self.training and self._compiled_forward is not None and self.init_done()):
+            return False
+        return (tuple(features.shape), self._dropout_seed(dropout_seed)) not in self._compiled_variants
+
     def init_done(self) -> bool:
         """Every level's k-means init is done (or restored): the training forward reads no flag any more."""
         self._settle_init()
@@ -345,7 +354,10 @@ class RVQCodec(nn.Module):
         if threshold <= 0:
             return 0
         levels = self.rvq.layers
-        dead = torch.stack([layer._codebook.cluster_size.lt(threshold).any() for layer in levels]).tolist()
+        flags = torch.stack([layer._codebook.cluster_size.lt(threshold).any() for layer in levels])
+        weights = 2 ** torch.arange(len(levels), device=flags.device, dtype=torch.float64)
+        packed = int((flags * weights).sum().item())  # one host read for every level (exact up to 2^53)
+        dead = [bool(packed >> level & 1) for level in range(len(levels))]
         if not any(dead):
             return 0
         latent = self._encode_latent(self._drop_crops(features, keep))

@@ -165,7 +165,7 @@ def test_the_trainers_step_decision_syncs_the_host_once_per_step():
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     x = torch.randn(2, 64, 16)
-    for _ in range(2):  # the second step: past the k-means init
+    for _ in range(3):  # past the k-means init (first step) and the one read that finds it done (second)
         model_syncs, step_syncs, _ = one_step_syncs(model, x, optimizer, scaler)
     assert step_syncs.total == 1 and all("step_guard" in where for where in step_syncs.by_caller)
     assert model_syncs.total > 0  # the library's own reads are counted, not hidden

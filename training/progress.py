@@ -25,7 +25,7 @@ def order(step: int, phase: str) -> tuple:
         return step + 1, IN_STEP.index(phase)
     if phase in AFTER_STEP:
         return step, len(IN_STEP) + AFTER_STEP.index(phase)
-    return step, -1  # setup, k-means init, compile: before the first step of this run
+    return step, -1  # setup, k-means init: before the first step of this run; compile: a step's forward, compiling
 
 
 @dataclass

@@ -1,0 +1,324 @@
+"""The training step under torch.compile (--compile): one graph with no break, the same numbers as eager, exact
+resume, the same codebooks on every rank, and the quantizer's bookkeeping outside the step."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from errors import BadInputError
+from models.codec import CodecConfig, RVQCodec
+from tests.helpers import TINY, events, run_gloo_ranks, run_torchrun, run_trainer, write_fairseq
+from training.device import CPU_COMPILE_MIN_STEPS, compile_mode
+from training.step_guard import StepOutcome, guarded_step
+
+# Compiled against eager, in float32 on a CPU: inductor fuses and reorders sums, so values differ in the last bits
+# and the difference grows a little with every step that feeds on the last; these bounds leave ~10x margin.
+STEP_RTOL, STEP_ATOL = 1e-4, 1e-5
+
+
+def small_codec(**options) -> RVQCodec:
+    torch.manual_seed(0)
+    return RVQCodec(CodecConfig(feature_dim=12, latent_dim=16, num_quantizers=3, codebook_size=16, **options)).train()
+
+
+def test_the_training_forward_is_one_graph_with_no_break():
+    """An upgrade of the library or of torch that puts a host read back into the step fails here."""
+    model = small_codec()
+    x, keep = torch.randn(4, 16, 12), torch.tensor([True, False, True, True])
+    model.init_codebooks(torch.randn(8, 16, 12), batch_frames=64)
+    assert model.init_done()
+    explained = torch._dynamo.explain(model._forward)(x, keep, 1, None)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def test_under_quantize_dropout_the_only_breaks_are_the_librarys_depth_branch():
+    """The library draws the depth with Python's random.Random(seed), which torch.compile feeds to the graph as
+    an input, so its `if quantizer_index > depth:` splits the graph once per level (no device read, no
+    collective); any other break fails here."""
+    model = small_codec(quantize_dropout=True)
+    x = torch.randn(4, 16, 12)
+    model.init_codebooks(torch.randn(8, 16, 12), batch_frames=64)
+    for seed in model.dropout_variants():
+        explained = torch._dynamo.explain(model._forward)(x, None, 1, seed)
+        where = {f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"
+                 for reason in explained.break_reasons for frame in reason.user_stack[-1:]}
+        assert where == {"residual_vq.py:479"}, explained.break_reasons
+
+
+def test_before_the_init_the_forward_reads_the_flag_and_after_it_never():
+    model = small_codec()
+    x = torch.randn(4, 16, 12)
+    explained = torch._dynamo.explain(model._forward)(x, None, 1, None)  # the library's `if self.initted:`
+    assert explained.graph_break_count > 0
+    model(x)  # the k-means init on the first batch
+    assert model.init_done()
+    assert torch._dynamo.explain(model._forward)(x, None, 1, None).graph_break_count == 0
+
+
+def test_every_tensor_in_the_graph_is_on_the_models_device():
+    """What CUDA graphs need that a CPU can check: traced on the meta device, a tensor made on the host inside
+    the step (a constant, a .cpu()) would show as a CPU value in the graph."""
+    model = small_codec()
+    model.init_codebooks(torch.randn(8, 16, 12), batch_frames=64)
+    model.to("meta")
+    x, keep = torch.randn(4, 16, 12, device="meta"), torch.ones(4, dtype=torch.bool, device="meta")
+    explained = torch._dynamo.explain(model._forward)(x, keep, 1, None)
+    assert explained.graph_count == 1
+    devices = {value.device.type for graph in explained.graphs for node in graph.graph.nodes
+               for value in [node.meta.get("example_value")] if isinstance(value, torch.Tensor)}
+    assert devices == {"meta"}, devices
+
+
+def run_steps(compiled: bool, steps: int = 7, nan_at: int = 4) -> list[dict]:
+    """The trainer's step by hand: forward, backward, clip, the guard; a skipped step restores the codebooks;
+    an applied one may expire dead codes (every 2 steps here)."""
+    model = small_codec(dead_code_every=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    generator = torch.Generator().manual_seed(1)
+    model.init_codebooks(torch.randn(8, 16, 12, generator=generator), batch_frames=64)
+    if compiled:
+        model.compile_training()
+    torch.manual_seed(2)  # the expiry samples its new codes
+    record, before = [], None
+    for step in range(1, steps + 1):
+        x, keep = torch.randn(4, 16, 12, generator=generator), torch.tensor([True, True, step != 3, True])
+        before = model.codebook_state(into=before)
+        out = model(x, keep)
+        loss = out.loss * float("nan") if step == nan_at else out.loss
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        outcome = guarded_step(scaler, optimizer, torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        expired = 0
+        if outcome is StepOutcome.APPLIED:
+            expired = model.maybe_expire_dead_codes(step, x, out.codes, keep)
+        else:
+            model.restore_codebook_state(before)
+        optimizer.zero_grad(set_to_none=True)
+        record.append({"loss": out.loss.detach(), "grads": grads, "outcome": outcome, "expired": expired,
+                       "buffers": [b.clone() for b in model.quantizer_buffers()],
+                       "weights": [p.detach().clone() for p in model.parameters()]})
+    assert model.compiled == compiled
+    return record
+
+
+@pytest.mark.timeout(240)
+def test_compiled_equals_eager_through_expiry_and_a_skipped_step():
+    eager, compiled = run_steps(compiled=False), run_steps(compiled=True)
+    assert [r["outcome"] for r in eager] == [r["outcome"] for r in compiled]
+    assert eager[3]["outcome"] is StepOutcome.BAD  # the NaN step, skipped
+    torch.testing.assert_close(eager[3]["buffers"], eager[2]["buffers"], rtol=0, atol=0)  # and undone
+    assert [r["expired"] for r in eager] == [r["expired"] for r in compiled]
+    assert sum(r["expired"] for r in eager) > 0  # levels with dead codes were re-seeded
+    for step, (a, b) in enumerate(zip(eager, compiled), 1):
+        msg = f"step {step}"
+        torch.testing.assert_close(a["loss"], b["loss"], rtol=STEP_RTOL, atol=STEP_ATOL, msg=msg)
+        torch.testing.assert_close(a["grads"], b["grads"], rtol=STEP_RTOL, atol=STEP_ATOL, equal_nan=True, msg=msg)
+        torch.testing.assert_close(a["buffers"], b["buffers"], rtol=STEP_RTOL, atol=STEP_ATOL, msg=msg)
+        torch.testing.assert_close(a["weights"], b["weights"], rtol=STEP_RTOL, atol=STEP_ATOL, msg=msg)
+
+
+@pytest.mark.timeout(240)
+def test_no_host_sync_from_the_quantizer_between_expiries():
+    """The library's init-flag and dead-code reads are gone from the step: eager on a CPU only F.one_hot's index
+    check is left (a CPU-only check; on CUDA it has none), compiled none at all; the trainer's step decision
+    reads one value (is the gradient finite); an expiry step reads every level's dead-code flags once, then the
+    library reads each level that has one twice."""
+    from benchmarks.host_syncs import count_host_syncs, step_report
+
+    for compiled in (False, True):
+        model = small_codec(dead_code_threshold=2.0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        x = torch.randn(4, 16, 12)
+        report = step_report(model, x, optimizer, scaler, compiled=compiled)
+        if compiled:  # a dispatch mode turns torch.compile off: the profiler counts
+            assert report["profiler"]["syncs_by_op"] == {"aten::is_nonzero": 1}, report["profiler"]
+        else:
+            assert report["syncs_step"] == 1 and all(
+                "step_guard" in where or "gumbel_sample" in where for where in report["syncs_by_caller"])
+            assert report["profiler"]["syncs"] == report["syncs_model"] + 1
+        codes = model(x).codes
+        with count_host_syncs() as expiry:
+            levels = model.expire_dead_codes(x, codes)
+        assert levels > 0 and expiry.total == 1 + 2 * levels, expiry.by_caller
+
+
+def test_the_dropout_depth_comes_from_the_seed_with_one_graph_per_depth():
+    model = small_codec(quantize_dropout=True)
+    seeds = model.dropout_variants()
+    assert len(seeds) == 3  # depths 0, 1, 2 of 3 levels
+    x = torch.randn(2, 16, 12)
+    model.init_codebooks(torch.randn(8, 16, 12), batch_frames=32)
+    depths = set()
+    for step in range(40):  # any seed maps to the seed of its depth: the same codes on every rank, no collective
+        seed = model._dropout_seed(1234 * 1_000_003 + step)
+        assert seed in seeds
+        with torch.no_grad():
+            codes = model(x, dropout_seed=seed).codes
+        depths.add(int((codes[0, 0] >= 0).sum()))
+    assert depths == {1, 2, 3}
+
+
+def test_auto_compiles_on_a_gpu_and_on_a_cpu_only_for_a_long_run(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert compile_mode("auto", cuda, steps=10)[0] == "default"
+    assert compile_mode("auto", cpu, steps=CPU_COMPILE_MIN_STEPS - 1)[0] is None
+    assert compile_mode("auto", cpu, steps=CPU_COMPILE_MIN_STEPS)[0] == "default"
+    assert compile_mode("auto", cpu, minutes=10)[0] == "default"
+    assert compile_mode("auto", cpu, minutes=1)[0] is None
+    assert compile_mode("auto", cpu, steps=100000, minutes=0.05)[0] is None  # either bound short: eager
+    assert compile_mode("off", cuda)[0] is None and compile_mode("on", cpu, steps=3)[0] == "default"
+    assert compile_mode("cudagraphs", cuda)[0] == "reduce-overhead"
+    with pytest.raises(BadInputError, match="needs a GPU"):
+        compile_mode("cudagraphs", cpu)
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    mode, why = compile_mode("auto", cpu, minutes=10)
+    assert mode is None and "no C++ compiler" in why
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    write_fairseq(d, "train", np.random.default_rng(1).integers(40, 200, size=60).tolist(), dim=16, seed=1)
+    write_fairseq(d, "valid", [64] * 6, dim=16, seed=2)
+    return d
+
+
+def final_state(run_dir) -> dict:
+    from training.checkpoint import list_checkpoints, load_checkpoint
+
+    return load_checkpoint(list_checkpoints(run_dir / "checkpoints")[0])["model"]
+
+
+@pytest.mark.timeout(420)
+def test_the_compiled_trainer_resumes_bit_for_bit_and_follows_eager(tmp_path, small_data):
+    """Two segment lengths (a graph each), dead codes expired every 3 steps, a NaN loss at step 5 skipped, a
+    SIGTERM at step 8 and a resume: the compiled run ends bit for bit where an unbroken compiled run does, and
+    close to the eager run."""
+    common = ["--data_dir", small_data, *TINY, "--max_steps", "14", "--eval_every", "7", "--save_every", "100",
+              "--multi_length_training", "--segment_lengths", "16,32", "--dead_code_every", "3", "--refit_iters", "0"]
+    runs = {}
+    for name, compile_flag in (("eager", "off"), ("compiled", "on")):
+        runs[name] = tmp_path / name
+        r = run_trainer([*common, "--compile", compile_flag, "--output_dir", runs[name]],
+                        extra_env={"RVQ_FAULT": "nan:step=5"})
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert ("compile: the training step for segment length" in r.stderr) == (compile_flag == "on"), r.stderr[-3000:]
+    split = tmp_path / "split"
+    r = run_trainer([*common, "--compile", "on", "--output_dir", split],
+                    extra_env={"RVQ_FAULT": "nan:step=5,signal:step=8:sig=TERM"})
+    assert r.returncode == 0 and events(split, "stop")[-1]["step"] == 9, r.stderr[-3000:]
+    r = run_trainer([*common, "--compile", "on", "--output_dir", split])
+    assert r.returncode == 0 and "at step 9" in r.stderr, r.stderr[-3000:]
+
+    assert [e["step"] for e in events(runs["compiled"], "skipped_step")] == [6]
+    whole, resumed, eager = final_state(runs["compiled"]), final_state(split), final_state(runs["eager"])
+    for key in whole:
+        torch.testing.assert_close(resumed[key], whole[key], rtol=0, atol=0, msg=key)
+    losses = {name: [e["loss"] for e in events(run, "train")] for name, run in runs.items()}
+    np.testing.assert_allclose(losses["compiled"], losses["eager"], rtol=1e-3)
+    for key in whole:  # 14 steps of AdamW on both: the weights stay within float noise of each other
+        torch.testing.assert_close(whole[key], eager[key], rtol=1e-3, atol=1e-4, msg=key)
+
+
+@pytest.mark.timeout(300)
+def test_compiled_on_two_ranks_gives_both_the_codebooks_of_eager():
+    """The library all-reduces its EMA statistics inside the forward: compiled, the reduction stays in the one
+    graph (no break), both ranks end with the same codebooks, and those are eager's within float noise."""
+    script = """
+import json, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+from models.codec import CodecConfig, RVQCodec
+rank = dist.get_rank()
+
+def run(compiled):
+    torch.manual_seed(0)
+    model = RVQCodec(CodecConfig(feature_dim=12, latent_dim=16, num_quantizers=3, codebook_size=16)).train()
+    generator = torch.Generator().manual_seed(10 + rank)  # each rank its own data
+    model.init_codebooks(torch.randn(8, 16, 12, generator=generator), batch_frames=64)
+    if compiled:
+        model.compile_training()
+    for _ in range(4):
+        model(torch.randn(4, 16, 12, generator=generator)).loss.backward()
+    return model, [b.tolist() for b in model.quantizer_buffers() if b.is_floating_point()]
+
+_, eager = run(False)
+model, compiled = run(True)
+explained = torch._dynamo.explain(model._forward)(torch.randn(4, 16, 12), None, 1, None)  # a step of its own
+print(json.dumps({"graphs": explained.graph_count, "breaks": explained.graph_break_count,
+                  "compiled": compiled, "eager": eager}))
+dist.destroy_process_group()
+"""
+    outs = [json.loads(out.strip().splitlines()[-1]) for out in run_gloo_ranks(script, timeout=280)]
+    for out in outs:
+        assert (out["graphs"], out["breaks"]) == (1, 0)
+    for a, b in zip(outs[0]["compiled"], outs[1]["compiled"]):
+        np.testing.assert_array_equal(a, b)  # the same codebooks on both ranks
+    for a, b in zip(outs[0]["compiled"], outs[0]["eager"]):  # and eager's, within float noise
+        np.testing.assert_allclose(a, b, rtol=STEP_RTOL, atol=STEP_ATOL)
+
+
+@pytest.mark.timeout(300)
+def test_the_compiled_trainer_on_two_ranks_passes_every_sync_check(tmp_path, small_data):
+    out = tmp_path / "run"
+    r = run_torchrun(["--data_dir", small_data, *TINY, "--max_steps", "6", "--sync_check_every", "1",
+                      "--eval_every", "100", "--refit_iters", "0", "--compile", "on", "--output_dir", out],
+                     timeout=280)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "compile: the training step for segment length" in r.stderr
+    assert events(out, "stop")[-1]["step"] == 6
+
+
+def test_cudagraphs_on_a_cpu_exits_2_and_writes_nothing(tmp_path):
+    out = tmp_path / "run"
+    r = run_trainer([*TINY, "--max_steps", "3", "--compile", "cudagraphs", "--output_dir", out], timeout=120)
+    assert r.returncode == 2 and "--compile cudagraphs needs a GPU" in r.stderr, r.stderr[-2000:]
+    assert not out.exists()
+
+
+REPLAY_PROXY = """
+import sys, torch
+from models.codec import RVQCodec
+
+def compile_training(self, mode="default", variants=1):
+    # CUDA graphs' contract without a GPU: the next replay overwrites the last one's outputs, so poison them
+    last = []
+    def replay(*args):
+        with torch.no_grad():
+            for t in last:
+                t.fill_(-1 if not t.is_floating_point() else float("nan"))
+        out = self._forward(*args)
+        last[:] = [t for t in out if isinstance(t, torch.Tensor)]
+        return out
+    self._compiled_forward = replay
+
+RVQCodec.compile_training = compile_training
+import rvq_seamless_gpu_cache_nccl as trainer
+sys.exit(trainer.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(240)
+def test_the_trainer_reads_a_steps_outputs_before_the_next_forward(tmp_path, small_data):
+    """Under CUDA graphs a replay's outputs live until the next replay. The trainer with a forward that poisons
+    its last outputs when called again (gradient accumulation: two forwards a step; expiry every 2 steps)
+    logs the same losses and ends with the same weights as with the plain forward."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO, env
+
+    common = ["--data_dir", small_data, *TINY, "--max_steps", "8", "--grad_accum", "2", "--dead_code_every", "2",
+              "--eval_every", "4", "--refit_iters", "0", "--compile", "on"]
+    plain = run_trainer([*common, "--compile", "off", "--output_dir", tmp_path / "plain"])
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    proxy = subprocess.run([sys.executable, "-c", REPLAY_PROXY, *map(str, common), "--output_dir", tmp_path / "proxy"],
+                           capture_output=True, text=True, timeout=220, env=env(), cwd=REPO)
+    assert proxy.returncode == 0, proxy.stderr[-3000:]
+    assert [e["loss"] for e in events(tmp_path / "proxy", "train")] == \
+        [e["loss"] for e in events(tmp_path / "plain", "train")]
+    a, b = final_state(tmp_path / "plain"), final_state(tmp_path / "proxy")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)
