@@ -361,17 +361,21 @@ class RVQCodec(nn.Module):
         if not any(dead):
             return 0
         latent = self._encode_latent(self._drop_crops(features, keep))
-        residual = self.rvq.project_in(latent.float())
-        quantized = self.rvq.get_codes_from_indices(codes)  # [levels, B, T', codebook_dim]; 0 where dropped out
-        for layer, level_codes, has_dead in zip(levels, quantized, dead):
-            if has_dead:
-                codebook = layer._codebook
+        residual = self.rvq.project_in(latent.float()).flatten(0, 1)  # [frames, codebook_dim]
+        codes = codes.flatten(0, 1)  # [frames, levels]; -1 where dropped out
+        for level in range(max(i for i, has_dead in enumerate(dead) if has_dead) + 1):
+            codebook = levels[level]._codebook
+            # this level's codes as the forward's EMA update left them (the library's get_codes_from_indices,
+            # without its einops calls: a third of an expiry's host time on a small codec); 0 where dropped out
+            code = codes[:, level]
+            quantized = torch.where(code[:, None] >= 0, codebook.embed[0].index_select(0, code.clamp_min(0)), 0.0)
+            if dead[level]:
                 codebook.has_dead_code_replacement = True
                 try:  # [1, frames, dim]: the library reads the first dim as its codebook heads
-                    layer.expire_codes_(residual.reshape(1, -1, residual.shape[-1]))
+                    levels[level].expire_codes_(residual[None])
                 finally:
                     codebook.has_dead_code_replacement = False
-            residual = residual - level_codes
+            residual = residual - quantized
         return sum(dead)
 
     def maybe_expire_dead_codes(self, step: int, features: torch.Tensor, codes: torch.Tensor,
