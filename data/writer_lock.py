@@ -1,0 +1,88 @@
+"""One writer per output: an exclusive OS lock that a second writer cannot take.
+
+A run holds the lock on its --output_dir, a tool the lock on each shard it writes, for as long as it
+writes. The lock is `flock` on a small file beside the output: the kernel releases it when the process
+ends, however it ends (SIGKILL, OOM killer, a node reboot), so a dead writer never leaves a stale lock,
+only the file, which the next writer takes over. The file holds who has it (pid, host, command, start
+time), read by a writer that finds it taken so that the message names the other process. On NFS, Linux
+maps flock to the server's byte-range locks (NFSv4, or v3 with lockd), which also die with the holder.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from errors import BadInputError
+
+
+class OutputBusy(BadInputError):
+    """Another live process holds the lock on this output: exit 2, nothing touched."""
+
+
+class WriterLock:
+    """`with WriterLock(path, "the run directory X"):` holds the lock on `path` (created if missing) for the
+    block; `acquire()` / `release()` for a lock held across functions. Raises OutputBusy when another
+    process holds it."""
+
+    def __init__(self, path: Path | str, what: str, overwrite_hint: str = ""):
+        self.path, self.what, self.hint = Path(path), what, overwrite_hint
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> WriterLock:
+        if self._fd is not None:
+            return self
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise BadInputError(f"cannot create the lock file {self.path} for {self.what}: {e.strerror}") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise BadInputError(f"cannot lock {self.path} for {self.what}: {e.strerror}") from e
+            raise OutputBusy(f"{self.what} is being written by another process ({self.holder()}); two writers "
+                             f"would mix their files: wait for it to end, or stop it, or write elsewhere"
+                             + (f" ({self.hint})" if self.hint else "")) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, (json.dumps(holder_record()) + "\n").encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        """Let go of the lock (the file stays: removing it would race a writer that has just opened it)."""
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        os.close(fd)  # closing the only descriptor releases the flock
+
+    def holder(self) -> str:
+        """Who holds the lock, as its file says, in words."""
+        try:
+            record = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return "a process that has not said who it is"
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.get("started", 0)))
+        return (f"pid {record.get('pid', '?')} on host {record.get('host', '?')}, since {started}: "
+                f"{record.get('command', '?')}")
+
+    def __enter__(self) -> WriterLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def holder_record() -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
+            "command": " ".join([os.path.basename(sys.executable), *sys.argv])[:500]}
