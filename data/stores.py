@@ -7,6 +7,7 @@ every problem a user can fix raises ``BadInputError`` naming the file.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -60,8 +61,10 @@ class FeatureStore:
         source = self.sources[int(self.shard[i])]
         if isinstance(source, Path):
             return str(source)
-        row = int(self.first[i])
-        return f"{Path(source.filename).name} utterance {int(self.number[i])} (rows {row}-{row + int(self.lengths[i])})"
+        row, number = int(self.first[i]), int(self.number[i])
+        audio = audio_file(Path(source.filename), number)
+        return (f"{Path(source.filename).name} utterance {number} (rows {row}-{row + int(self.lengths[i])}"
+                + (f", audio {audio})" if audio else ")"))
 
     def utterance(self, i: int) -> np.ndarray:
         """The `[T, D]` array of utterance i (a memory-mapped view where possible)."""
@@ -100,6 +103,24 @@ class FeatureStore:
                             [self.sources[int(s)] for s in used],
                             np.searchsorted(used, self.shard[start:end]).astype(np.int32),
                             self.first[start:end], self.number[start:end])
+
+
+@functools.lru_cache(maxsize=8)
+def _manifest_lines(tsv: Path) -> tuple[str, ...] | None:
+    """The lines of the fairseq manifest tools.extract wrote beside a shard (root, then one per utterance), read
+    once per shard and only for a message; None when there is none or it cannot be read."""
+    try:
+        return tuple(tsv.read_text(errors="replace").splitlines())
+    except OSError:
+        return None
+
+
+def audio_file(shard: Path, number: int) -> str | None:
+    """The audio file utterance `number` of a dump shard was extracted from, when the shard's .tsv is there."""
+    lines = _manifest_lines(shard.with_suffix(".tsv"))
+    if not lines or number + 1 >= len(lines):
+        return None
+    return str(Path(lines[0].strip()) / lines[number + 1].split("\t")[0])
 
 
 def _load_array(path: Path) -> np.ndarray:

@@ -119,6 +119,11 @@ def test_check_names_every_non_finite_utterance_and_exits_2(tmp_path):
     assert r.returncode == 2, r.stderr
     assert "train_0_1.npy utterance 1 (rows 10-30)" in r.stderr and "train_0_1.npy utterance 3 (rows 60-100)" in r.stderr
     assert "2 with non-finite values" in r.stderr and "finished successfully" not in r.stderr
+    # a dump from tools.extract has its audio files in the .tsv beside it: messages name them
+    (tmp_path / "train_0_1.tsv").write_text("/audio\n" + "".join(f"spk/utt{i:04d}.wav\t{n * 320}\n"
+                                                              for i, n in enumerate([10, 20, 30, 40])))
+    r = run_check(tmp_path)
+    assert "train_0_1.npy utterance 3 (rows 60-100, audio /audio/spk/utt0003.wav)" in r.stderr, r.stderr
     # sharded like the trainer: rank 0 of 2 owns utterances 0 and 2, both finite
     r = run_check(tmp_path, "--nshard", 2, "--rank", 0)
     assert r.returncode == 0 and "2 of 4 utterances" in r.stderr and "finished successfully" in r.stderr
