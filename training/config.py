@@ -111,7 +111,8 @@ class OptimConfig:
     min_lr_ratio: float = flag(0.1, "cosine decay ends at lr x this", kind="fraction")
     warmup_steps: int = flag(50, "steps of linear warmup to --lr, before the cosine decay", kind="nonnegative")
     weight_decay: float = flag(0.0, "AdamW's decoupled weight decay", kind="nonnegative")
-    grad_clip: float = flag(1.0, "largest gradient norm, clipped to it (0: no clipping)", kind="nonnegative")
+    grad_clip: float = flag(1.0, "gradients are scaled down to this total norm when above it (0: no clipping)",
+                            kind="nonnegative")
     max_bad_steps: int = flag(10, "non-finite steps in a row (each skipped on every rank) before the run stops",
                               kind="nonnegative")
     precision: str = flag("auto", "auto: bf16 on a GPU that supports it, else fp32",
