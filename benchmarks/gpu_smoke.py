@@ -27,8 +27,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from training.presets import PRESETS  # noqa: E402 - after the repo is on the path
+
 TRAINER = [sys.executable, str(REPO / "rvq_seamless_gpu_cache_nccl.py")]
-PRESETS = ("basic", "gpu_cache", "prefetch", "conservative")
 # fp32 losses under --deterministic against the host path's, relative: the prefetcher and the device cache
 # (fp32 under --precision fp32) give the same batches, so the same losses
 LOSS_RTOL = {"prefetch": 1e-5, "cache": 1e-5}

@@ -356,7 +356,10 @@ def find_split(data_dir: Path, split: str, loose_files: bool | None = None, pend
     return None
 
 
-def open_stores(data_dir: str | Path, train_split: str, valid_split: str, *, seed: int, holdout: float = 0.02,
+HOLDOUT = 0.02  # the share of training utterances held out for evaluation when there is no valid split
+
+
+def open_stores(data_dir: str | Path, train_split: str, valid_split: str, *, seed: int, holdout: float = HOLDOUT,
                 manifest_dir: Path | None = None, pending: list | None = None):
     """Open the training and held-out stores; returns (train, valid, note).
 

@@ -24,7 +24,7 @@ from data.crops import CropReader, HostBatches
 from data.demo_corpus import ensure_demo_corpus
 from data.device_cache import DeviceFeatureCache
 from data.prefetcher import Prefetcher
-from data.stores import TRAIN_SPLIT, VALID_SPLIT, FeatureStore, open_stores, save_manifest
+from data.stores import HOLDOUT, TRAIN_SPLIT, VALID_SPLIT, FeatureStore, open_stores, save_manifest
 from errors import BadInputError
 
 log = logging.getLogger(__name__)
@@ -44,9 +44,10 @@ DEFAULT_BATCH = {"cpu": 16, "cuda": 64}
 class DataConfig:
     data_dir: str | None = field(default=None, metadata={
         "help": "feature store (fairseq dump or folder of [T, D] .npy/.pt); none: the built-in demo corpus"})
-    train_split: str = TRAIN_SPLIT
+    train_split: str = field(default=TRAIN_SPLIT, metadata={"help": "the split trained on, in --data_dir"})
     valid_split: str = field(default=VALID_SPLIT, metadata={
-        "help": f"when '{VALID_SPLIT}' is absent, 2% of training utterances are held out; another name must exist"})
+        "help": f"when '{VALID_SPLIT}' is absent, {HOLDOUT:.0%} of training utterances are held out; another name "
+                "must exist"})
     batch_size: int | None = field(default=None, metadata={
         "help": f"crops per rank per step at --segment_length; frames per step stay this x that (with the automatic "
                 f"length, this x {AUTO_LENGTHS[0]}: a shorter length gets more crops); none: "
@@ -56,16 +57,19 @@ class DataConfig:
                 f"most {1 - AUTO_COVERAGE:.0%} of the training frames (in utterances shorter than it)"})
     multi_length_training: bool = field(default=False, metadata={
         "help": "draw each step's length from --segment_lengths"})
-    segment_lengths: list[int] = field(default_factory=lambda: [64, 128, 256, 512])
+    segment_lengths: list[int] = field(default_factory=lambda: [64, 128, 256, 512], metadata={
+        "help": "comma-separated frames per crop, one drawn per step with --multi_length_training (frames per step "
+                "stay --batch_size x --segment_length)"})
     num_workers: int = field(default=0, metadata={
         "kind": "nonnegative", "help": "background threads assembling batches (0: on the main thread unless --prefetch)"})
-    pin_memory: bool = field(default=False, metadata={"switch": True})
+    pin_memory: bool = field(default=False, metadata={
+        "switch": True, "help": "assemble host batches in pinned memory, for asynchronous copies to the GPU"})
     persistent_workers: bool = field(default=False, metadata={
         "switch": True, "help": "keep the worker threads across epochs instead of starting them anew"})
     use_gpu_cache: bool = field(default=False, metadata={"help": "pack this rank's features into one device tensor"})
     gpu_cache_gb: float = field(default=8.0, metadata={"kind": "positive", "help": "device cache budget per rank"})
     prefetch: bool = field(default=False, metadata={"help": "assemble batches ahead in a background thread"})
-    prefetch_depth: int = 4
+    prefetch_depth: int = field(default=4, metadata={"help": "batches the prefetcher keeps ready ahead of the step"})
     # 32768 frames: an eval is about 3% of the time of 100 default steps on a 2-core CPU (README, Data)
     eval_frames: int = field(default=32768, metadata={
         "kind": "nonnegative", "help": "held-out frames per eval over all ranks, picked once by --seed and kept "

@@ -30,23 +30,27 @@ class CodecConfig:
     command line."""
 
     feature_dim: int
-    latent_dim: int = 160
+    latent_dim: int = field(default=160, metadata={
+        "help": "channels of the encoder's output, which the quantizer codes"})
     codebook_dim: int | None = field(default=None, metadata={"help": "none: the latent dim (no projection)"})
-    num_quantizers: int = 8
-    codebook_size: int = 1024
+    num_quantizers: int = field(default=8, metadata={"help": "residual levels: codes per code frame"})
+    codebook_size: int = field(default=1024, metadata={"help": "codes per level"})
     downsample: int = field(default=1, metadata={"choices": (1, 2, 4), "help": "frames per code"})
     encoder_blocks: int = field(default=2, metadata={
         "help": "residual conv blocks in the encoder and in the decoder each"})
-    kmeans_init: bool = True
+    kmeans_init: bool = field(default=True, metadata={
+        "help": "initialise the codebooks by k-means (see --kmeans_init_frames; false: random codes)"})
     kmeans_iters: int = field(default=10, metadata={"flag": False})
-    ema_decay: float = field(default=0.99, metadata={"kind": "fraction"})
+    ema_decay: float = field(default=0.99, metadata={
+        "kind": "fraction", "help": "decay of the codebooks' exponential moving averages"})
     dead_code_threshold: float = field(default=0.5, metadata={
         "kind": "nonnegative", "help": "re-seed a code whose EMA count of frames per step falls below this"})
     dead_code_every: int = field(default=DEAD_CODE_EVERY, metadata={
         "help": "steps between dead-code expiries, at the same steps on every rank (1: after every step); the "
                 "steps between run without the expiry's host syncs"})
     quantize_dropout: bool = field(default=False, metadata={"help": "train for variable bitrate (fewer levels)"})
-    commitment_weight: float = field(default=0.25, metadata={"kind": "nonnegative"})
+    commitment_weight: float = field(default=0.25, metadata={
+        "kind": "nonnegative", "help": "weight of the commitment loss (encoder output to its codes) in the loss"})
     beam_size: int = field(default=4, metadata={
         "help": "partial code sequences the encoder's beam search over the levels keeps per frame (1: the nearest "
                 "code level by level); the end-of-schedule refit trains the codebooks for it"})

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from tests.helpers import REPO, TINY, env, events
-from training.presets import PRESETS, TRAINER_NCCL_ENV
+from training.nccl_env import TRAINER_NCCL_ENV
+from training.presets import PRESETS
 
 # variables of this machine that would change what the launcher prints
 LAUNCH_VARS = ("NPROC_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "RDZV_ENDPOINT", "RDZV_ID",
@@ -74,7 +75,7 @@ def test_dry_run_prints_each_presets_flags_and_environment_and_starts_nothing(pr
         assert "workaround" not in stderr
     assert int(exports["OMP_NUM_THREADS"]) == max(1, len(os.sched_getaffinity(0)))
     assert exports["PYTHONPATH"].split(":")[0] == str(REPO)
-    # the trainer's flight-recorder settings, shown with this run's dump path, from training/presets.py
+    # the trainer's flight-recorder settings, shown with this run's dump path, from training/nccl_env.py
     for name, value in TRAINER_NCCL_ENV.items():
         assert f"trainer sets {name}={value or f'{out}/nccl_traces/rank_'}" in stderr
 

@@ -18,16 +18,19 @@ from data.batch_plan import shard_indices
 from data.stores import find_split, missing_split, non_finite_utterances
 from errors import EXIT_BAD_INPUT, EXIT_OK, BadInputError
 from tools.cli import bad_input_exits_2, run
+from training.flag_help import FlagHelpFormatter
 
 log = logging.getLogger("check")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m tools.check", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.check", description=__doc__.split("\n\n")[0],
+                                     formatter_class=FlagHelpFormatter)
     parser.add_argument("data_dir", type=Path, help="a fairseq dump or a folder of [T, D] .npy/.pt utterances")
-    parser.add_argument("--split", default="train")
-    parser.add_argument("--nshard", type=int, default=1, help="check this rank's share of the utterances only")
-    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--split", default="train", help="the split to read")
+    parser.add_argument("--nshard", type=int, default=1,
+                        help="shares the utterances are cut into: --rank R checks every NSHARD-th from R")
+    parser.add_argument("--rank", type=int, default=0, help="which share this process checks (0 .. NSHARD-1)")
     args = parser.parse_args(argv)
     if args.nshard < 1 or not 0 <= args.rank < args.nshard:
         parser.error(f"--rank must be in [0, --nshard), got --rank {args.rank} --nshard {args.nshard}")

@@ -6,57 +6,36 @@
 Prints torch, CUDA and NCCL versions; the GPUs and their topology; the network
 interfaces, the one NCCL would pick and the address gloo would bind; variables
 NCCL does not read or that PyTorch renamed; whether MASTER_ADDR:MASTER_PORT (or
-RDZV_ENDPOINT) can be used. Reads the launcher's environment: NPROC_PER_NODE,
-NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, RDZV_ENDPOINT, MAX_RESTARTS,
-ALLOW_LOOPBACK_MASTER, CUDA_VISIBLE_DEVICES, NCCL_SOCKET_IFNAME,
-GLOO_SOCKET_IFNAME, DATA_DIR, OUTPUT_DIR. Exit 0: nothing found that would stop
-a launch (warnings may be printed); 1: a launch would fail, with the reasons.
+RDZV_ENDPOINT) can be used. It reads the launcher's environment and judges it by
+the launcher's own rules (tools/launch_rules.py).
 
 It only looks: it binds a port for a moment to see whether it is free, and
-tries one TCP connection to a remote master; it never scans. The rules a launch
-environment must follow are defined here, and the launcher (tools/launch.py)
-enforces the same ones.
+tries one TCP connection to a remote master; it never scans.
 """
 from __future__ import annotations
 
-import ipaddress
+import argparse
 import os
 import platform
-import re
 import shutil
 import socket
 import subprocess
 import sys
-import threading
+import textwrap
 from dataclasses import dataclass, field
 
+from tools.launch_rules import (LAUNCH_VARIABLES, LOOPBACK_DRILL, RENAMED, Problems, cpu_ranks, env_warnings,
+                                is_loopback, loopback_drill, master_port, node_count, plan_launch, reachable_master,
+                                resolve, restart_rendezvous, LaunchEnvError)
+from training.flag_help import FlagHelpFormatter
 from training.interfaces import NCCL_DEFAULT_RULE, gloo_interface, interface_addresses, nccl_interfaces, usable
 
-DEFAULT_MASTER_ADDR = "127.0.0.1"  # one node: the master is this host
-DEFAULT_MULTI_NODE_PORT = 29500  # torchrun's; the launcher uses it when several nodes must agree on one
-DEFAULT_RDZV_PORT = 29400  # torchrun's default port for --rdzv_endpoint without one
-LOOPBACK_DRILL = "ALLOW_LOOPBACK_MASTER"  # =1: every node on this host; see loopback_drill()
-RESOLVE_TIMEOUT_S = 10
+# the launcher's variables the doctor reads, and the others it looks at
+READS = (*(name for name in LAUNCH_VARIABLES if name not in ("RDZV_ID", "OMP_NUM_THREADS", "DRY_RUN", "PYTHON",
+                                                               "NCCL_*, TORCH_*, GLOO_*")),
+         "CUDA_VISIBLE_DEVICES", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_*", "TORCH_*")
 CONNECT_TIMEOUT_S = 3
 
-# Renamed by PyTorch 2.2 (pytorch/pytorch#114077): the old names still work, with a deprecation warning.
-# None of them was ever read by NCCL itself.
-RENAMED = {
-    "NCCL_ASYNC_ERROR_HANDLING": "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-    "NCCL_BLOCKING_WAIT": "TORCH_NCCL_BLOCKING_WAIT",
-    "NCCL_DESYNC_DEBUG": "TORCH_NCCL_DESYNC_DEBUG",
-    "NCCL_ENABLE_TIMING": "TORCH_NCCL_ENABLE_TIMING",
-    "ENABLE_NCCL_HEALTH_CHECK": "TORCH_ENABLE_NCCL_HEALTH_CHECK",
-    "NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK": "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK",
-}
-NOT_READ = {
-    "NCCL_TIMEOUT": "NCCL does not read NCCL_TIMEOUT; the trainer uses it as the process-group timeout "
-                    "(the default of --nccl_timeout, in seconds), and --nccl_timeout on the command line wins",
-    "NCCL_RINGS": "NCCL_RINGS is not an NCCL setting any more: NCCL documented it up to 2.3, and since 2.4 "
-                  "builds its rings and trees from the detected topology; remove it",
-}
-# Settings NCCL's troubleshooting guide offers as workarounds; they cost speed when left on.
-WORKAROUNDS = ("NCCL_IB_DISABLE", "NCCL_P2P_DISABLE", "NCCL_BUFFSIZE", "NCCL_NTHREADS")
 
 @dataclass
 class Report:
@@ -72,27 +51,6 @@ class Report:
         print(f"  warning: {text}")
 
 
-def env_warnings(environ) -> list[str]:
-    """Variables NCCL does not read, PyTorch's renamed ones, and workarounds left on."""
-    out = []
-    for name, why in NOT_READ.items():
-        if name in environ:
-            out.append(f"{name}={environ[name]}: {why}")
-    for old, new in RENAMED.items():
-        if old not in environ:
-            continue
-        text = (f"{old}={environ[old]}: PyTorch renamed it to {new} (PyTorch 2.2; the old name still works, with "
-                f"a deprecation warning, and NCCL itself never read it): set {new} instead")
-        if new in environ and environ[new] != environ[old]:
-            text += f"; both are set, to different values ({new}={environ[new]}): remove {old}"
-        out.append(text)
-    for name in WORKAROUNDS:
-        if environ.get(name, "0") != "0" and not (name.endswith("_DISABLE") and environ[name] == ""):
-            out.append(f"{name}={environ[name]} is a workaround from NCCL's troubleshooting guide, not a tuning: it "
-                       "costs bandwidth; unset it once the problem it worked around is solved")
-    return out
-
-
 # ---- network interfaces
 
 
@@ -105,25 +63,6 @@ def operstate(name: str) -> str:
 
 
 # ---- addresses and ports
-
-
-def resolve(host: str, timeout: float = RESOLVE_TIMEOUT_S) -> tuple[list[str], str | None]:
-    """(addresses, error): getaddrinfo in a thread, so that a dead resolver cannot hang the doctor."""
-    result: dict = {}
-
-    def lookup():
-        try:
-            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-            result["addrs"] = list(dict.fromkeys(info[4][0] for info in infos))
-        except OSError as e:
-            result["error"] = str(e)
-
-    thread = threading.Thread(target=lookup, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        return [], f"no answer from the resolver within {timeout:.0f} s"
-    return result.get("addrs", []), result.get("error")
 
 
 def _family(address: str) -> int:
@@ -176,183 +115,58 @@ def route_source(address: str) -> str | None:
             return None
 
 
-# ---- a launch's environment: the rules the launcher enforces (exit 2) and the doctor reports
-
-
-class LaunchEnvError(ValueError):
-    """An environment no launch can work with; the message names the variable and what to do."""
-
-
-def whole_number(name: str, text: str, minimum: int) -> int:
-    if not re.fullmatch(r"[0-9]+", text) or int(text) < minimum:
-        raise LaunchEnvError(f"{name}={text}: expected a whole number >= {minimum}")
-    return int(text)
-
-
-def ranks_per_node(environ, gpus: int) -> int:
-    """NPROC_PER_NODE, each rank with a GPU of its own; unset: every visible GPU, or one process without."""
-    text = environ.get("NPROC_PER_NODE")
-    if not text:
-        return max(gpus, 1)
-    nproc = whole_number("NPROC_PER_NODE", text, 1)
-    if 0 < gpus < nproc:
-        visible = environ.get("CUDA_VISIBLE_DEVICES")
-        raise LaunchEnvError(f"NPROC_PER_NODE={text} but only {gpus} GPU(s) are visible"
-                             + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
-                             + ": each rank needs its own GPU; lower NPROC_PER_NODE, or unset it to use every "
-                             "visible GPU")
-    return nproc
-
-
-def cpu_ranks(nproc: int) -> str:
-    return f"no GPU visible: {nproc} ranks on the CPU, with gloo"
-
-
-def max_restarts(environ) -> int:
-    """MAX_RESTARTS: how many times torchrun restarts the ranks of a node; none by default."""
-    return whole_number("MAX_RESTARTS", environ.get("MAX_RESTARTS") or "0", 0)
-
-
-def node_count(environ) -> tuple[str, int]:
-    """NNODES as torchrun takes it (N; or MIN:MAX, elastic, with RDZV_ENDPOINT) and the most nodes it allows."""
-    text = environ.get("NNODES") or "1"
-    if not environ.get("RDZV_ENDPOINT"):
-        return text, whole_number("NNODES", text, 1)
-    match = re.fullmatch(r"([1-9][0-9]*)(?::([1-9][0-9]*))?", text)
-    if not match:
-        raise LaunchEnvError(f"NNODES={text}: expected N or MIN:MAX (elastic, with RDZV_ENDPOINT)")
-    low, high = int(match[1]), int(match[2] or match[1])
-    if low > high:
-        raise LaunchEnvError(f"NNODES={text}: MIN is larger than MAX")
-    return text, high
-
-
-def master_addr(environ, nnodes: str, max_nodes: int) -> str:
-    """MASTER_ADDR of a static master; unset: this host, which only one node can use."""
-    if environ.get("MASTER_ADDR"):
-        return environ["MASTER_ADDR"]
-    if max_nodes > 1:
-        raise LaunchEnvError(f"NNODES={nnodes} needs MASTER_ADDR: node 0's address, reachable from every node "
-                             "(or set RDZV_ENDPOINT for a c10d rendezvous)")
-    return DEFAULT_MASTER_ADDR
-
-
-def master_port(environ, max_nodes: int) -> int | None:
-    """MASTER_PORT; unset: torchrun's default on several nodes, which must all name one port; None on one node,
-    where the launcher picks a free port."""
-    text = environ.get("MASTER_PORT")
-    if not text:
-        return DEFAULT_MULTI_NODE_PORT if max_nodes > 1 else None
-    port = whole_number("MASTER_PORT", text, 1)
-    if port > 65535:
-        raise LaunchEnvError(f"MASTER_PORT={text}: a port is at most 65535")
-    return port
-
-
-def node_rank(environ, nnodes: str, max_nodes: int) -> int:
-    """NODE_RANK under a static master: required on several nodes, below NNODES; 0 by default on one."""
-    text = environ.get("NODE_RANK")
-    if not text and max_nodes > 1:
-        raise LaunchEnvError(f"NNODES={nnodes} needs NODE_RANK: 0 on the master node, 1..{max_nodes - 1} on the "
-                             "others")
-    rank = whole_number("NODE_RANK", text or "0", 0)
-    if rank >= max_nodes:
-        raise LaunchEnvError(f"NODE_RANK={text} but NNODES={nnodes}: node ranks run from 0 to {max_nodes - 1}")
-    return rank
-
-
-def rdzv_endpoint(environ) -> tuple[str, int]:
-    """RDZV_ENDPOINT as (host, port): HOST:PORT, [IPv6]:PORT, or HOST alone for torchrun's default port."""
-    text = environ["RDZV_ENDPOINT"]
-    host, _, port_text = text.rpartition(":") if ":" in text else (text, "", str(DEFAULT_RDZV_PORT))
-    if not host or not port_text.isdigit() or not 0 < int(port_text) <= 65535:
-        raise LaunchEnvError(f"RDZV_ENDPOINT={text}: expected HOST:PORT")
-    return host.strip("[]"), int(port_text)
-
-
-def loopback_drill(environ) -> bool:
-    """ALLOW_LOOPBACK_MASTER=1: every node of the job runs on this host (a drill), so a loopback master works."""
-    return environ.get(LOOPBACK_DRILL, "") not in ("", "0")
-
-
-def reachable_master(environ, name: str, host: str, address: str, *, multi_node: bool) -> None:
-    """Several nodes meet at an address each of them can reach: a loopback address reaches only the node
-    itself, unless every node runs on this host."""
-    if multi_node and is_loopback(address) and not loopback_drill(environ):
-        raise LaunchEnvError(f"{name}={host} is a loopback address ({address}): the other nodes cannot reach it; "
-                             "use this node's address on the network the nodes share (or, when every node runs on "
-                             f"this host, as in a drill, set {LOOPBACK_DRILL}=1)")
-
-
-def is_loopback(address: str) -> bool:
-    return ipaddress.ip_address(address.split("%")[0]).is_loopback
-
-
-def restart_rendezvous(restarts: int, endpoint: str) -> str:
-    return (f"MAX_RESTARTS={restarts}: c10d rendezvous at {endpoint} (MASTER_ADDR:MASTER_PORT), so that each "
-            "restart starts afresh")
-
-
 # ---- the launch as the launcher would run it
 
 
 def check_launch(environ, report: Report, *, cuda: bool, gpus: int) -> None:
     """What run_nccl_optimized.sh would do with this environment, by its own rules, and whether it can work here."""
-
-    def ruled(rule, *args, default=None):
-        try:
-            return rule(*args)
-        except LaunchEnvError as e:
-            report.fail(str(e))
-            return default
-
     gpus = gpus if cuda else 0
-    nproc = ruled(ranks_per_node, environ, gpus, default=max(gpus, 1))
-    restarts = ruled(max_restarts, environ, default=0)
-    nnodes, max_nodes = ruled(node_count, environ, default=(None, 1))
-    port = ruled(master_port, environ, max_nodes)
-
+    problems = Problems()
+    plan = plan_launch(environ, gpus, problems)
+    for text in problems.found:
+        report.fail(text)
+    nproc, nodes, rdzv = plan.nproc, plan.nodes, plan.rendezvous
     if not environ.get("NPROC_PER_NODE"):
         print(f"  NPROC_PER_NODE unset: {nproc} rank(s) on this node (the visible GPUs; one process without)")
     if not gpus and nproc > 1:
         print(f"  {cpu_ranks(nproc)}")
-    multi_node = max_nodes > 1
+    multi_node = nodes.max_nodes > 1
     # the host whose address the endpoint names hosts the store; on one node that is this one
     c10d_host_here = None if multi_node else True
 
-    if environ.get("RDZV_ENDPOINT"):
-        host, rdzv_port = ruled(rdzv_endpoint, environ, default=(None, None))
-        if host is None:  # reported above
-            return
-        print(f"  c10d rendezvous at {host}:{rdzv_port} (RDZV_ENDPOINT), up to {max_nodes} node(s); "
-              "node ranks are assigned by the rendezvous")
-        check_endpoint(environ, "RDZV_ENDPOINT", host, rdzv_port, report, multi_node=multi_node,
-                       hosts_here=c10d_host_here)
-        return
-
-    if not multi_node and nproc <= 1 and not restarts:
+    if not plan.torchrun:
         print("  one process, no torchrun: MASTER_ADDR and MASTER_PORT are not used")
         if environ.get("MASTER_ADDR"):  # checked anyway, for the launch you are preparing; not fatal here
+            try:
+                port = master_port(environ, nodes.max_nodes)
+            except LaunchEnvError as e:
+                report.warn(str(e))
+                port = None
             check_endpoint(environ, "MASTER_ADDR", environ["MASTER_ADDR"], port, report, multi_node=False,
                            hosts_here=True, fatal=False)
         return
-    host = ruled(master_addr, environ, nnodes, max_nodes)
-    if host is None or (port is None and multi_node):  # reported above
+    if rdzv is None:  # reported above
         return
-    if port is None:
-        print(f"  master {host}, MASTER_PORT unset: the launcher picks a free port")
-        check_endpoint(environ, "MASTER_ADDR", host, None, report, multi_node=False, hosts_here=True)
+    if rdzv.variable == "RDZV_ENDPOINT":
+        print(f"  c10d rendezvous at {rdzv.host}:{rdzv.port} (RDZV_ENDPOINT), up to {nodes.max_nodes} node(s); "
+              "node ranks are assigned by the rendezvous")
+        check_endpoint(environ, "RDZV_ENDPOINT", rdzv.host, rdzv.port, report, multi_node=multi_node,
+                       hosts_here=c10d_host_here)
         return
-    if restarts:
-        print(f"  {restart_rendezvous(restarts, f'{host}:{port}')}")
-        check_endpoint(environ, "MASTER_ADDR", host, port, report, multi_node=multi_node, hosts_here=c10d_host_here)
+    if rdzv.port is None:
+        print(f"  master {rdzv.host}, MASTER_PORT unset: the launcher picks a free port")
+        check_endpoint(environ, "MASTER_ADDR", rdzv.host, None, report, multi_node=False, hosts_here=True)
         return
-    rank = ruled(node_rank, environ, nnodes, max_nodes)
-    if rank is None:
+    if rdzv.backend == "c10d":
+        print(f"  {restart_rendezvous(nodes.max_restarts, f'{rdzv.host}:{rdzv.port}')}")
+        check_endpoint(environ, "MASTER_ADDR", rdzv.host, rdzv.port, report, multi_node=multi_node,
+                       hosts_here=c10d_host_here)
         return
-    print(f"  master {host}:{port}, node rank {rank} of {max_nodes}"
+    rank = rdzv.node_rank
+    print(f"  master {rdzv.host}:{rdzv.port}, node rank {rank} of {nodes.max_nodes}"
           + (" (this node hosts the rendezvous store)" if rank == 0 else ""))
-    check_endpoint(environ, "MASTER_ADDR", host, port, report, multi_node=multi_node, hosts_here=rank == 0)
+    check_endpoint(environ, "MASTER_ADDR", rdzv.host, rdzv.port, report, multi_node=multi_node,
+                   hosts_here=rank == 0)
 
 
 def check_endpoint(environ, name: str, host: str, port: int | None, report: Report, *, multi_node: bool,
@@ -471,16 +285,26 @@ def check_paths(environ, report: Report) -> None:
 # ---- the report
 
 
+def parse_args(argv=None) -> argparse.Namespace:
+    reads = textwrap.fill("variables read: " + ", ".join(READS) + " (bash run_nccl_optimized.sh --help says what "
+                          "the launcher's do)", 80)
+    p = argparse.ArgumentParser(
+        prog="python -m tools.doctor", formatter_class=FlagHelpFormatter, description=__doc__ + "\n" + reads,
+        epilog="exit codes: 0 nothing found that would stop a launch (warnings may be printed); 1 a launch\n"
+               "would fail, with the reasons; 2 a bad option")
+    p.add_argument("--env", action="store_true",
+                   help="print only the warnings about your NCCL_*/TORCH_* variables (those NCCL does not read, "
+                        "those PyTorch renamed, workarounds left on), one a line, and exit 0")
+    return p.parse_args(argv)
+
+
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     environ = os.environ
-    if argv == ["--env"]:
+    if args.env:
         for line in env_warnings(environ):
             print(line)
         return 0
-    if argv:
-        print("usage: python -m tools.doctor [--env]", file=sys.stderr)
-        return 2
     report = Report()
 
     print("== versions")

@@ -20,6 +20,7 @@ from errors import EXIT_OK
 from models.export_format import describe, export_tensors
 from tools.cli import bad_input_exits_2, run
 from tools.trained_codec import load_codec
+from training.flag_help import FlagHelpFormatter
 
 log = logging.getLogger("export")
 
@@ -65,9 +66,10 @@ def export(checkpoint: Path, out_dir: Path, feature: str | None = None) -> tuple
 @bad_input_exits_2(log)
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.export",
-                                description="Export a trained codec as codec.safetensors + codec.json.")
+                                description="Export a trained codec as codec.safetensors + codec.json.",
+                                formatter_class=FlagHelpFormatter)
     p.add_argument("checkpoint", type=Path, help="a checkpoint file, or a run's --output_dir (its newest checkpoint)")
-    p.add_argument("out_dir", type=Path)
+    p.add_argument("out_dir", type=Path, help="the folder codec.safetensors and codec.json are written to")
     p.add_argument("--feature", help="the feature kind to record (default: read from tools.extract's notes "
                                      "beside the training data)")
     args = p.parse_args(None if argv is None else [str(a) for a in argv])

@@ -2,11 +2,13 @@
 
     bash run_nccl_optimized.sh PRESET [trainer flags...]     # python -m tools.launch PRESET ...
     bash run_nccl_optimized.sh doctor                        # python -m tools.doctor
+    bash run_nccl_optimized.sh --help                        # presets, environment, examples
 
-Takes the preset from training/presets.py and the environment listed at the top of
-run_nccl_optimized.sh; an environment that cannot work ends with a message and exit 2,
-before anything is started or written. Sets the preset's NCCL variables and
-OMP_NUM_THREADS unless you set them (yours are kept, and named). One process: it
+Takes the preset from training/presets.py and the environment in LAUNCH_VARIABLES
+(tools/launch_rules.py, whose rules decide the ranks, the nodes and the rendezvous); an
+environment that cannot work ends with a message naming every problem and exit 2, before
+anything is started or written. Sets the preset's NCCL variables and OMP_NUM_THREADS
+unless you set them (yours are kept, and named). One process: it
 becomes the trainer (os.execvpe, as bash's exec: signals reach the trainer directly).
 Several ranks: it runs torchrun and passes a stop signal to this node's ranks (see
 run_torchrun), then exits with torchrun's code, or 3 when a rank was aborted (signal 6:
@@ -23,27 +25,23 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import unicodedata
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 from errors import EXIT_DISTRIBUTED
 from tools import doctor
-from tools.doctor import (LOOPBACK_DRILL, LaunchEnvError, cpu_ranks, is_loopback, master_addr, master_port,
-                          max_restarts, node_count, node_rank, ranks_per_node, rdzv_endpoint, reachable_master,
-                          resolve, restart_rendezvous)
+from tools.launch_rules import (LAUNCH_VARIABLES, LOOPBACK_DRILL, LaunchEnvError, LaunchPlan, Nodes, cpu_ranks,
+                                env_warnings, is_loopback, plan_launch, reachable_master, resolve, restart_rendezvous)
 from training.interfaces import gloo_interface, interface_addresses
-from training.presets import FLIGHT_RECORDER_DIR, PRESETS, Preset, trainer_nccl_env
+from training.nccl_env import FLIGHT_RECORDER_DIR, trainer_nccl_env
+from training.presets import PRESETS, Preset
 from training.signals import STOP_SIGNALS
 
 SCRIPT = "run_nccl_optimized.sh"
 TRAINER = Path(os.path.abspath(__file__)).parent.parent / "rvq_seamless_gpu_cache_nccl.py"
-# what the usage message lists; the comment at the top of run_nccl_optimized.sh says what each does
-ENVIRONMENT = ("DATA_DIR", "OUTPUT_DIR", "NPROC_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
-               "RDZV_ENDPOINT", "RDZV_ID", "MAX_RESTARTS", f"{LOOPBACK_DRILL}=1", "OMP_NUM_THREADS", "DRY_RUN=1",
-               "PYTHON")
 USER_VARIABLE = re.compile(r"(NCCL|TORCH|GLOO)_[A-Za-z0-9_]*")
 WORKAROUND_NOTE = ": a workaround from NCCL's troubleshooting guide, not a tuning"
 
@@ -52,10 +50,65 @@ def say(text: str) -> None:
     print(f"[run_nccl_optimized] {text}", file=sys.stderr)
 
 
+USAGE = (f"usage: bash {SCRIPT} PRESET [trainer flags...]\n"
+         f"       bash {SCRIPT} doctor [--env]\n"
+         f"       bash {SCRIPT} --help\n"
+         "       (python -m tools.launch takes the same arguments)")
+EXAMPLES = (
+    ("one process, or one rank per visible GPU, on the demo corpus", f"bash {SCRIPT} conservative"),
+    ("eight ranks on this node, your features", f"DATA_DIR=feats NPROC_PER_NODE=8 bash {SCRIPT} gpu_cache "
+                                                "--multi_length_training"),
+    ("node 0 of two (NODE_RANK=1 on the other), a shared output dir",
+     f"NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 OUTPUT_DIR=/shared/runs/rvq bash {SCRIPT} basic"),
+    ("print the environment and the command, start nothing", f"DRY_RUN=1 NPROC_PER_NODE=2 bash {SCRIPT} basic "
+                                                             "--max_steps 100"),
+)
+WIDTH = 100
+
+
+def _entries(rows, indent: int = 2) -> list[str]:
+    """(name, text) rows as a two-column list, the text wrapped beside the names."""
+    column = indent + max(len(name) for name, _ in rows) + 2
+    lines = []
+    for name, text in rows:
+        wrapped = textwrap.wrap(text, WIDTH - column) or [""]
+        lines.append(f"{' ' * indent}{name:<{column - indent}}{wrapped[0]}".rstrip())
+        lines += [" " * column + line for line in wrapped[1:]]
+    return lines
+
+
+def preset_rows() -> list[tuple[str, str]]:
+    """Each preset: what it is, the flags it passes, the workarounds it sets."""
+    rows = []
+    for name, preset in PRESETS.items():
+        text = preset.about + (f"; flags: {' '.join(preset.flags)}" if preset.flags else "; no flags")
+        if preset.workarounds:
+            text += "; sets " + " ".join(f"{k}={v}" for k, v in preset.workarounds.items()) + \
+                    " (workarounds from NCCL's troubleshooting guide)"
+        rows.append((name, text))
+    return rows
+
+
+def help_text() -> str:
+    """`--help`: the presets, the environment and the trainer's NCCL settings from their definitions, examples."""
+    about = ("Launch the RVQ trainer with a preset: one process, or torchrun over GPUs and nodes. Trainer flags "
+             "after the preset win over the preset's own (python rvq_seamless_gpu_cache_nccl.py --help lists "
+             "them). An environment that cannot work ends with a message and exit 2, before anything is started "
+             "or written; doctor says whether a launch would work here, without launching.")
+    nccl = trainer_nccl_env("OUTPUT_DIR", environ={})
+    lines = [USAGE, "", textwrap.fill(about, WIDTH), "", "presets (training/presets.py):", *_entries(preset_rows()),
+             "", "environment (tools/launch_rules.py):",
+             *_entries([(name, f"{v.what} (default: {v.default})") for name, v in LAUNCH_VARIABLES.items()]),
+             "", "set by the trainer on its NCCL process groups, unless you set them (training/nccl_env.py):",
+             *(f"  {name}={value}" for name, value in nccl.items()), "", "examples:"]
+    for note, example in EXAMPLES:
+        lines += [f"  # {note}", f"  {example}"]
+    return "\n".join(lines) + "\n"
+
+
 def usage() -> None:
-    lines = [f"usage: bash {SCRIPT} PRESET [trainer flags...]", f"       bash {SCRIPT} doctor", "presets:"]
-    lines += [f"  {name:<13} {preset.about}" for name, preset in PRESETS.items()]
-    lines.append(f"environment: {' '.join(ENVIRONMENT)}; see the comment at the top of this script")
+    lines = [USAGE, "presets:", *_entries([(name, preset.about) for name, preset in PRESETS.items()]),
+             f"bash {SCRIPT} --help: what each preset sets, the environment it reads, examples"]
     print("\n".join(lines), file=sys.stderr)
 
 
@@ -75,14 +128,6 @@ class Exports:
     def set(self, name: str, value: str, note: str = "") -> None:
         self.values[name] = value
         say(f"setting {name}={value}{note}")
-
-
-@dataclass(frozen=True)
-class Nodes:
-    nnodes: str  # as torchrun takes it: N, or MIN:MAX (elastic)
-    max_nodes: int
-    max_restarts: int
-    rdzv_endpoint: str  # empty: a static master
 
 
 # ---- the environment
@@ -130,9 +175,8 @@ def visible_gpus() -> int:
         return 0
 
 
-def ranks_on_this_node(environ, gpus: int, exports: Exports) -> int:
-    """NPROC_PER_NODE (one rank per GPU), and each rank's share of the cores, so that threads do not oversubscribe."""
-    nproc = ranks_per_node(environ, gpus)
+def share_the_cores(environ, nproc: int, gpus: int, exports: Exports) -> None:
+    """Each rank's share of the cores (NPROC_PER_NODE ranks on this node), so that threads do not oversubscribe."""
     if not gpus and nproc > 1:
         say(cpu_ranks(nproc))
     if environ.get("OMP_NUM_THREADS"):
@@ -140,16 +184,6 @@ def ranks_on_this_node(environ, gpus: int, exports: Exports) -> int:
     else:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         exports.set("OMP_NUM_THREADS", str(max(cores // nproc, 1)), f" ({cores} cores / {nproc} rank(s) on this node)")
-    return nproc
-
-
-# ---- nodes and restarts
-
-
-def nodes_and_restarts(environ) -> Nodes:
-    restarts = max_restarts(environ)
-    nnodes, max_nodes = node_count(environ)
-    return Nodes(nnodes, max_nodes, restarts, environ.get("RDZV_ENDPOINT") or "")
 
 
 # ---- the command
@@ -181,32 +215,28 @@ def last_value(args: list[str], flag: str) -> str | None:
     return value
 
 
-def command(python: str, environ, nproc: int, nodes: Nodes, run_dir: str, args: list[str],
-            exports: Exports) -> list[str]:
+def command(python: str, environ, plan: LaunchPlan, run_dir: str, args: list[str], exports: Exports) -> list[str]:
     """One trainer process, or torchrun for several ranks, several nodes, or restarts."""
     trainer = [str(TRAINER), *args]
-    if nproc <= 1 and nodes.max_nodes <= 1 and not nodes.max_restarts and not nodes.rdzv_endpoint:
+    if not plan.torchrun:
         return [python, *trainer]
+    nodes = plan.nodes
     restarts = ["--max-restarts", str(nodes.max_restarts)] if nodes.max_restarts else []
-    return [python, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", nodes.nnodes,
-            *rendezvous(environ, nodes, run_dir, exports), *restarts, *trainer]
+    return [python, "-m", "torch.distributed.run", "--nproc_per_node", str(plan.nproc), "--nnodes", nodes.nnodes,
+            *rendezvous(environ, plan, run_dir, exports), *restarts, *trainer]
 
 
-def rendezvous(environ, nodes: Nodes, run_dir: str, exports: Exports) -> list[str]:
-    """A static master (MASTER_ADDR:MASTER_PORT, NODE_RANK), or a c10d rendezvous: RDZV_ENDPOINT, or the master's
-    address when restarts are on (a static master keeps one store for every attempt, and a restarted group would
-    read the previous attempt's addresses from it)."""
-    endpoint = nodes.rdzv_endpoint
-    if endpoint:
-        reachable(environ, "RDZV_ENDPOINT", rdzv_endpoint(environ)[0], nodes)
-    else:
-        addr = master_addr(environ, nodes.nnodes, nodes.max_nodes)
-        reachable(environ, "MASTER_ADDR", addr, nodes)
-        port = master_port(environ, nodes.max_nodes) or free_port()
-        if not nodes.max_restarts:
-            rank = node_rank(environ, nodes.nnodes, nodes.max_nodes)
-            return ["--node_rank", str(rank), "--master_addr", addr, "--master_port", str(port)]
-        endpoint = f"{addr}:{port}"
+def rendezvous(environ, plan: LaunchPlan, run_dir: str, exports: Exports) -> list[str]:
+    """torchrun's arguments for the rendezvous the rules decided (tools/launch_rules.py: decide_rendezvous), once
+    its host is known to be reachable; a free port where none was given."""
+    rdzv, nodes = plan.rendezvous, plan.nodes
+    reachable(environ, rdzv.variable, rdzv.host, nodes)
+    port = rdzv.port or free_port()
+    if rdzv.backend == "static":
+        return ["--node_rank", str(rdzv.node_rank), "--master_addr", rdzv.host, "--master_port", str(port)]
+    endpoint = rdzv.endpoint
+    if endpoint is None:  # at the master's address, for restarts
+        endpoint = f"{rdzv.host}:{port}"
         say(restart_rendezvous(nodes.max_restarts, endpoint))
     if environ.get("NODE_RANK"):
         say(f"NODE_RANK={environ['NODE_RANK']} is not used with a c10d rendezvous: it assigns node ranks itself")
@@ -412,20 +442,20 @@ def launch(name: str, user_args: list[str], environ) -> int:
     """Decide the environment and the command; print them (DRY_RUN), or run the command: its exit code."""
     output_dir = environ.get("OUTPUT_DIR") or f"runs/{name}"
     run_dir = last_value(user_args, "--output_dir") or output_dir  # the trainer takes the last --output_dir
-    for text in doctor.env_warnings(environ):  # your variables that NCCL does not read, or that PyTorch renamed
+    for text in env_warnings(environ):  # your variables that NCCL does not read, or that PyTorch renamed
         say(f"warning: {text}")
+    gpus = visible_gpus()
+    plan = plan_launch(environ, gpus)  # ranks, nodes, rendezvous: every problem, before anything is set
     exports = Exports(environ)
     flags, trainer_env = environment(name, PRESETS[name], run_dir, environ, exports)
-    gpus = visible_gpus()
-    nproc = ranks_on_this_node(environ, gpus, exports)
-    nodes = nodes_and_restarts(environ)
-    args = trainer_args(environ, output_dir, flags, nodes, user_args)
-    cmd = command(environ.get("PYTHON") or sys.executable, environ, nproc, nodes, run_dir, args, exports)
+    share_the_cores(environ, plan.nproc, gpus, exports)
+    args = trainer_args(environ, output_dir, flags, plan.nodes, user_args)
+    cmd = command(environ.get("PYTHON") or sys.executable, environ, plan, run_dir, args, exports)
     torchrun = cmd[1] == "-m"
     if gpus and torchrun:
         say(f"NCCL flight recorder: on a timeout each rank dumps its last collectives to "
             f"{run_dir}/{FLIGHT_RECORDER_DIR}/rank_<rank>")
-    gloo_env = trainer_gloo_env(environ, nodes)
+    gloo_env = trainer_gloo_env(environ, plan.nodes)
     if environ.get("DRY_RUN") not in (None, "", "0"):
         print_dry_run(environ, exports, trainer_env, gloo_env, cmd)
         return 0
@@ -443,6 +473,9 @@ def main(argv=None) -> int:
     if not argv:
         usage()
         return 2
+    if argv[0] in ("-h", "--help"):
+        print(help_text(), end="")
+        return 0
     if argv[0] == "doctor":
         return doctor.main(argv[1:])
     if argv[0] not in PRESETS:
@@ -452,7 +485,8 @@ def main(argv=None) -> int:
     try:
         return launch(argv[0], argv[1:], os.environ)
     except LaunchEnvError as e:  # bad input: exit 2 before anything is started or written
-        say(str(e))
+        for problem in e.problems:
+            say(problem)
         return 2
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from errors import EXIT_OK, BadInputError
 from tools.cli import bad_input_exits_2, run
+from training.flag_help import FlagHelpFormatter
 
 log = logging.getLogger("report")
 
@@ -269,7 +270,7 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
 
 @bad_input_exits_2(log)
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.report",
+    p = argparse.ArgumentParser(prog="python -m tools.report", formatter_class=FlagHelpFormatter,
                                 description="Plots and a markdown summary of a training run's metrics.jsonl.")
     p.add_argument("run_dir", type=Path, help="the trainer's --output_dir")
     p.add_argument("--out", type=Path, help="where to write (default: RUN_DIR/report)")

@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 from data.training_data import DataConfig
 from models.codec import CodecConfig
 from training.device import COMPILE_CHOICES
+from training.flag_help import FlagHelpFormatter
 
 DEFAULT_NCCL_TIMEOUT = 1800  # seconds; PyTorch's own default for NCCL groups
+DEFAULT_STEPS = 2000  # with no budget given: at least this many steps, or one epoch if that is more
 
 
 def int_list(text: str) -> list[int]:
@@ -97,7 +99,7 @@ class CodebookConfig:
 @dataclass(kw_only=True)
 class OptimConfig:
     max_steps: int | None = flag(None, "steps to train; with none of --max_steps, --epochs and --max_minutes, the "
-                                       "larger of 2000 and one epoch")
+                                       f"larger of {DEFAULT_STEPS} and one epoch")
     max_minutes: float | None = flag(
         None, "the whole run's time, from the process start to its exit: the loop stops in time for the codebook "
               "refit, the final eval and the checkpoint, and the learning rate finishes its decay when the time "
@@ -105,16 +107,19 @@ class OptimConfig:
               "rank 0's clock decides)")
     epochs: int | None = flag(None, "passes over the training frames (used when --max_steps is not given)")
     grad_accum: int = flag(1, "micro-batches per step; gradients are all-reduced on the last one only")
-    lr: float = flag(2e-3, kind="positive")
+    lr: float = flag(2e-3, "peak learning rate (AdamW), reached after --warmup_steps", kind="positive")
     min_lr_ratio: float = flag(0.1, "cosine decay ends at lr x this", kind="fraction")
-    warmup_steps: int = flag(50, kind="nonnegative")
-    weight_decay: float = flag(0.0, kind="nonnegative")
-    grad_clip: float = flag(1.0, "0: no clipping", kind="nonnegative")
+    warmup_steps: int = flag(50, "steps of linear warmup to --lr, before the cosine decay", kind="nonnegative")
+    weight_decay: float = flag(0.0, "AdamW's decoupled weight decay", kind="nonnegative")
+    grad_clip: float = flag(1.0, "gradients are scaled down to this total norm when above it (0: no clipping)",
+                            kind="nonnegative")
     max_bad_steps: int = flag(10, "non-finite steps in a row (each skipped on every rank) before the run stops",
                               kind="nonnegative")
     precision: str = flag("auto", "auto: bf16 on a GPU that supports it, else fp32",
                           choices=("auto", "fp32", "bf16", "fp16"))
-    seed: int = flag(1234, kind="any")
+    seed: int = flag(1234, "seed of every random choice: the model's init, the held-out utterances and eval frames, "
+                          "the batch plan (lengths and crops), the k-means samples, the quantizer dropout's depth",
+                     kind="any")
     compile: str = flag("auto", "run the training forward and backward compiled (torch.compile), one graph per "
                                 "segment length, compiled before the first step: auto (on with a GPU; off on a CPU, "
                                 "where it does not pay at the default codec), on, off, or cudagraphs (on, plus CUDA "
@@ -128,11 +133,12 @@ class OptimConfig:
 
 @dataclass(kw_only=True)
 class RunConfig:
-    output_dir: str = flag("runs/default")
-    eval_every: int = flag(100)
-    save_every: int = flag(200)
-    keep_checkpoints: int = flag(3)
-    log_every: int = flag(10)
+    output_dir: str = flag("runs/default", "where rank 0 writes config.json, metrics.jsonl and checkpoints/")
+    eval_every: int = flag(100, "steps between evals on the held-out frames (and the final one when the schedule "
+                                "ends)")
+    save_every: int = flag(200, "steps between checkpoints (and one when the run stops)")
+    keep_checkpoints: int = flag(3, "the newest this many checkpoints are kept in OUTPUT_DIR/checkpoints")
+    log_every: int = flag(10, "steps between train lines in metrics.jsonl (loss, learning rate, speed)")
     resume: str = flag("auto", "auto (last checkpoint in rank 0's --output_dir; every rank loads it), none, "
                                "or a path")
     tensorboard: bool = flag(False, "also write the metrics as TensorBoard scalars to OUTPUT_DIR/tensorboard "
@@ -142,14 +148,14 @@ class RunConfig:
 
 @dataclass(kw_only=True)
 class DistConfig:
-    nccl_timeout: int | None = flag(None, f"process-group timeout in seconds (default {DEFAULT_NCCL_TIMEOUT}, "
-                                          "or $NCCL_TIMEOUT)")
+    nccl_timeout: int | None = flag(None, "process-group timeout in seconds; none: $NCCL_TIMEOUT when set, else "
+                                          f"{DEFAULT_NCCL_TIMEOUT}")
     sync_check_every: int = flag(50, "steps between cross-rank sync checks")
     sync_timeout: int = flag(300, "seconds a sync check waits, a peer may stay silent, and a rank may stay in one "
                                   "training phase, before every rank stops")
     slow_phase_timeout: int | None = flag(
         None, "seconds allowed for a slow phase (setup, k-means init and the first step, eval, refit, checkpoint "
-              "save), as a phase and as the process groups' timeout; default twice --nccl_timeout")
+              "save), as a phase and as the process groups' timeout; none: twice --nccl_timeout")
 
     @property
     def slow_phase_s(self) -> int:
@@ -222,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rvq_seamless_gpu_cache_nccl.py",
         description="Train a residual vector quantizer on SeamlessM4T features, on one process or many.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=FlagHelpFormatter,
     )
     for title, sections in GROUPS.items():
         group = p.add_argument_group(title)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from training.interfaces import gloo_interface, interface_addresses
-from training.presets import FLIGHT_RECORDER_DIR, trainer_nccl_env
+from training.nccl_env import FLIGHT_RECORDER_DIR, trainer_nccl_env
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def configure_nccl_env(output_dir: Path) -> None:
     Read by PyTorch when the NCCL process group is created; values the user set win.
     """
     (Path(output_dir) / FLIGHT_RECORDER_DIR).mkdir(parents=True, exist_ok=True)
-    # the values live in training/presets.py, which the launcher reads too (DRY_RUN shows them)
+    # the values live in training/nccl_env.py, which the launcher reads too (DRY_RUN shows them)
     for name, value in trainer_nccl_env(output_dir).items():
         _set_default_env(name, value)
 

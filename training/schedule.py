@@ -20,11 +20,10 @@ import logging
 import math
 import time
 
-from training.config import OptimConfig
+from training.config import DEFAULT_STEPS, OptimConfig
 
 log = logging.getLogger(__name__)
 
-DEFAULT_STEPS = 2000  # with no budget given: at least this many steps, or one epoch if that is more
 # a schedule shorter than this gets a warning: too few updates, or too few frames per code per level
 SHORT_STEPS = 500
 SHORT_FRAMES_PER_CODE = 1000
