@@ -1,7 +1,9 @@
 """How every tool starts and ends: INFO logs on stderr tagged with the tool's name, and a BadInputError
-(bad flags or data, nothing written) logged as an error and returned as exit code 2."""
+(bad flags or data, nothing written) logged as an error and returned as exit code 2; and how its --help
+shows each flag's default."""
 from __future__ import annotations
 
+import argparse
 import functools
 import logging
 import sys
@@ -29,3 +31,14 @@ def run(main: Callable[[], int], name: str) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{name}] %(levelname)s %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr)
     sys.exit(main())
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default once: argparse's `(default: X)`, unless the help text gives it already,
+    as it must where the default (None) is decided at run time."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is None:
+            return text
+        return super()._get_help_string(action)
