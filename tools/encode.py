@@ -208,9 +208,7 @@ def refuse_to_shadow(folder: Path, name: str) -> None:
                             "reconstruction; give another --output_dir, or pass --overwrite to replace them")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
-    decoding = bool(argv) and argv[0] == "decode"
+def build_parser(decoding: bool) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m tools.encode" + (" decode" if decoding else ""),
         description=("Decode RVQ codes back to features (a fairseq dump)." if decoding else
@@ -237,6 +235,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nshard", type=int, default=1, help="number of shards the split is cut into")
     p.add_argument("--rank", type=int, default=0, help="which shard this process handles")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1 ...")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
+    decoding = bool(argv) and argv[0] == "decode"
+    p = build_parser(decoding)
     args = p.parse_args(argv[1:] if decoding else argv)
     if args.nshard < 1 or not 0 <= args.rank < args.nshard:
         p.error(f"need nshard >= 1 and 0 <= rank < nshard, got nshard {args.nshard}, rank {args.rank}")

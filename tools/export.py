@@ -56,15 +56,19 @@ def export(checkpoint: Path, out_dir: Path, feature: str | None = None) -> tuple
     return weights, note
 
 
-@bad_input_exits_2(log)
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tools.export", formatter_class=HelpFormatter,
                                 description="Export a trained codec as codec.safetensors + codec.json.")
     p.add_argument("checkpoint", type=Path, help="a checkpoint file, or a run's --output_dir (its newest checkpoint)")
     p.add_argument("out_dir", type=Path)
     p.add_argument("--feature", help="the feature kind to record (default: what the checkpoint says the codec "
                                      "was trained on)")
-    args = p.parse_args(None if argv is None else [str(a) for a in argv])
+    return p
+
+
+@bad_input_exits_2(log)
+def main(argv=None) -> int:
+    args = build_parser().parse_args(None if argv is None else [str(a) for a in argv])
     export(args.checkpoint, args.out_dir, args.feature)
     log.info("finished successfully")
     return EXIT_OK
