@@ -8,7 +8,8 @@ Features, both at 50 frames per second:
   (w2v-BERT 2.0: 1024-d, 24 layers; layer 0 is the feature projection) loaded
   from a local folder. Inputs longer than the chunk length go through the
   encoder in equal chunks of at most that length, and the chunks' outputs are
-  concatenated (no context crosses a chunk boundary).
+  concatenated (no context crosses a chunk boundary); the caller says which
+  chunks share a forward pass.
 
 soundfile, soxr and transformers (requirements-extract.txt) are imported where
 they are used, so that importing this module needs none of them.
@@ -25,7 +26,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.batch_plan import length_sorted_batches
 from errors import BadInputError
 
 SAMPLE_RATE = 16_000
@@ -164,16 +164,16 @@ class W2vBertLayer:
         hidden = out.hidden_states[self.layer].float().cpu().numpy()
         return [hidden[row, : len(chunk)] for row, chunk in enumerate(chunks)]
 
-    def __call__(self, fbanks: list[np.ndarray], batch_seconds: float,
+    def __call__(self, fbanks: list[np.ndarray], passes: Callable[[np.ndarray], list[np.ndarray]],
                  on_batch: Callable[[float], None] | None = None) -> list[np.ndarray]:
-        """Layer outputs of whole files: every chunk of `fbanks`, sorted by length and cut into forward passes of
-        at most `batch_seconds` of padded audio (a longer chunk goes alone). on_batch(files) after each pass: the
-        share of the files it did (a chunk of a file in k chunks counts 1/k), for a caller's progress bar."""
+        """Layer outputs of whole files: every chunk of `fbanks`, grouped into forward passes by `passes` (chunk
+        lengths in frames -> the positions of each pass: the tools give models.codes.length_sorted_batches under
+        --batch_seconds). on_batch(files) after each pass: the share of the files it did (a chunk of a file in k
+        chunks counts 1/k), for a caller's progress bar."""
         chunks = [self.chunks(f) for f in fbanks]
         pieces = [(i, piece, len(parts)) for i, parts in enumerate(chunks) for piece in parts]
         outputs: list[np.ndarray | None] = [None] * len(pieces)
-        lengths = np.array([len(piece) for _, piece, _ in pieces], dtype=np.int64)
-        for batch in length_sorted_batches(lengths, max(1, int(batch_seconds * FRAME_RATE))):
+        for batch in passes(np.array([len(piece) for _, piece, _ in pieces], dtype=np.int64)):
             for k, out in zip(batch, self.forward([pieces[k][1] for k in batch]), strict=True):
                 outputs[k] = out
             if on_batch is not None:

@@ -4,10 +4,10 @@ A torch DataLoader's `num_workers` processes read each file, average it to mono,
 compute the Seamless fbank (data/audio_features.py), ahead of the model and in file order; a thread takes
 their output into windows, one window ahead of the model. A window is consecutive files, at most
 `commit_files` of them and at most `commit_seconds` of audio (it closes as soon as it reaches either): what a
-tool commits at once. For w2v-BERT the chunks of every file of a window are sorted by length and cut into
-forward passes of at most `batch_seconds` of padded audio. The windows depend on the files alone, so a run
-resumed at a window's first file meets the batches of a run never stopped (padding changes a layer's last
-bits, so the batches must be the same for the same bytes).
+tool commits at once. For w2v-BERT the chunks of every file of a window are grouped into forward passes by
+the caller's `passes` (tools.extract and tools.tokenize: sorted by length, at most --batch_seconds of padded
+audio a pass). The windows depend on the files alone, so a run resumed at a window's first file meets the
+passes of a run never stopped (padding changes a layer's last bits: the same bytes need the same passes).
 
 Features come out as a dump of `dtype` stores them (float16 rounds them); a file that cannot be read, or whose
 features are not finite in that dtype, is skipped with the reason. The time the model (the caller's thread)
@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 from torch.utils.data import DataLoader, Dataset
 
 from data.audio_features import SAMPLE_RATE, BadAudio, SeamlessFbank, W2vBertLayer, load_audio
@@ -79,15 +78,17 @@ def _as_is(item):
 class FeatureWindows:
     """The shard's files `relpaths` under `root` as windows of features: `windows(first)` from file `first` on.
 
-    encoder: a W2vBertLayer, or None for the fbank itself. progress(files) is called as work is done, with the
-    share of files done (fractions while a window's passes run), times `weight`."""
+    encoder: a W2vBertLayer, or None for the fbank itself; passes: W2vBertLayer's grouping of a window's chunks
+    into forward passes. progress(files) is called as work is done, with the share of files done (fractions
+    while a window's passes run), times `weight`."""
 
     def __init__(self, root: Path, relpaths: list[str], *, fbank: SeamlessFbank, encoder: W2vBertLayer | None,
-                 dtype: str, num_workers: int, commit_files: int, commit_seconds: float, batch_seconds: float,
+                 dtype: str, num_workers: int, commit_files: int, commit_seconds: float,
+                 passes: Callable[[np.ndarray], list[np.ndarray]] | None = None,
                  progress: Callable[[float], None] = lambda files: None, weight: float = 1.0):
         self.root, self.relpaths, self.fbank, self.encoder = root, relpaths, fbank, encoder
         self.dtype, self.num_workers = np.dtype(dtype), num_workers
-        self.commit_files, self.commit_seconds, self.batch_seconds = commit_files, commit_seconds, batch_seconds
+        self.commit_files, self.commit_seconds, self.passes = commit_files, commit_seconds, passes
         self.progress, self.weight = progress, weight
         self.input_wait = 0.0  # seconds the caller's thread waited for decoded audio
         self.audio_seconds = 0.0  # of the files read
@@ -135,7 +136,7 @@ class FeatureWindows:
         else:
             if len(readable) < len(window.files):
                 self.progress(self.weight * (len(window.files) - len(readable)))
-            outputs = self.encoder([f.fbank for f in readable], self.batch_seconds,
+            outputs = self.encoder([f.fbank for f in readable], self.passes,
                                    on_batch=lambda files: self.progress(self.weight * files)) if readable else []
         for item, out in zip(readable, outputs, strict=True):
             item.fbank = None
@@ -183,8 +184,3 @@ class WindowThread:
     def stop(self) -> None:
         self.stopped.set()
         self.thread.join(timeout=5)  # it may be waiting for a worker's file: the daemon thread ends with it
-
-
-def torch_threads_note() -> str:
-    """How many threads the model computes with, for the log."""
-    return f"{torch.get_num_threads()} torch thread(s)"

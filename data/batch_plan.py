@@ -6,8 +6,7 @@ length and on the number of steps per epoch whatever the size of its shard:
 uneven step counts are the commonest cause of an all-reduce that waits forever.
 An utterance excluded during the run (a bad frame in it) is left out from the
 first step not drawn yet, so a batch once drawn (by a prefetcher, say) is the
-same whenever it is drawn again. Outside training, `length_sorted_batches` cuts
-inputs of many lengths into passes under a budget of padded frames.
+same whenever it is drawn again.
 """
 from __future__ import annotations
 
@@ -152,16 +151,3 @@ def pick_windows(count: int, frames: int, window: int, *, seed: int, rank: int, 
     if frames == 0 or count <= per_rank:
         return np.arange(count, dtype=np.int64)
     return np.sort(np.random.default_rng([seed, rank, world_size, 2]).choice(count, per_rank, replace=False))
-
-
-def length_sorted_batches(lengths: np.ndarray, batch_frames: int) -> list[np.ndarray]:
-    """Positions of `lengths` grouped into batches, shortest utterances first, each batch at most `batch_frames`
-    once padded to its longest (rows x longest; an utterance longer than that goes alone): how tools.encode
-    batches utterances for the codec, and tools.extract chunks of audio for w2v-BERT."""
-    order = np.argsort(lengths, kind="stable")
-    batches, first = [], 0
-    for end in range(1, len(order) + 1):
-        if end == len(order) or (end + 1 - first) * int(lengths[order[end]]) > batch_frames:
-            batches.append(order[first:end])
-            first = end
-    return batches

@@ -80,7 +80,9 @@ def describe(settings: dict) -> str:
 
 
 def settings_differ(trained: dict, now: dict) -> str:
-    """`key: trained -> now` for each feature setting that differs ('' when none does). The model's folder counts
-    only where no fingerprint says which model it holds: a copied folder is the same model."""
-    keys = [k for k in FEATURE_KEYS if k != "checkpoint" or not ("model" in trained and "model" in now)]
+    """`key: trained -> now` for each feature setting that differs ('' when none does). A model is known by its
+    fingerprint, wherever its folder is; by its folder where the record has no fingerprint (notes from before
+    there were any)."""
+    fingerprinted = "model" in trained
+    keys = [k for k in FEATURE_KEYS if k != ("checkpoint" if fingerprinted else "model")]
     return ", ".join(f"{k}: {trained.get(k)!r} -> {now.get(k)!r}" for k in keys if trained.get(k) != now.get(k))

@@ -1,4 +1,5 @@
-"""Utterances' features <-> their RVQ codes with a trained codec, and the integer type codes are stored in.
+"""Utterances' features <-> their RVQ codes with a trained codec, the integer type codes are stored in, and
+fairseq's label lines (.km) of one level.
 
 An utterance of T frames gives ceil(T / downsample) code frames: its tail is
 padded by repeating its last frame up to a multiple of the codec's downsample;
@@ -14,8 +15,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from data.batch_plan import length_sorted_batches
 from models.codec import RVQCodec
+
+TAIL_PADDING = "each utterance's tail is padded by repeating its last frame to a multiple of downsample"
 
 
 def code_dtype(codebook_size: int) -> np.dtype:
@@ -56,6 +58,19 @@ def encode_batch(model: RVQCodec, utterances: list[np.ndarray], num_quantizers: 
 def encode_utterance(model: RVQCodec, features: np.ndarray, num_quantizers: int | None = None) -> np.ndarray:
     """[T, D] features -> [ceil(T / downsample), q] int64 codes."""
     return encode_batch(model, [features], num_quantizers)[0]
+
+
+def length_sorted_batches(lengths: np.ndarray, batch_frames: int) -> list[np.ndarray]:
+    """Positions of `lengths` grouped into batches, shortest utterances first, each batch at most `batch_frames`
+    once padded to its longest (rows x longest; an utterance longer than that goes alone). tools.extract and
+    tools.tokenize hand it to data/audio_pipeline.py for w2v-BERT's passes."""
+    order = np.argsort(lengths, kind="stable")
+    batches, first = [], 0
+    for end in range(1, len(order) + 1):
+        if end == len(order) or (end + 1 - first) * int(lengths[order[end]]) > batch_frames:
+            batches.append(order[first:end])
+            first = end
+    return batches
 
 
 def encode_in_batches(model: RVQCodec, store, num_quantizers: int, batch_frames: int, dtype: np.dtype,

@@ -10,6 +10,7 @@ as train_8_16 ... train_15_16. SLURM's variables are not read: a user of srun pa
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import logging
 import os
@@ -17,14 +18,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
+from data.audio_features import FRAME_RATE
 from data.audio_manifest import audio_files
 from data.audio_pipeline import FeatureWindows, Window
 from data.dump_writer import shard_range
 from data.resumable_shard import ShardWriter
 from errors import BadInputError
+from models.codes import length_sorted_batches
 from training.device import shard_device
 from training.faults import FaultInjector
 
@@ -65,15 +69,15 @@ def add_input_args(p: argparse.ArgumentParser) -> None:
                    help="auto or cuda (cuda:<rank %% visible GPUs>, or LOCAL_RANK's under torchrun, so that shards "
                         "run side by side), cpu, cuda:1 ...")
     p.add_argument("--num_workers", type=int, default=4,
-                   help="processes reading, resampling and turning audio into fbank ahead of the model (0: on the "
-                        "main thread)")
+                   help="processes reading, resampling and turning audio into fbank ahead of the model (0: a "
+                        "thread of this process)")
     p.add_argument("--batch_seconds", type=float,
                    help="w2v-bert: padded audio per forward pass (rows x the longest chunk; a longer chunk goes "
                         "alone); default: " + ", ".join(f"{s:g} on {d}" for d, s in BATCH_SECONDS.items()))
     p.add_argument("--commit_files", type=int, default=1000,
                    help="files per commit (their output fsynced, progress recorded): what a killed run does again "
                         "at most, with --commit_seconds; w2v-bert sorts the chunks of these files into its batches")
-    p.add_argument("--commit_seconds", type=float, default=3600.0,
+    p.add_argument("--commit_seconds", type=float, default=600.0,
                    help="audio per commit at most: a commit comes after this much audio or --commit_files files")
     p.add_argument("--overwrite", action="store_true",
                    help="delete the shard's output, finished or partial, and write it from the start")
@@ -121,6 +125,11 @@ def batch_seconds(args: argparse.Namespace, device: torch.device) -> float:
     return args.batch_seconds or BATCH_SECONDS.get(device.type, BATCH_SECONDS["cpu"])
 
 
+def w2v_passes(seconds: float) -> Callable[[np.ndarray], list[np.ndarray]]:
+    """w2v-BERT's forward passes over a window's chunks: sorted by length, at most `seconds` of padded audio each."""
+    return functools.partial(length_sorted_batches, batch_frames=max(1, int(seconds * FRAME_RATE)))
+
+
 def progress_bar(desc: str, share: AudioShare, done: int) -> tqdm:
     """A bar over the share's files that moves with each forward pass (a file of k chunks: 1/k per chunk)."""
     return tqdm(total=len(share.relpaths), initial=done, desc=desc, unit="file", dynamic_ncols=True, mininterval=1.0,
@@ -144,6 +153,6 @@ def write_windows(pipeline: FeatureWindows, writer: ShardWriter, write: Callable
 
 def log_input_wait(log: logging.Logger, pipeline: FeatureWindows, seconds: float, model: str) -> None:
     """The model's input wait, as the trainer logs its data wait."""
-    log.info("read %.1f s of audio in %.1f s: %.1f audio seconds per second; %s waited %.1f s (%.0f%%) for decoded "
+    log.info("read %.1f s of audio in %.2f s: %.1f audio seconds per second; %s waited %.2f s (%.0f%%) for decoded "
              "audio (--num_workers %d)", pipeline.audio_seconds, seconds, pipeline.audio_seconds / max(seconds, 1e-9),
              model, pipeline.input_wait, 100 * pipeline.input_wait / max(seconds, 1e-9), pipeline.num_workers)

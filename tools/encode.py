@@ -52,7 +52,7 @@ from data.stores import FeatureStore, find_split, missing_split
 from data.writer_lock import WriterLock
 from errors import EXIT_OK, BadInputError
 from models.codec import CodecConfig
-from models.codes import code_frames, decode_utterance, encode_in_batches, km_lines
+from models.codes import TAIL_PADDING, code_frames, decode_utterance, encode_in_batches, km_lines
 from tools.cli import HelpFormatter, bad_input_exits_2, run
 from tools.trained_codec import (CodesSpec, add_codes_args, check_codes_args, codes_spec, describe_codes,
                                  load_codec)
@@ -116,8 +116,7 @@ def encode_store(args) -> int:
                          "commit dropped)", writer.done, end - start, writer.rows, writer.dropped_bytes)
             encode_chunks(spec, store, writer, name=name, faults=FaultInjector(args.rank),
                           commit_frames=args.commit_frames)
-            meta = {**settings, "store": store.description,
-                    "padding": "each utterance's tail is padded by repeating its last frame to a multiple of downsample",
+            meta = {**settings, "store": store.description, "padding": TAIL_PADDING,
                     "feature_frames": store.lengths.tolist()}
             texts = {".codes.len": (f"{n}\n" for n in code_lengths), ".codes.json": json.dumps(meta) + "\n"}
             manifest = share_manifest(args.data_dir, args.split, total, start, end)

@@ -6,7 +6,8 @@ Writes OUT_DIR/codec.safetensors (float32 tensors) and OUT_DIR/codec.json, which
 names the tensors and says how to use them (the format is models/export_format.py's).
 The same JSON is stored in the safetensors metadata under "codec_json". The
 feature kind recorded is --feature, or else what the checkpoint says the codec
-was trained on (tools.extract's settings, data/feature_settings.py). Exit codes: 0 done, 2 no readable checkpoint, 1 anything else.
+was trained on (tools.extract's settings, data/feature_settings.py). Exit codes:
+0 done, 2 no readable checkpoint, 1 anything else.
 """
 from __future__ import annotations
 

@@ -33,26 +33,32 @@ arguments, an empty or missing manifest/folder, or an output that is another's.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import logging
-import re
-import time
-from pathlib import Path
+import os
 
-import torch
+# numpy's BLAS (the fbank's mel projection) on one thread a process, set before numpy loads: the decoding workers
+# are the parallelism, and on busy cores a multi-threaded BLAS made the fbank 2.2x slower (benchmarks/README.md)
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from data.audio_features import FEATURES, FRAME_RATE, SAMPLE_RATE, SeamlessFbank, W2vBertLayer
-from data.audio_pipeline import FeatureWindows, Window
-from data.dump_writer import DUMP_DTYPES
-from data.feature_settings import model_fingerprint
-from data.resumable_shard import FEATURE_DUMP, ShardWriter, claim_shard
-from errors import EXIT_FAILURE, EXIT_OK, BadInputError
-from tools.audio_shard import (AudioShare, add_input_args, audio_share, batch_seconds, check_input_args,
-                               log_input_wait, model_device, progress_bar, write_windows)
-from tools.cli import HelpFormatter, bad_input_exits_2, run
-from training.device import compute_dtype
-from training.faults import FaultInjector
+import argparse  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import re  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from data.audio_features import FEATURES, FRAME_RATE, SAMPLE_RATE, SeamlessFbank, W2vBertLayer  # noqa: E402
+from data.audio_pipeline import FeatureWindows, Window  # noqa: E402
+from data.dump_writer import DUMP_DTYPES  # noqa: E402
+from data.feature_settings import model_fingerprint  # noqa: E402
+from data.resumable_shard import FEATURE_DUMP, ShardWriter, claim_shard  # noqa: E402
+from errors import EXIT_FAILURE, EXIT_OK, BadInputError  # noqa: E402
+from tools.audio_shard import (AudioShare, add_input_args, audio_share, batch_seconds, check_input_args,  # noqa: E402
+                               log_input_wait, model_device, progress_bar, w2v_passes, write_windows)
+from tools.cli import HelpFormatter, bad_input_exits_2, run  # noqa: E402
+from training.device import compute_dtype  # noqa: E402
+from training.faults import FaultInjector  # noqa: E402
 
 log = logging.getLogger("extract")
 
@@ -100,9 +106,9 @@ def feature_maker(args, share: AudioShare) -> tuple[SeamlessFbank, W2vBertLayer 
     encoder = W2vBertLayer(args.checkpoint, args.layer, device=device,
                            dtype=compute_dtype(args.precision, device) or torch.float32,
                            max_chunk_seconds=args.max_chunk_seconds)
-    settings.update(dim=encoder.dim, checkpoint=str(args.checkpoint.resolve()), model=model_fingerprint(args.checkpoint),
-                    layer=args.layer, max_chunk_seconds=args.max_chunk_seconds,
-                    precision=str(encoder.dtype).replace("torch.", ""))
+    settings.update(dim=encoder.dim, checkpoint=str(args.checkpoint.resolve()),
+                    model=model_fingerprint(args.checkpoint), layer=args.layer,
+                    max_chunk_seconds=args.max_chunk_seconds, precision=str(encoder.dtype).replace("torch.", ""))
     log.info("w2v-bert layer %d of %s on %s (%s), %d-d", args.layer, args.checkpoint, encoder.device, encoder.dtype,
              encoder.dim)
     return fbank, encoder, settings
@@ -154,7 +160,8 @@ def extract_into(args, share: AudioShare, name: str, fbank: SeamlessFbank, encod
     with progress_bar(f"extract {name}", share, writer.done) as bar:
         pipeline = FeatureWindows(share.root, share.relpaths, fbank=fbank, encoder=encoder, dtype=args.dtype,
                                   num_workers=args.num_workers, commit_files=args.commit_files,
-                                  commit_seconds=args.commit_seconds, batch_seconds=settings.get("batch_seconds", 0),
+                                  commit_seconds=args.commit_seconds,
+                                  passes=w2v_passes(settings["batch_seconds"]) if encoder else None,
                                   progress=bar.update)
 
         def write(window: Window) -> None:

@@ -25,28 +25,35 @@ arguments or input, features other than the codec's, or an output that is anothe
 """
 from __future__ import annotations
 
-import argparse
-import json
-import logging
-import math
-import time
-from pathlib import Path
-from types import SimpleNamespace
+import os
 
-import numpy as np
-import torch
+# numpy's BLAS (the fbank's mel projection) on one thread a process, set before numpy loads: the decoding workers
+# are the parallelism, and on busy cores a multi-threaded BLAS made the fbank 2.2x slower (benchmarks/README.md)
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from data.audio_features import FEATURES, SeamlessFbank, W2vBertLayer
-from data.audio_pipeline import FeatureWindows, Window
-from data.feature_settings import describe, model_fingerprint, settings_differ
-from data.resumable_shard import CODES, ShardWriter, claim_shard
-from errors import EXIT_FAILURE, EXIT_OK, BadInputError
-from models.codes import code_frames, encode_in_batches, km_lines
-from tools.audio_shard import (AudioShare, add_input_args, audio_share, batch_seconds, check_input_args,
-                               log_input_wait, model_device, progress_bar, write_windows)
-from tools.cli import HelpFormatter, bad_input_exits_2, run
-from tools.trained_codec import CodesSpec, add_codes_args, check_codes_args, codes_spec, describe_codes, load_codec
-from training.faults import FaultInjector
+import argparse  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from data.audio_features import FEATURES, SeamlessFbank, W2vBertLayer  # noqa: E402
+from data.audio_pipeline import FeatureWindows, Window  # noqa: E402
+from data.feature_settings import describe, model_fingerprint, settings_differ  # noqa: E402
+from data.resumable_shard import CODES, ShardWriter, claim_shard  # noqa: E402
+from errors import EXIT_FAILURE, EXIT_OK, BadInputError  # noqa: E402
+from models.codes import TAIL_PADDING, code_frames, encode_in_batches, km_lines  # noqa: E402
+from tools.audio_shard import (AudioShare, add_input_args, audio_share, batch_seconds, check_input_args,  # noqa: E402
+                               log_input_wait, model_device, progress_bar, w2v_passes, write_windows)
+from tools.cli import HelpFormatter, bad_input_exits_2, run  # noqa: E402
+from tools.trained_codec import (CodesSpec, add_codes_args, check_codes_args, codes_spec,  # noqa: E402
+                                 describe_codes, load_codec)
+from training.faults import FaultInjector  # noqa: E402
 
 log = logging.getLogger("tokenize")
 PRECISION_NAMES = {"fp32": "float32", "bf16": "bfloat16"}  # --precision -> the name tools.extract records
@@ -158,7 +165,8 @@ def tokenize_into(args, share: AudioShare, name: str, fbank: SeamlessFbank, enco
         pipeline = FeatureWindows(share.root, share.relpaths, fbank=fbank, encoder=encoder,
                                   dtype=settings["features"]["dtype"], num_workers=args.num_workers,
                                   commit_files=args.commit_files, commit_seconds=args.commit_seconds,
-                                  batch_seconds=settings.get("batch_seconds", 0), progress=bar.update, weight=0.5)
+                                  passes=w2v_passes(settings["batch_seconds"]) if encoder else None,
+                                  progress=bar.update, weight=0.5)
 
         def write(window: Window) -> None:
             kept = [item for item in window.files if item.features is not None]
@@ -194,8 +202,7 @@ def tokenize_into(args, share: AudioShare, name: str, fbank: SeamlessFbank, enco
         return EXIT_FAILURE
     meta = {**settings, "source": str(args.source), "utterances": len(frames), "frames": sum(frames),
             "code_frames": writer.rows, "skipped": len(skipped),
-            "padding": "each utterance's tail is padded by repeating its last frame to a multiple of downsample",
-            "feature_frames": frames}
+            "padding": TAIL_PADDING, "feature_frames": frames}
     array = writer.finish({CODES.meta: json.dumps(meta) + "\n"})
     log_input_wait(log, pipeline, seconds, "the models")
     config = spec.model.config

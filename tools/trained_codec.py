@@ -91,9 +91,7 @@ def codes_spec(args: argparse.Namespace, model: RVQCodec, state: dict, ckpt_path
     beam, dtype = args.beam_size or config.beam_size, code_dtype(config.codebook_size)
     settings = {"checkpoint": str(ckpt_path.resolve()), "step": state.get("step"), "levels": q,
                 "codebook_size": config.codebook_size, "downsample": config.downsample, "dtype": dtype.name,
-                "feature_dim": config.feature_dim, "beam_size": beam}
-    if args.km is not None:
-        settings["km_level"] = args.km
+                "feature_dim": config.feature_dim, "beam_size": beam, "km_level": args.km}
     batch_frames = args.batch_frames or BATCH_FRAMES.get(device.type, BATCH_FRAMES["cpu"])
     return CodesSpec(model, q, beam, dtype, args.km, batch_frames, settings)
 
