@@ -29,6 +29,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from data.bad_crops import BadCrops
+from data.feature_settings import dump_feature_settings
 from data.training_data import TrainingData, batch_source, open_training_data
 from errors import EXIT_FAILURE, EXIT_OK, BadInputError, DistributedFailure, RanksDiverged
 from models.codec import CodecConfig, RVQCodec, codebook_tensors
@@ -118,8 +119,11 @@ class Trainer:
         self.out_dir = Path(cfg.run.output_dir)
         self.progress = Progress()
         self.steps_per_epoch = max(1, data.plan.steps_per_epoch // cfg.optim.grad_accum)
+        # the checkpoint says what features the codec learns (tools.extract's notes): tools.tokenize makes them again
+        features = dump_feature_settings(cfg.data.data_dir, cfg.data.train_split)
         self.checkpointer = Checkpointer(self.out_dir / "checkpoints", keep=cfg.run.keep_checkpoints, ctx=ctx,
-                                         codec=codec, config=cfg.to_dict(), steps_per_epoch=self.steps_per_epoch)
+                                         codec=codec, config={**cfg.to_dict(), "features": features},
+                                         steps_per_epoch=self.steps_per_epoch)
         self.amp_dtype = compute_dtype(cfg.optim.precision, ctx.device)
         self.metrics = MetricsLog(None)  # rank 0's writes to the output dir, once build() opens it
         self.batches = None

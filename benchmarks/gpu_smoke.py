@@ -503,13 +503,114 @@ def step_w2v_bert_bf16(args):
     fbanks = [rng.standard_normal((n, 160)).astype(np.float32) for n in (120, 300)]
     with tempfile.TemporaryDirectory(prefix="smoke") as folder:
         Wav2Vec2BertModel(config).eval().save_pretrained(folder)
-        feats = {dtype: W2vBertLayer(Path(folder), 2, device=device, dtype=dtype, max_chunk_seconds=30,
-                                     batch_size=2)(fbanks) for dtype in (torch.float32, torch.bfloat16)}
+        one_pass = lambda lengths: [np.arange(len(lengths))]  # noqa: E731 - both chunks in one forward pass
+        feats = {dtype: W2vBertLayer(Path(folder), 2, device=device, dtype=dtype, max_chunk_seconds=30)(
+                     fbanks, passes=one_pass) for dtype in (torch.float32, torch.bfloat16)}
     ref, low = (torch.from_numpy(np.concatenate(feats[d])).double() for d in (torch.float32, torch.bfloat16))
     cosine = float(torch.nn.functional.cosine_similarity(ref, low, dim=1).min())
     rel_mse = float((ref - low).square().mean() / ref.square().mean())
     return cosine >= W2V_MIN_COSINE, f"lowest per-frame cosine {cosine:.4f} (>= {W2V_MIN_COSINE}), " \
                                      f"relative MSE {rel_mse:.2e} on {device}", {"cosine": cosine, "rel_mse": rel_mse}
+
+
+AUDIO_FILES, AUDIO_SECONDS = 240, (4, 20)  # some 48 minutes of audio, 16-48 kHz, for the extraction steps
+W2V_LAYER = 17
+_audio_run: dict = {}  # what the extraction step leaves for the tokenize step
+
+
+def audio_run_folder() -> Path:
+    """A folder for the extraction steps: audio, a w2v-BERT 2.0-sized random model, their outputs."""
+    if "folder" not in _audio_run:
+        import atexit
+        import shutil
+
+        folder = Path(tempfile.mkdtemp(prefix="smoke_audio"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        _audio_run["folder"] = folder
+    return _audio_run["folder"]
+
+
+def audio_throughput(stderr: str) -> dict:
+    """tools.extract's and tools.tokenize's closing figures: audio seconds per second and the model's input wait."""
+    m = re.search(r"read ([\d.]+) s of audio in ([\d.]+) s: ([\d.]+) audio seconds per second; .* waited ([\d.]+) s "
+                  r"\((\d+)%\)", stderr)
+    if m is None:
+        return {}
+    return {"audio_s": float(m.group(1)), "seconds": float(m.group(2)), "audio_s_per_s": float(m.group(3)),
+            "input_wait_s": float(m.group(4)), "input_wait_pct": int(m.group(5))}
+
+
+def needs_extract_packages() -> None:
+    import importlib.util
+
+    missing = [m for m in ("soundfile", "soxr", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise Skip(f"needs requirements-extract.txt ({', '.join(missing)} missing): give gpu_smoke.sh its wheels")
+
+
+def step_extract_w2v_bert(args):
+    """tools.extract of ~48 minutes of audio with a w2v-BERT 2.0-sized model (random weights: the speed does
+    not depend on them), layer 17, bf16, on this GPU with 8 decoding workers: audio seconds per second and the
+    model's input wait."""
+    needs_cuda()
+    needs_extract_packages()
+    import numpy as np
+    import soundfile as sf
+    from transformers import Wav2Vec2BertConfig, Wav2Vec2BertModel
+
+    folder = audio_run_folder()
+    (folder / "audio").mkdir(exist_ok=True)
+    rng = np.random.default_rng(0)
+    for k in range(AUDIO_FILES):
+        rate = (16000, 44100, 48000)[k % 3]
+        t = np.arange(int(rng.uniform(*AUDIO_SECONDS) * rate)) / rate
+        wave = 0.3 * np.sin(2 * np.pi * (120 + 40 * np.sin(2 * np.pi * t)) * t) + 0.02 * rng.standard_normal(len(t))
+        sf.write(folder / "audio" / f"{k:04d}.flac", wave.astype(np.float32), rate)
+    torch.manual_seed(0)
+    Wav2Vec2BertModel(Wav2Vec2BertConfig()).save_pretrained(folder / "w2v_bert")  # w2v-BERT 2.0's sizes
+    job = run([sys.executable, "-m", "tools.extract", folder / "audio", "train", 1, 0, folder / "feats",
+               "--feature", "w2v-bert", "--checkpoint", folder / "w2v_bert", "--layer", W2V_LAYER, "--precision",
+               "bf16", "--device", "cuda", "--num_workers", 8], timeout=1800)
+    figures = audio_throughput(job.stderr)
+    if job.returncode or not figures:
+        return False, f"exit {job.returncode}", {"stderr": job.stderr[-3000:]}
+    _audio_run["extracted"] = True
+    return True, f"{figures['audio_s_per_s']:,.0f} audio seconds per second, the model waited " \
+                 f"{figures['input_wait_pct']}% of the time for decoded audio ({figures['audio_s']:.0f} s of audio, " \
+                 "8 workers)", figures
+
+
+def step_tokenize_w2v_bert(args):
+    """tools.tokenize of the same audio with a default-sized codec (random, recording the extraction's features):
+    audio seconds per second and input wait; its codes against tools.encode of the extracted dump on the GPU."""
+    needs_cuda()
+    if not _audio_run.get("extracted"):
+        raise Skip("needs the 'extract w2v-bert' step's output (run both)")
+    import numpy as np
+
+    from data.feature_settings import dump_feature_settings
+    from models.codec import CodecConfig, RVQCodec
+
+    folder = audio_run_folder()
+    torch.manual_seed(0)
+    codec = RVQCodec(CodecConfig(feature_dim=1024, kmeans_init=False))
+    torch.save({"model": codec.state_dict(), "codec": codec.config.to_dict(), "step": 0,
+                "config": {"features": dump_feature_settings(folder / "feats", "train")}}, folder / "codec.pt")
+    job = run([sys.executable, "-m", "tools.tokenize", folder / "audio", "train", 1, 0, folder / "tokens",
+               "--checkpoint", folder / "codec.pt", "--device", "cuda", "--num_workers", 8], timeout=1800)
+    figures = audio_throughput(job.stderr)
+    if job.returncode or not figures:
+        return False, f"tokenize: exit {job.returncode}", {"stderr": job.stderr[-3000:]}
+    encoded = run([sys.executable, "-m", "tools.encode", "--checkpoint", folder / "codec.pt", "--data_dir",
+                   folder / "feats", "--output_dir", folder / "codes", "--device", "cuda"], timeout=1800)
+    if encoded.returncode:
+        return False, f"encode: exit {encoded.returncode}", {"stderr": encoded.stderr[-3000:]}
+    tokens, codes = (np.load(folder / d / "train_0_1.codes.npy") for d in ("tokens", "codes"))
+    agree = float((tokens == codes).mean()) if tokens.shape == codes.shape else 0.0
+    figures["codes_agree_with_extract_encode"] = agree
+    return agree >= 0.99, f"{figures['audio_s_per_s']:,.0f} audio seconds per second, input wait " \
+                          f"{figures['input_wait_pct']}%; codes equal to extract + encode's at {agree:.2%} of " \
+                          "positions (>= 99%; on a GPU kernels chosen by shape may break near ties)", figures
 
 
 # in order of what each proves per minute; True: the step can run on a CPU
@@ -527,6 +628,8 @@ STEPS = [
     ("resume", step_resume, False),
     ("presets", step_presets, False),
     ("benchmarks", step_benchmarks, False),
+    ("extract w2v-bert", step_extract_w2v_bert, False),
+    ("tokenize w2v-bert", step_tokenize_w2v_bert, False),
 ]
 
 

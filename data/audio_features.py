@@ -8,7 +8,8 @@ Features, both at 50 frames per second:
   (w2v-BERT 2.0: 1024-d, 24 layers; layer 0 is the feature projection) loaded
   from a local folder. Inputs longer than the chunk length go through the
   encoder in equal chunks of at most that length, and the chunks' outputs are
-  concatenated (no context crosses a chunk boundary).
+  concatenated (no context crosses a chunk boundary); the caller says which
+  chunks share a forward pass.
 
 soundfile, soxr and transformers (requirements-extract.txt) are imported where
 they are used, so that importing this module needs none of them.
@@ -19,6 +20,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -106,28 +108,29 @@ class SeamlessFbank:
 class W2vBertLayer:
     """Hidden state after layer `layer` of a local Wav2Vec2BertModel, fed the Seamless fbank.
 
-    `device` and `dtype` are the caller's choice (training/device.py resolves the flags)."""
+    `device` and `dtype` are the caller's choice (training/device.py resolves the flags); `flag` names the
+    model's folder in messages (tools.extract's --checkpoint, tools.tokenize's --w2v_bert)."""
 
     def __init__(self, checkpoint: Path, layer: int, *, device: torch.device, dtype: torch.dtype,
-                 max_chunk_seconds: float, batch_size: int):
+                 max_chunk_seconds: float, flag: str = "--checkpoint"):
         from transformers import Wav2Vec2BertModel
 
         config_path = checkpoint / "config.json"
         if not config_path.is_file():
-            raise BadInputError(f"--checkpoint {checkpoint} has no config.json: give the folder of a "
+            raise BadInputError(f"{flag} {checkpoint} has no config.json: give the folder of a "
                                 "Wav2Vec2BertModel saved with save_pretrained (e.g. facebook/w2v-bert-2.0)")
         model_type = json.loads(config_path.read_text()).get("model_type")
         if model_type != "wav2vec2-bert":
-            raise BadInputError(f"--checkpoint {checkpoint} holds a '{model_type}' model, not 'wav2vec2-bert' "
+            raise BadInputError(f"{flag} {checkpoint} holds a '{model_type}' model, not 'wav2vec2-bert' "
                                 "(w2v-BERT 2.0)")
         try:
             model, info = Wav2Vec2BertModel.from_pretrained(str(checkpoint), local_files_only=True,
                                                             output_loading_info=True)
         except Exception as e:  # noqa: BLE001 - a broken checkpoint folder is the user's to fix
-            raise BadInputError(f"--checkpoint {checkpoint} could not be loaded: {e}") from None
+            raise BadInputError(f"{flag} {checkpoint} could not be loaded: {e}") from None
         missing = [k for k in info.get("missing_keys", []) if "masked_spec_embed" not in k]
         if missing:
-            raise BadInputError(f"--checkpoint {checkpoint} lacks weights ({', '.join(sorted(missing)[:5])}...): "
+            raise BadInputError(f"{flag} {checkpoint} lacks weights ({', '.join(sorted(missing)[:5])}...): "
                                 "the encoder would be random")
         layers = model.config.num_hidden_layers
         if not 0 <= layer <= layers:
@@ -141,32 +144,41 @@ class W2vBertLayer:
         self.layer = layer
         self.dim = model.config.hidden_size
         self.max_chunk = max(1, int(max_chunk_seconds * FRAME_RATE))
-        self.batch_size = batch_size
 
     def chunks(self, fbank: np.ndarray) -> list[np.ndarray]:
         """Equal chunks of at most max_chunk frames (equal, so that no last chunk is left with little context)."""
         return np.array_split(fbank, math.ceil(len(fbank) / self.max_chunk))
 
-    def __call__(self, fbanks: list[np.ndarray]) -> list[np.ndarray]:
-        pieces = [(i, c) for i, f in enumerate(fbanks) for c in self.chunks(f)]
-        outputs = [None] * len(pieces)
-        order = sorted(range(len(pieces)), key=lambda k: len(pieces[k][1]))  # similar lengths, less padding
-        for start in range(0, len(order), self.batch_size):
-            batch = order[start : start + self.batch_size]
-            longest = max(len(pieces[k][1]) for k in batch)
-            x = torch.zeros(len(batch), longest, pieces[batch[0]][1].shape[1])
-            mask = torch.zeros(len(batch), longest, dtype=torch.long)
-            for row, k in enumerate(batch):
-                n = len(pieces[k][1])
-                x[row, :n] = torch.from_numpy(pieces[k][1])
-                mask[row, :n] = 1
-            with torch.inference_mode():
-                out = self.model(input_features=x.to(self.device, self.dtype), attention_mask=mask.to(self.device),
-                                 output_hidden_states=True)
-            hidden = out.hidden_states[self.layer].float().cpu().numpy()
-            for row, k in enumerate(batch):
-                outputs[k] = hidden[row, : len(pieces[k][1])]
-        per_file = [[] for _ in fbanks]
-        for (i, _), out in zip(pieces, outputs, strict=True):
+    def forward(self, chunks: list[np.ndarray]) -> list[np.ndarray]:
+        """[T_i, 160] fbank chunks -> their [T_i, dim] layer outputs, in one forward pass (each row zero-padded to
+        the longest, its padding masked)."""
+        longest = max(len(c) for c in chunks)
+        x = torch.zeros(len(chunks), longest, chunks[0].shape[1])
+        mask = torch.zeros(len(chunks), longest, dtype=torch.long)
+        for row, chunk in enumerate(chunks):
+            x[row, : len(chunk)] = torch.from_numpy(chunk)
+            mask[row, : len(chunk)] = 1
+        with torch.inference_mode():
+            out = self.model(input_features=x.to(self.device, self.dtype), attention_mask=mask.to(self.device),
+                             output_hidden_states=True)
+        hidden = out.hidden_states[self.layer].float().cpu().numpy()
+        return [hidden[row, : len(chunk)] for row, chunk in enumerate(chunks)]
+
+    def __call__(self, fbanks: list[np.ndarray], passes: Callable[[np.ndarray], list[np.ndarray]],
+                 on_batch: Callable[[float], None] | None = None) -> list[np.ndarray]:
+        """Layer outputs of whole files: every chunk of `fbanks`, grouped into forward passes by `passes` (chunk
+        lengths in frames -> the positions of each pass: the tools give models.codes.length_sorted_batches under
+        --batch_seconds). on_batch(files) after each pass: the share of the files it did (a chunk of a file in k
+        chunks counts 1/k), for a caller's progress bar."""
+        chunks = [self.chunks(f) for f in fbanks]
+        pieces = [(i, piece, len(parts)) for i, parts in enumerate(chunks) for piece in parts]
+        outputs: list[np.ndarray | None] = [None] * len(pieces)
+        for batch in passes(np.array([len(piece) for _, piece, _ in pieces], dtype=np.int64)):
+            for k, out in zip(batch, self.forward([pieces[k][1] for k in batch]), strict=True):
+                outputs[k] = out
+            if on_batch is not None:
+                on_batch(sum(1 / pieces[k][2] for k in batch))
+        per_file: list[list[np.ndarray]] = [[] for _ in fbanks]
+        for (i, _, _), out in zip(pieces, outputs, strict=True):
             per_file[i].append(out)
         return [np.concatenate(parts).astype(np.float32, copy=False) for parts in per_file]

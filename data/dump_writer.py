@@ -2,8 +2,9 @@
 
 Every file is written under a temporary name (`NAME.tmp`), fsynced, and renamed
 into place by `publish`, the .npy last: a .npy on disk always has its .len
-beside it. `shard_range` is how a rank of NSHARD takes its contiguous share of
-the items, as in fairseq's examples/hubert/simple_kmeans.
+beside it. A rename replaces the file it lands on; nothing is unlinked first.
+`shard_range` is how a rank of NSHARD takes its contiguous share of the items,
+as in fairseq's examples/hubert/simple_kmeans.
 """
 from __future__ import annotations
 
@@ -83,8 +84,9 @@ def write_temporary(path: Path, text: str | Iterable[str]) -> Path:
 
 
 def publish(pairs: list[tuple[Path, Path]], array: tuple[Path, Path]) -> None:
-    """Rename temporaries into place; the .npy goes last, so a .npy on disk always has its .len beside it."""
-    array[1].unlink(missing_ok=True)  # never leave an older .npy beside the new .len
+    """Rename temporaries into place, the .npy last, so a .npy on disk always has its .len beside it. Each rename
+    replaces what was there; nothing is deleted first (the tools hold the shard's lock and refuse an existing shard
+    without --overwrite, which removes it before any work, so no older .npy is left to sit beside a new .len)."""
     for tmp, final in [*pairs, array]:
         os.replace(tmp, final)
     fsync_folder(array[1].parent)

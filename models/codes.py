@@ -1,4 +1,5 @@
-"""Utterances' features <-> their RVQ codes with a trained codec, and the integer type codes are stored in.
+"""Utterances' features <-> their RVQ codes with a trained codec, the integer type codes are stored in, and
+fairseq's label lines (.km) of one level.
 
 An utterance of T frames gives ceil(T / downsample) code frames: its tail is
 padded by repeating its last frame up to a multiple of the codec's downsample;
@@ -9,10 +10,14 @@ frames, so an utterance's codes are bit for bit those it gets alone.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
 from models.codec import RVQCodec
+
+TAIL_PADDING = "each utterance's tail is padded by repeating its last frame to a multiple of downsample"
 
 
 def code_dtype(codebook_size: int) -> np.dtype:
@@ -57,7 +62,8 @@ def encode_utterance(model: RVQCodec, features: np.ndarray, num_quantizers: int 
 
 def length_sorted_batches(lengths: np.ndarray, batch_frames: int) -> list[np.ndarray]:
     """Positions of `lengths` grouped into batches, shortest utterances first, each batch at most `batch_frames`
-    once padded to its longest (rows x longest; an utterance longer than that goes alone)."""
+    once padded to its longest (rows x longest; an utterance longer than that goes alone). tools.extract and
+    tools.tokenize hand it to data/audio_pipeline.py for w2v-BERT's passes."""
     order = np.argsort(lengths, kind="stable")
     batches, first = [], 0
     for end in range(1, len(order) + 1):
@@ -68,16 +74,28 @@ def length_sorted_batches(lengths: np.ndarray, batch_frames: int) -> list[np.nda
 
 
 def encode_in_batches(model: RVQCodec, store, num_quantizers: int, batch_frames: int, dtype: np.dtype,
-                      beam_size: int | None = None) -> np.ndarray:
-    """Codes of every utterance of `store` (a data.stores.FeatureStore: `lengths`, `utterance(i)`), concatenated
-    in order as `dtype`; encoded in length-sorted batches of at most `batch_frames` padded frames."""
+                      beam_size: int | None = None,
+                      on_batch: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
+    """Codes of every utterance of `store` (a data.stores.FeatureStore, or anything with `lengths` and
+    `utterance(i)`), concatenated in order as `dtype`; encoded in length-sorted batches of at most `batch_frames`
+    padded frames. on_batch(positions) after each batch: a caller's progress bar."""
     s = model.config.downsample
     out: list[np.ndarray | None] = [None] * len(store.lengths)
     for batch in length_sorted_batches(code_frames(store.lengths, s) * s, batch_frames):
         utterances = [store.utterance(int(i)) for i in batch]
         for i, codes in zip(batch, encode_batch(model, utterances, num_quantizers, beam_size), strict=True):
             out[i] = codes.astype(dtype)
+        if on_batch is not None:
+            on_batch(batch)
     return np.concatenate(out) if out else np.zeros((0, num_quantizers), dtype)
+
+
+def km_lines(codes: np.ndarray, lengths: np.ndarray, level: int) -> str:
+    """fairseq's label format (HuBERT's dump_km_label.py): one line per utterance, its codes at `level` (from 1)
+    separated by spaces; `codes` are the utterances' [code frames, levels] concatenated, `lengths` their frames."""
+    column = np.asarray(codes[:, level - 1])
+    ends = np.cumsum(lengths)
+    return "".join(" ".join(map(str, column[end - n : end].tolist())) + "\n" for n, end in zip(lengths, ends))
 
 
 def decode_utterance(model: RVQCodec, codes: np.ndarray, frames: int | None = None) -> np.ndarray:

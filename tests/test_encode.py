@@ -162,7 +162,7 @@ def test_a_shard_killed_while_writing_resumes_to_the_codes_of_an_uninterrupted_r
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert not (out / "train_1_2.codes.npy").exists()
     committed = json.loads((out / "train_1_2.codes.progress").read_text())
-    assert committed["utterances"] == 3
+    assert committed["done"] == 3  # utterances
     row = 2 * np.dtype(np.int16).itemsize  # 2 levels
     assert (out / "train_1_2.codes.npy.partial").stat().st_size > 128 + committed["rows"] * row
 

@@ -123,7 +123,7 @@ def test_bad_files_are_skipped_named_and_counted(tmp_path, caplog):
     only_bad.mkdir()
     (only_bad / "x.wav").write_text("not audio")
     assert extract.main([only_bad, "train", 1, 0, tmp_path / "none"]) == 1
-    assert not (tmp_path / "none" / "train_0_1.npy").exists() and not list((tmp_path / "none").glob("*"))
+    assert [p.name for p in (tmp_path / "none").iterdir()] == [".train_0_1.lock"]  # the writer lock's file alone
 
 
 def test_empty_or_missing_input_exits_2(tmp_path, caplog):
@@ -155,8 +155,10 @@ def test_a_crash_midway_leaves_no_file_the_trainer_could_read(tmp_path, monkeypa
 
     monkeypatch.setattr(extract.SeamlessFbank, "__call__", failing)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        extract.main([audio, "train", 1, 0, tmp_path / "feats"])
-    assert list((tmp_path / "feats").iterdir()) == []
+        extract.main([audio, "train", 1, 0, tmp_path / "feats", "--num_workers", 0, "--commit_files", 2])
+    assert find_split(tmp_path / "feats", "train") is None  # one commit made: partial files, no dump
+    assert sorted(p.name for p in (tmp_path / "feats").iterdir() if not p.name.endswith(".partial")) == \
+        [".train_0_1.lock", "train_0_1.progress"]
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +183,7 @@ def test_w2v_bert_layer_matches_the_model_chunk_by_chunk(tmp_path, tiny_w2v_bert
     relpaths = write_corpus(audio, CORPUS[:4])  # 1 to 3 s: one to three chunks each
     out = tmp_path / "feats"
     assert extract.main([audio, "train", 1, 0, out, "--feature", "w2v-bert", "--checkpoint", tiny_w2v_bert,
-                         "--layer", 1, "--max_chunk_seconds", 1.0, "--batch_size", 3, "--device", "cpu"]) == 0
+                         "--layer", 1, "--max_chunk_seconds", 1.0, "--batch_seconds", 3, "--device", "cpu"]) == 0
     got = utterances(out, "train_0_1")
     model = Wav2Vec2BertModel.from_pretrained(str(tiny_w2v_bert), local_files_only=True).eval()
     for rel, features in zip(relpaths, got, strict=True):

@@ -1,5 +1,6 @@
 """How every tool starts and ends: INFO logs on stderr tagged with the tool's name, and a BadInputError
-(bad flags or data, nothing written) logged as an error and returned as exit code 2."""
+(bad flags or data, nothing written) logged as an error and returned as exit code 2; and how its --help
+shows each flag's default."""
 from __future__ import annotations
 
 import functools

@@ -13,19 +13,24 @@ in fairseq's simple_kmeans, and opens only the shards of the store that share re
 - `NAME.codes.json`: the settings (checkpoint, step, levels, codebook size, downsample, dtype, the share,
   frame counts) and each utterance's feature frame count (`feature_frames`);
 - `NAME.codes.tsv`: when the store was written by tools.extract, the audio files of these utterances in
-  order (a fairseq manifest).
+  order (a fairseq manifest);
+- `NAME.km` with `--km [LEVEL]`: fairseq's label file, one line of space-separated codes of one level per
+  utterance (HuBERT's dump_km_label.py).
 
 `--num_quantizers q` keeps the first q levels (a lower bitrate). An utterance of T frames gives
 ceil(T / downsample) code frames (models/codes.py). Utterances are encoded in chunks of about
---commit_frames feature frames, each in length-sorted batches of at most --batch_frames padded frames;
-each chunk's codes are appended to NAME.codes.npy.partial and committed (data/code_shard.py), so that
-the same command run again after a crash goes on from the last commit and writes the same bytes as an
-uninterrupted run. A finished shard is not encoded again: the command says so and exits 0 (--overwrite
-starts it over). Decoding writes a fairseq dump (`NAME.npy/.len`) of the reconstructed features, cut
-back to each utterance's T frames when the .codes.json gives them.
+--commit_frames feature frames, each in length-sorted batches of at most --batch_frames padded frames
+(the progress bar moves with each batch); each chunk's codes are appended to NAME.codes.npy.partial and
+committed (data/resumable_shard.py), so that the same command run again after a crash goes on from the last
+commit and writes the same bytes as an uninterrupted run. A finished shard is not encoded again: the
+command says so and exits 0 (--overwrite starts it over); one written with other settings is refused. A
+second process on the same shard exits 2, naming the first. Decoding writes a fairseq dump (`NAME.npy/.len`)
+of the reconstructed features, cut back to each utterance's T frames when the .codes.json gives them; it
+refuses an output folder where NAME.npy or NAME.len exists (the features it would shadow) unless
+--overwrite.
 
 --device is resolved by training/device.py; encoding runs in eval mode and float32. Exit codes: 0 done (or
-already done), 2 bad arguments or data (nothing written), 1 anything else.
+already done), 2 bad arguments or data, or an output that is another's (nothing written), 1 anything else.
 """
 from __future__ import annotations
 
@@ -41,22 +46,21 @@ import numpy as np
 from tqdm import tqdm
 
 from data.audio_manifest import manifest_lines, share_manifest
-from data.code_shard import CodeShardWriter, changed_settings, finished_meta, remove_shard
 from data.dump_writer import NpyRowWriter, len_text, publish, shard_range, write_temporary
+from data.resumable_shard import CODES, FEATURE_DUMP, ShardWriter, claim_shard
 from data.stores import FeatureStore, find_split, missing_split
+from data.writer_lock import WriterLock
 from errors import EXIT_OK, BadInputError
 from models.codec import CodecConfig
-from models.codes import code_dtype, code_frames, decode_utterance, encode_in_batches
+from models.codes import TAIL_PADDING, code_frames, decode_utterance, encode_in_batches, km_lines
 from tools.cli import bad_input_exits_2, run
-from tools.trained_codec import load_codec
+from tools.trained_codec import (CodesSpec, add_codes_args, check_codes_args, codes_spec, describe_codes,
+                                 load_codec)
 from training.device import select_device
 from training.faults import FaultInjector
+from training.flag_help import FlagHelpFormatter
 
 log = logging.getLogger("encode")
-
-# --batch_frames by device: on a CPU the quantizer slows down once a pass's intermediates outgrow the caches
-# (benchmarks/bench_encode.py); on a GPU longer passes spread the kernel launches over more frames
-BATCH_FRAMES = {"cpu": 2048, "cuda": 32768}
 
 
 def open_share(args, config: CodecConfig, ckpt_path: Path) -> tuple[FeatureStore, int, int, int]:
@@ -91,86 +95,64 @@ def commit_chunks(lengths: np.ndarray, commit_frames: int, done: int) -> list[tu
 def encode_store(args) -> int:
     device = select_device(args.device)
     model, state, ckpt_path = load_codec(args.checkpoint, device)
-    config = model.config
-    q = config.num_quantizers if args.num_quantizers is None else args.num_quantizers
-    beam = args.beam_size or config.beam_size
-    if not 1 <= q <= config.num_quantizers:
-        raise BadInputError(f"--num_quantizers {q}: this codec has levels 1 to {config.num_quantizers}")
-    store, start, end, total = open_share(args, config, ckpt_path)
-    dtype = code_dtype(config.codebook_size)
-    code_lengths = code_frames(store.lengths, config.downsample)
+    store, start, end, total = open_share(args, model.config, ckpt_path)
+    spec = codes_spec(args, model, state, ckpt_path, device)
+    code_lengths = code_frames(store.lengths, model.config.downsample)
     name = f"{args.split}_{args.rank}_{args.nshard}"
-    settings = {"checkpoint": str(ckpt_path.resolve()), "step": state.get("step"), "levels": q,
-                "codebook_size": config.codebook_size, "downsample": config.downsample, "dtype": dtype.name,
-                "feature_dim": config.feature_dim, "beam_size": beam, "split": args.split,
-                "rank": args.rank, "nshard": args.nshard,
+    settings = {**spec.settings, "split": args.split, "rank": args.rank, "nshard": args.nshard,
                 "first_utterance": start, "utterances": end - start, "frames": store.total_frames,
                 "code_frames": int(code_lengths.sum())}
-    faults = FaultInjector(args.rank)
-    if args.overwrite:
-        remove_shard(args.output_dir, name)
-    elif is_finished(args.output_dir, name, settings):
+    lock = claim_shard(args.output_dir, name, CODES, settings, overwrite=args.overwrite, log=log,
+                       redo="encode the shard again")
+    if lock is None:
         return EXIT_OK
-
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    writer = CodeShardWriter(args.output_dir, name, settings, int(code_lengths.sum()), q, dtype)
     try:
-        log.info("%s: utterances %d-%d of %d in %s -> %s/%s.codes.npy, %d of %d levels x %d codes, downsample %d, "
-                 "%s%s", name, start, end - 1, total, args.data_dir, args.output_dir, name, q, config.num_quantizers,
-                 config.codebook_size, config.downsample, dtype,
-                 f", beam search {beam} wide" if beam > 1 else ", the nearest code at each level")
-        if writer.utterances:
-            log.info("resuming at utterance %d of %d (%d code frames committed; %d bytes written after the last "
-                     "commit dropped)", writer.utterances, end - start, writer.rows, writer.dropped_bytes)
-        encode_chunks(model, store, writer, levels=q, dtype=dtype, name=name, faults=faults,
-                      batch_frames=args.batch_frames or BATCH_FRAMES.get(device.type, BATCH_FRAMES["cpu"]),
-                      commit_frames=args.commit_frames, beam_size=beam)
-        meta = {**settings, "store": store.description,
-                "padding": "each utterance's tail is padded by repeating its last frame to a multiple of downsample",
-                "feature_frames": store.lengths.tolist()}
-        texts = {".codes.len": (f"{n}\n" for n in code_lengths), ".codes.json": json.dumps(meta) + "\n"}
-        manifest = share_manifest(args.data_dir, args.split, total, start, end)
-        if manifest is not None:
-            texts[".codes.tsv"] = manifest_lines(*manifest)
-        array = writer.finish(texts)
+        writer = ShardWriter(args.output_dir, name, CODES, settings, width=spec.levels, dtype=spec.dtype,
+                             rows=int(code_lengths.sum()), streams={".km": ""} if spec.km else {})
+        try:
+            log.info("%s: utterances %d-%d of %d in %s -> %s/%s.codes.npy, %s", name, start, end - 1, total,
+                     args.data_dir, args.output_dir, name, describe_codes(spec))
+            if writer.done:
+                log.info("resuming at utterance %d of %d (%d code frames committed; %d bytes written after the last "
+                         "commit dropped)", writer.done, end - start, writer.rows, writer.dropped_bytes)
+            encode_chunks(spec, store, writer, name=name, faults=FaultInjector(args.rank),
+                          commit_frames=args.commit_frames)
+            meta = {**settings, "store": store.description, "padding": TAIL_PADDING,
+                    "feature_frames": store.lengths.tolist()}
+            texts = {".codes.len": (f"{n}\n" for n in code_lengths), ".codes.json": json.dumps(meta) + "\n"}
+            manifest = share_manifest(args.data_dir, args.split, total, start, end)
+            if manifest is not None:
+                texts[".codes.tsv"] = manifest_lines(*manifest)
+            array = writer.finish(texts)
+        finally:
+            writer.close()
     finally:
-        writer.close()
+        lock.release()
+    config = model.config
     log.info("wrote %d utterances, %d code frames (%d levels, %.0f bits/frame of features) to %s", end - start,
-             code_lengths.sum(), q, q * math.log2(config.codebook_size) / config.downsample, array)
+             code_lengths.sum(), spec.levels, spec.levels * math.log2(config.codebook_size) / config.downsample, array)
     log.info("finished successfully")
     return EXIT_OK
 
 
-def is_finished(folder: Path, name: str, settings: dict) -> bool:
-    """Whether shard NAME is already written with these settings (said in the log); BadInputError when it was
-    written with others."""
-    finished = finished_meta(folder, name)
-    if finished is None:
-        return False
-    differ = changed_settings(finished, settings)
-    if differ:
-        raise BadInputError(f"{folder / name}.codes.npy was written with other settings ({differ}); pass "
-                            "--overwrite to encode the shard again")
-    log.info("%s is complete: %d utterances, %d code frames in %s; nothing to do (--overwrite encodes it again)",
-             name, settings["utterances"], settings["code_frames"], folder / f"{name}.codes.npy")
-    log.info("finished successfully")
-    return True
-
-
-def encode_chunks(model, store: FeatureStore, writer: CodeShardWriter, *, levels: int, dtype: np.dtype, name: str,
-                  faults: FaultInjector, batch_frames: int, commit_frames: int, beam_size: int) -> None:
-    """Encode and commit the chunks of the share after those `writer` holds, with a progress bar."""
-    done = int(store.lengths[: writer.utterances].sum())
+def encode_chunks(spec: CodesSpec, store: FeatureStore, writer: ShardWriter, *, name: str, faults: FaultInjector,
+                  commit_frames: int) -> None:
+    """Encode and commit the chunks of the share after those `writer` holds; the bar moves with each batch."""
+    done = int(store.lengths[: writer.done].sum())
     began, frames = time.perf_counter(), 0
     with tqdm(total=store.total_frames, initial=done, desc=f"encode {name}", unit="frame", unit_scale=True,
               dynamic_ncols=True, mininterval=1.0) as bar:
-        for number, first, end in commit_chunks(store.lengths, commit_frames, writer.utterances):
+        for number, first, end in commit_chunks(store.lengths, commit_frames, writer.done):
             chunk = store.share(first, end)
-            writer.write(encode_in_batches(model, chunk, levels, batch_frames, dtype, beam_size))
+            codes = encode_in_batches(spec.model, chunk, spec.levels, spec.batch_frames, spec.dtype, spec.beam,
+                                      on_batch=lambda batch: bar.update(int(chunk.lengths[batch].sum())))
+            writer.write(codes)
+            if spec.km:
+                writer.append(".km", km_lines(codes, code_frames(chunk.lengths, spec.model.config.downsample),
+                                              spec.km))
             faults.before_commit(number)
             writer.commit(end)
             frames += chunk.total_frames
-            bar.update(chunk.total_frames)
     seconds = time.perf_counter() - began
     if frames:
         log.info("encoded %d feature frames in %.1f s: %.0f frames/s", frames, seconds, frames / max(seconds, 1e-9))
@@ -194,66 +176,79 @@ def decode_codes(args) -> int:
     if frames is not None and len(frames) != len(counts):
         frames = None
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    writer = NpyRowWriter(args.output_dir / f"{name}.npy", model.config.feature_dim)
-    lengths, row = [], 0
-    try:
-        for i, n in enumerate(tqdm(counts, desc=f"decode {name}", unit="utt", dynamic_ncols=True, mininterval=1.0)):
-            out = decode_utterance(model, codes[row : row + n], frames[i] if frames else None)
-            writer.append(out)
-            lengths.append(len(out))
-            row += n
-        len_path = args.output_dir / f"{name}.len"
-        publish([(write_temporary(len_path, len_text(lengths)), len_path)],
-                (writer.finish(), writer.path))
-    except BaseException:
-        writer.discard()
-        raise
+    with WriterLock(FEATURE_DUMP.lock_path(args.output_dir, name), f"shard {args.output_dir / name}.npy"):
+        if not args.overwrite:
+            refuse_to_shadow(args.output_dir, name)
+        writer = NpyRowWriter(args.output_dir / f"{name}.npy", model.config.feature_dim)
+        lengths, row = [], 0
+        try:
+            for i, n in enumerate(tqdm(counts, desc=f"decode {name}", unit="utt", dynamic_ncols=True,
+                                       mininterval=1.0)):
+                out = decode_utterance(model, codes[row : row + n], frames[i] if frames else None)
+                writer.append(out)
+                lengths.append(len(out))
+                row += n
+            len_path = args.output_dir / f"{name}.len"
+            publish([(write_temporary(len_path, len_text(lengths)), len_path)], (writer.finish(), writer.path))
+        except BaseException:
+            writer.discard()
+            raise
     log.info("wrote %d utterances, %d frames of %d-d features to %s", len(lengths), sum(lengths),
              model.config.feature_dim, writer.path)
     log.info("finished successfully")
     return EXIT_OK
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
-    decoding = bool(argv) and argv[0] == "decode"
+def refuse_to_shadow(folder: Path, name: str) -> None:
+    """Decoding into a folder that holds NAME's features (an extraction's, say) would replace them with their
+    lossy reconstruction: exit 2."""
+    there = [folder / (name + ext) for ext in (".npy", ".len") if (folder / (name + ext)).exists()]
+    if there:
+        raise BadInputError(f"{there[0]} exists: decoding into {folder} would replace those features with their "
+                            "reconstruction; give another --output_dir, or pass --overwrite to replace them")
+
+
+def build_parser(decoding: bool) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m tools.encode" + (" decode" if decoding else ""),
         description=("Decode RVQ codes back to features (a fairseq dump)." if decoding else
                      "Encode a feature store to RVQ codes (`decode --help`: codes -> features)."),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=FlagHelpFormatter,
     )
     p.add_argument("--checkpoint", type=Path, required=True, help="a checkpoint file, or a run's --output_dir "
                                                                   "(its newest checkpoint)")
     if decoding:
         p.add_argument("--codes_dir", type=Path, required=True, help="where tools.encode wrote the codes")
+        p.add_argument("--overwrite", action="store_true",
+                       help="replace NAME.npy/.len in --output_dir, whatever they hold")
     else:
-        p.add_argument("--data_dir", type=Path, required=True, help="the feature store (as the trainer's --data_dir)")
-        p.add_argument("--num_quantizers", type=int, help="keep the first q levels (default: all)")
-        p.add_argument("--batch_frames", type=int,
-                       help="feature frames per forward pass, counted padded (rows x the longest utterance in the "
-                            "batch; a longer utterance goes alone). Default: "
-                            + ", ".join(f"{n} on {device}" for device, n in BATCH_FRAMES.items()))
+        p.add_argument("--data_dir", type=Path, required=True,
+                       help="the feature store (as the trainer's --data_dir)")
+        add_codes_args(p)
         p.add_argument("--commit_frames", type=int, default=1_000_000,
                        help="feature frames between commits (codes fsynced, progress recorded): what a killed run "
                             "encodes again at most")
-        p.add_argument("--beam_size", type=int,
-                       help="partial code sequences kept per frame by the quantizer's beam search over the levels "
-                            "(1: the nearest code at each level, several times faster); default: the codec's "
-                            "--beam_size, the one its codebooks were refit for (benchmarks/README.md)")
         p.add_argument("--overwrite", action="store_true",
                        help="delete the shard's codes, finished or partial, and encode it from the start")
-    p.add_argument("--split", default="train")
-    p.add_argument("--output_dir", type=Path, required=True)
+    p.add_argument("--split", default="train", help="the split read")
+    p.add_argument("--output_dir", type=Path, required=True, help="where the output goes")
     p.add_argument("--nshard", type=int, default=1, help="number of shards the split is cut into")
     p.add_argument("--rank", type=int, default=0, help="which shard this process handles")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1 ...")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
+    decoding = bool(argv) and argv[0] == "decode"
+    p = build_parser(decoding)
     args = p.parse_args(argv[1:] if decoding else argv)
     if args.nshard < 1 or not 0 <= args.rank < args.nshard:
         p.error(f"need nshard >= 1 and 0 <= rank < nshard, got nshard {args.nshard}, rank {args.rank}")
-    if not decoding and ((args.batch_frames is not None and args.batch_frames < 1) or args.commit_frames < 1
-                         or (args.beam_size is not None and args.beam_size < 1)):
-        p.error("--batch_frames, --commit_frames and --beam_size must be positive")
+    if not decoding:
+        check_codes_args(p, args)
+        if args.commit_frames < 1:
+            p.error(f"--commit_frames must be positive, got {args.commit_frames}")
     args.decode = decoding
     return args
 

@@ -5,8 +5,9 @@
 Writes OUT_DIR/codec.safetensors (float32 tensors) and OUT_DIR/codec.json, which
 names the tensors and says how to use them (the format is models/export_format.py's).
 The same JSON is stored in the safetensors metadata under "codec_json". The
-feature kind recorded is --feature, or else what tools.extract noted beside the
-training data. Exit codes: 0 done, 2 no readable checkpoint, 1 anything else.
+feature kind recorded is --feature, or else what the checkpoint says the codec
+was trained on (tools.extract's settings, data/feature_settings.py). Exit codes:
+0 done, 2 no readable checkpoint, 1 anything else.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import logging
 import os
 from pathlib import Path
 
+from data.feature_settings import dump_feature_settings
 from errors import EXIT_OK
 from models.export_format import describe, export_tensors
 from tools.cli import bad_input_exits_2, run
@@ -26,20 +28,13 @@ log = logging.getLogger("export")
 
 
 def feature_kind(state: dict) -> dict:
-    """What the codec was trained on, from tools.extract's notes beside the training data when there are any."""
+    """What the codec was trained on: the checkpoint's record of tools.extract's settings, or (a checkpoint from
+    before the trainer recorded them) the notes beside the training data, if they are still there."""
     config = state.get("config") or {}
-    data_dir = config.get("data_dir")
-    if data_dir is None:
-        return {"kind": "demo", "note": "the trainer's synthetic demo corpus (160-d, like the Seamless fbank)"}
-    for path in sorted(Path(data_dir).glob(f"{config.get('train_split', 'train')}_*_*.json")):
-        try:
-            note = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(note, dict) and "feature" in note:
-            keep = ("checkpoint", "layer", "frame_rate_hz", "sample_rate")
-            return {"kind": note["feature"], **{k: note[k] for k in keep if k in note}}
-    return {"kind": "unknown", "note": f"trained on {data_dir}; no tools.extract notes found there"}
+    settings = config.get("features") or dump_feature_settings(config.get("data_dir"),
+                                                               config.get("train_split", "train"))
+    keep = ("checkpoint", "layer", "frame_rate_hz", "sample_rate", "note")
+    return {"kind": settings.get("feature", "unknown"), **{k: settings[k] for k in keep if k in settings}}
 
 
 def export(checkpoint: Path, out_dir: Path, feature: str | None = None) -> tuple[Path, Path]:
@@ -63,16 +58,19 @@ def export(checkpoint: Path, out_dir: Path, feature: str | None = None) -> tuple
     return weights, note
 
 
-@bad_input_exits_2(log)
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.export",
-                                description="Export a trained codec as codec.safetensors + codec.json.",
-                                formatter_class=FlagHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tools.export", formatter_class=FlagHelpFormatter,
+                                description="Export a trained codec as codec.safetensors + codec.json.")
     p.add_argument("checkpoint", type=Path, help="a checkpoint file, or a run's --output_dir (its newest checkpoint)")
     p.add_argument("out_dir", type=Path, help="the folder codec.safetensors and codec.json are written to")
-    p.add_argument("--feature", help="the feature kind to record (default: read from tools.extract's notes "
-                                     "beside the training data)")
-    args = p.parse_args(None if argv is None else [str(a) for a in argv])
+    p.add_argument("--feature", help="the feature kind to record (default: what the checkpoint says the codec "
+                                     "was trained on)")
+    return p
+
+
+@bad_input_exits_2(log)
+def main(argv=None) -> int:
+    args = build_parser().parse_args(None if argv is None else [str(a) for a in argv])
     export(args.checkpoint, args.out_dir, args.feature)
     log.info("finished successfully")
     return EXIT_OK

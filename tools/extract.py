@@ -3,166 +3,195 @@
     python -m tools.extract MANIFEST_OR_DIR SPLIT NSHARD RANK OUT_DIR --feature fbank
     python -m tools.extract MANIFEST_OR_DIR SPLIT NSHARD RANK OUT_DIR --feature w2v-bert \\
         --checkpoint /models/w2v-bert-2.0 --layer 17
+    torchrun --nproc_per_node 8 -m tools.extract MANIFEST_OR_DIR SPLIT 1 0 OUT_DIR ...   # one shard per GPU
 
-The input is a fairseq manifest (first line the root folder, then
-`relpath<TAB>num_samples` per line) or a folder searched for .wav, .flac and
-.ogg files (data/audio_manifest.py). Rank RANK of NSHARD takes its contiguous
-share of the files, as in fairseq's examples/hubert/simple_kmeans. The audio
-and the features (`fbank`: the Seamless front-end, 160-d; `w2v-bert`: a
-Wav2Vec2BertModel layer, in chunks of at most --max_chunk_seconds) are
-data/audio_features.py's; --device and --precision are resolved by
-training/device.py.
+The input is a fairseq manifest (first line the root folder, then `relpath<TAB>num_samples` per line) or a
+folder searched for .wav, .flac and .ogg files (data/audio_manifest.py). Rank RANK of NSHARD takes its
+contiguous share of the files, as in fairseq's examples/hubert/simple_kmeans (under torchrun, each process
+its part of that share: tools/audio_shard.py). The audio is read and turned into fbank by --num_workers
+processes ahead of the model; the features (`fbank`: the Seamless front-end, 160-d; `w2v-bert`: a
+Wav2Vec2BertModel layer, in chunks of at most --max_chunk_seconds, length-sorted into passes of
+--batch_seconds) are data/audio_pipeline.py's; --device and --precision are resolved by training/device.py.
 
-Written into OUT_DIR, each under a temporary name and renamed when complete:
-- `{split}_{rank}_{nshard}.npy`: float32 (or --dtype float16) [frames, dim], every utterance's frames in order;
-- `{split}_{rank}_{nshard}.len`: one frame count per line;
-- `{split}_{rank}_{nshard}.tsv`: the files extracted, in order, as a fairseq manifest
-  (root folder, then `relpath<TAB>samples at 16 kHz`), to match features and codes to files;
-- `{split}_{rank}_{nshard}.skipped`: `relpath<TAB>reason` for every file that was skipped;
-- `{split}_{rank}_{nshard}.json`: what was extracted (feature kind, dim, checkpoint, layer, counts).
+Written into OUT_DIR, for NAME = {split}_{rank}_{nshard}:
+- `NAME.npy`: float32 (or --dtype float16) [frames, dim], every utterance's frames in order;
+- `NAME.len`: one frame count per line;
+- `NAME.tsv`: the files extracted, in order, as a fairseq manifest (root folder, then
+  `relpath<TAB>samples at 16 kHz`), to match features and codes to files;
+- `NAME.skipped`: `relpath<TAB>reason` for every file that was skipped;
+- `NAME.json`: the settings (feature kind, dim, checkpoint, layer, precision, dtype, the share) and counts.
 
-A file that cannot be read, is empty, too short, truncated or gives non-finite
-features is skipped, named and counted; the rest goes on. Exit codes: 0 done;
-1 no file could be extracted (nothing written); 2 bad arguments or an empty
-or missing manifest/folder.
+The files are committed as they are extracted, every --commit_files files or --commit_seconds of audio
+(data/resumable_shard.py): the same command run again after a crash goes on from the last commit and writes
+the same bytes as a run never stopped; a finished shard is said to be complete (exit 0); a shard begun or
+finished with other settings, or a dump this tool did not write, is refused (exit 2) unless --overwrite,
+which starts the shard over. A second process on the same shard exits 2, naming the first.
+
+A file that cannot be read, is empty, too short, truncated or gives non-finite features is skipped, named
+and counted; the rest goes on. Exit codes: 0 done; 1 no file could be extracted (nothing written); 2 bad
+arguments, an empty or missing manifest/folder, or an output that is another's.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import logging
-import time
-from pathlib import Path
+import os
 
-import numpy as np
-import torch
-from tqdm import tqdm
+# numpy's BLAS (the fbank's mel projection) on one thread a process, set before numpy loads: the decoding workers
+# are the parallelism, and on busy cores a multi-threaded BLAS made the fbank 2.2x slower (benchmarks/README.md)
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from data.audio_features import FEATURES, FRAME_RATE, SAMPLE_RATE, BadAudio, SeamlessFbank, W2vBertLayer, load_audio
-from data.audio_manifest import audio_files, manifest_text
-from data.dump_writer import DUMP_DTYPES, NpyRowWriter, len_text, publish, shard_range, write_temporary
-from errors import EXIT_FAILURE, EXIT_OK, BadInputError
-from tools.cli import bad_input_exits_2, run
-from training.device import compute_dtype, shard_device
+import argparse  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import re  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from data.audio_features import FEATURES, FRAME_RATE, SAMPLE_RATE, SeamlessFbank, W2vBertLayer  # noqa: E402
+from data.audio_pipeline import FeatureWindows, Window  # noqa: E402
+from data.dump_writer import DUMP_DTYPES  # noqa: E402
+from data.feature_settings import model_fingerprint  # noqa: E402
+from data.resumable_shard import FEATURE_DUMP, ShardWriter, claim_shard  # noqa: E402
+from errors import EXIT_FAILURE, EXIT_OK, BadInputError  # noqa: E402
+from tools.audio_shard import (AudioShare, add_input_args, audio_share, batch_seconds, check_input_args,  # noqa: E402
+                               log_input_wait, model_device, progress_bar, w2v_passes, write_windows)
+from tools.cli import bad_input_exits_2, run  # noqa: E402
+from training.device import compute_dtype  # noqa: E402
+from training.faults import FaultInjector  # noqa: E402
+from training.flag_help import FlagHelpFormatter  # noqa: E402
 
 log = logging.getLogger("extract")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m tools.extract",
         description="Extract SeamlessM4T features from audio into a fairseq dump ({split}_{rank}_{nshard}.npy/.len).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=FlagHelpFormatter,
     )
-    p.add_argument("source", type=Path, help="a fairseq manifest (.tsv: root line, then relpath<TAB>num_samples) "
-                                             "or a folder of .wav/.flac/.ogg files")
-    p.add_argument("split", help="name of the split written, e.g. train or valid")
-    p.add_argument("nshard", type=int, help="number of shards the file list is cut into")
-    p.add_argument("rank", type=int, help="which shard this process extracts (0 .. nshard-1)")
-    p.add_argument("out_dir", type=Path, help="folder for the dump (the trainer's --data_dir)")
+    add_input_args(p)
     p.add_argument("--feature", choices=FEATURES, default="fbank",
                    help="fbank: Seamless front-end, 160-d; w2v-bert: a Wav2Vec2BertModel layer")
-    p.add_argument("--checkpoint", type=Path, help="w2v-bert: local folder of the model (save_pretrained layout)")
+    p.add_argument("--checkpoint", type=Path, help="w2v-bert: local folder of the model (save_pretrained layout) "
+                                                   "(default: none; w2v-bert needs it)")
     p.add_argument("--layer", type=int, help="w2v-bert: hidden state after this layer (0 = feature projection; "
-                                             "w2v-BERT 2.0 has 24; MaskGCT's semantic codec uses 17)")
-    p.add_argument("--device", default="auto",
-                   help="w2v-bert: auto or cuda (cuda:<rank %% visible GPUs>, so that shards run side by side), cpu, cuda:1 ...")
+                                             "w2v-BERT 2.0 has 24; MaskGCT's semantic codec uses 17) (default: none; "
+                                             "w2v-bert needs it)")
+    p.add_argument("--max_chunk_seconds", type=float, default=30.0,
+                   help="w2v-bert: longer files are encoded in equal chunks of at most this length")
     p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
                    help="w2v-bert: auto is bf16 on a GPU with native bf16, else fp32")
     p.add_argument("--dtype", choices=DUMP_DTYPES, default="float32",
                    help="the dump's dtype: float16 halves disk and IO (values beyond +-65504 make a file skipped)")
-    p.add_argument("--batch_size", type=int, default=8, help="w2v-bert: chunks per forward pass")
-    p.add_argument("--max_chunk_seconds", type=float, default=30.0,
-                   help="w2v-bert: longer files are encoded in equal chunks of at most this length")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(None if argv is None else [str(a) for a in argv])
-    if args.nshard < 1 or not 0 <= args.rank < args.nshard:
-        p.error(f"need nshard >= 1 and 0 <= rank < nshard, got nshard {args.nshard}, rank {args.rank}")
+    check_input_args(p, args)
     if args.feature == "w2v-bert" and (args.checkpoint is None or args.layer is None):
         p.error("--feature w2v-bert needs --checkpoint DIR (a local Wav2Vec2BertModel) and --layer L")
-    if args.batch_size < 1 or args.max_chunk_seconds <= 0:
-        p.error("--batch_size and --max_chunk_seconds must be positive")
     return args
 
 
-def extract(args) -> int:
-    root, entries = audio_files(args.source)
-    start, end = shard_range(len(entries), args.nshard, args.rank)
-    mine = entries[start:end]
-    if not mine:
-        raise BadInputError(f"shard {args.rank} of {args.nshard} is empty: {args.source} lists only "
-                            f"{len(entries)} file(s); use fewer shards")
+def feature_maker(args, share: AudioShare) -> tuple[SeamlessFbank, W2vBertLayer | None, dict]:
+    """(the fbank, the w2v-BERT layer or None, the feature settings noted in NAME.json)."""
     fbank = SeamlessFbank(args.checkpoint)
-    if args.feature == "w2v-bert":
-        device = shard_device(args.device, args.rank)  # shards on one node spread over its GPUs
-        encoder = W2vBertLayer(args.checkpoint, args.layer, device=device,
-                               dtype=compute_dtype(args.precision, device) or torch.float32,
-                               max_chunk_seconds=args.max_chunk_seconds, batch_size=args.batch_size)
-        dim, group = encoder.dim, args.batch_size
-        log.info("w2v-bert layer %d of %s on %s (%s), %d-d", args.layer, args.checkpoint, encoder.device,
-                 encoder.dtype, dim)
-    else:
-        encoder, dim, group = None, fbank.dim, 16
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    name = f"{args.split}_{args.rank}_{args.nshard}"
-    log.info("%s: files %d-%d of %d from %s -> %s/%s.npy (%s, %d-d)", name, start, end - 1, len(entries),
-             args.source, args.out_dir, name, args.feature, dim)
+    settings = {"feature": args.feature, "dim": fbank.dim, "frame_rate_hz": FRAME_RATE, "sample_rate": SAMPLE_RATE,
+                "precision": "float32", "dtype": args.dtype}
+    if args.feature != "w2v-bert":
+        return fbank, None, settings
+    device = model_device(args.device, share)  # shards on one node spread over its GPUs
+    encoder = W2vBertLayer(args.checkpoint, args.layer, device=device,
+                           dtype=compute_dtype(args.precision, device) or torch.float32,
+                           max_chunk_seconds=args.max_chunk_seconds)
+    settings.update(dim=encoder.dim, checkpoint=str(args.checkpoint.resolve()),
+                    model=model_fingerprint(args.checkpoint), layer=args.layer,
+                    max_chunk_seconds=args.max_chunk_seconds, precision=str(encoder.dtype).replace("torch.", ""))
+    log.info("w2v-bert layer %d of %s on %s (%s), %d-d", args.layer, args.checkpoint, encoder.device, encoder.dtype,
+             encoder.dim)
+    return fbank, encoder, settings
 
-    writer = NpyRowWriter(args.out_dir / f"{name}.npy", dim, dtype=args.dtype)
-    lengths, kept, skipped, pairs = [], [], [], []
-    began = time.perf_counter()
+
+def check_split_shards(out_dir: Path, split: str, nshard: int) -> None:
+    """A split whose dump has shards of another count would be unreadable (data/stores.py): exit 2."""
+    pattern = re.compile(rf"^{re.escape(split)}_\d+_(\d+)\.npy$")
+    others = sorted(p.name for p in out_dir.glob(f"{split}_*_*.npy") if (m := pattern.match(p.name))
+                    and int(m.group(1)) != nshard) if out_dir.is_dir() else []
+    if others:
+        raise BadInputError(f"{out_dir} already holds split '{split}' in other shards ({', '.join(others[:3])}"
+                            f"{' ...' if len(others) > 3 else ''}): a split of {nshard} shards beside them could not "
+                            "be read; write elsewhere, or remove them")
+
+
+def extract(args) -> int:
+    share = audio_share(args)
+    fbank, encoder, features = feature_maker(args, share)
+    name = f"{args.split}_{share.rank}_{share.nshard}"
+    settings = {**features, "split": args.split, **share.settings}
+    if encoder is not None:  # the batches change a layer's last bits: a resumed shard keeps them
+        settings.update(batch_seconds=batch_seconds(args, encoder.device), commit_files=args.commit_files,
+                        commit_seconds=args.commit_seconds)
+    check_split_shards(args.out_dir, args.split, share.nshard)
+    lock = claim_shard(args.out_dir, name, FEATURE_DUMP, settings, overwrite=args.overwrite, log=log,
+                       redo="extract the shard again")
+    if lock is None:
+        return EXIT_OK
     try:
-        with tqdm(total=len(mine), desc=f"extract {name}", unit="file", dynamic_ncols=True, mininterval=1.0) as bar:
-            for g in range(0, len(mine), group):
-                batch = []  # (relpath, samples, fbank) of the files in this group that could be read
-                for rel in mine[g : g + group]:
-                    try:
-                        wave = load_audio(root / rel)
-                        batch.append((rel, len(wave), fbank(wave)))
-                    except BadAudio as e:
-                        skipped.append((rel, str(e)))
-                feats = encoder([f for _, _, f in batch]) if encoder and batch else [f for _, _, f in batch]
-                for (rel, samples, _), f in zip(batch, feats, strict=True):
-                    f = np.asarray(f, dtype=args.dtype)  # checked as written: float16 overflows to Inf
-                    if not np.isfinite(f).all():
-                        skipped.append((rel, f"malformed: the features have NaN or Inf values (as {args.dtype})"))
-                        continue
-                    writer.append(f)
-                    lengths.append(len(f))
-                    kept.append((rel, samples))
-                bar.update(len(mine[g : g + group]))
-                bar.set_postfix(skipped=len(skipped))
-        seconds = time.perf_counter() - began
-        for rel, reason in skipped:
-            log.warning("skipped %s: %s", rel, reason)
-        if not kept:
-            writer.discard()
-            log.error("nothing written: all %d file(s) of shard %d/%d were skipped (reasons above)",
-                      len(mine), args.rank, args.nshard)
-            return EXIT_FAILURE
-        meta = {"feature": args.feature, "dim": dim, "frame_rate_hz": FRAME_RATE, "sample_rate": SAMPLE_RATE,
-                "source": str(args.source), "split": args.split, "rank": args.rank, "nshard": args.nshard,
-                "utterances": len(kept), "frames": int(sum(lengths)), "skipped": len(skipped), "dtype": args.dtype,
-                "precision": "float32"}
-        if encoder is not None:
-            meta.update(checkpoint=str(args.checkpoint.resolve()), layer=args.layer,
-                        max_chunk_seconds=args.max_chunk_seconds, precision=str(encoder.dtype).replace("torch.", ""))
-        texts = {
-            ".len": len_text(lengths),
-            ".tsv": manifest_text(root, [f"{rel}\t{samples}" for rel, samples in kept]),
-            ".skipped": "".join(f"{rel}\t{reason}\n" for rel, reason in skipped),
-            ".json": json.dumps(meta, indent=1) + "\n",
-        }
-        for ext, text in texts.items():
-            pairs.append((write_temporary(args.out_dir / (name + ext), text), args.out_dir / (name + ext)))
-        publish(pairs, (writer.finish(), writer.path))
-    except BaseException:
+        writer = ShardWriter(args.out_dir, name, FEATURE_DUMP, settings, width=settings["dim"], dtype=args.dtype,
+                             streams={".len": "", ".tsv": f"{share.root}\n", ".skipped": ""})
+        try:
+            return extract_into(args, share, name, fbank, encoder, settings, writer)
+        finally:
+            writer.close()
+    finally:
+        lock.release()
+
+
+def extract_into(args, share: AudioShare, name: str, fbank: SeamlessFbank, encoder: W2vBertLayer | None,
+                 settings: dict, writer: ShardWriter) -> int:
+    log.info("%s: files %d-%d of %d from %s -> %s/%s.npy (%s, %d-d)", name, share.start, share.end - 1, share.total,
+             args.source, args.out_dir, name, args.feature, settings["dim"])
+    if writer.done:
+        log.info("resuming at file %d of %d (%d frames committed; %d bytes written after the last commit dropped)",
+                 writer.done, len(share.relpaths), writer.rows, writer.dropped_bytes)
+    began = time.perf_counter()
+    with progress_bar(f"extract {name}", share, writer.done) as bar:
+        pipeline = FeatureWindows(share.root, share.relpaths, fbank=fbank, encoder=encoder, dtype=args.dtype,
+                                  num_workers=args.num_workers, commit_files=args.commit_files,
+                                  commit_seconds=args.commit_seconds,
+                                  passes=w2v_passes(settings["batch_seconds"]) if encoder else None,
+                                  progress=bar.update)
+
+        def write(window: Window) -> None:
+            for item in window.files:
+                if item.features is None:
+                    writer.append(".skipped", f"{item.rel}\t{item.skipped}\n")
+                else:
+                    writer.write(item.features)
+                    writer.append(".len", f"{len(item.features)}\n")
+                    writer.append(".tsv", f"{item.rel}\t{item.samples}\n")
+
+        write_windows(pipeline, writer, write, FaultInjector(share.rank), bar)
+    seconds = time.perf_counter() - began
+    lengths = [int(n) for n in writer.text(".len").split()]
+    skipped = [line.split("\t", 1) for line in writer.text(".skipped").splitlines()]
+    for rel, reason in skipped:
+        log.warning("skipped %s: %s", rel, reason)
+    if not lengths:
         writer.discard()
-        for tmp, _ in pairs:
-            tmp.unlink(missing_ok=True)
-        raise
+        log.error("nothing written: all %d file(s) of shard %d/%d were skipped (reasons above)",
+                  len(share.relpaths), share.rank, share.nshard)
+        return EXIT_FAILURE
+    meta = {**settings, "source": str(args.source), "utterances": len(lengths), "frames": sum(lengths),
+            "skipped": len(skipped)}
+    array = writer.finish({FEATURE_DUMP.meta: json.dumps(meta, indent=1) + "\n"})
+    log_input_wait(log, pipeline, seconds, "the model" if encoder else "the writer")
     frames = sum(lengths)
-    log.info("wrote %d utterances, %d frames (%.1f min at %d Hz) to %s in %.1f s; skipped %d file(s)%s",
-             len(kept), frames, frames / FRAME_RATE / 60, FRAME_RATE, writer.path, seconds, len(skipped),
+    log.info("wrote %d utterances, %d frames (%.1f min at %d Hz) to %s; skipped %d file(s)%s", len(lengths), frames,
+             frames / FRAME_RATE / 60, FRAME_RATE, array, len(skipped),
              f", listed in {name}.skipped" if skipped else "")
     log.info("finished successfully")
     return EXIT_OK

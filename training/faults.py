@@ -6,10 +6,12 @@ Each fault fires once, and only in the first attempt of an elastic job
 (TORCHELASTIC_RESTART_COUNT 0 or unset), so that a restarted job runs clean;
 rank defaults to every rank, step to the first chance:
     kill:rank=1:step=30[:sig=ABRT]  SIGKILL this rank at step 30 (a lost rank); sig=ABRT: SIGABRT, as
-                                 NCCL's watchdog aborts a rank whose collective timed out; in tools.encode, the
-                                 --rank 1 process once it has written chunk 30 of its codes, before committing it
+                                 NCCL's watchdog aborts a rank whose collective timed out; in tools.encode,
+                                 tools.extract and tools.tokenize, the --rank 1 process once it has written
+                                 chunk 30 of its shard, before committing it
     hang:rank=1:step=30[:at=backward]  SIGSTOP this rank at step 30 (stopped, not dead); at=backward
-                                 stops it after the forward pass, so peers block in the gradient all-reduce
+                                 stops it after the forward pass, so peers block in the gradient all-reduce; in
+                                 the tools, as kill does
     nan:step=12[:rank=0]         make the loss NaN at step 12
     desync:rank=1:step=20        perturb this rank's first codebook (and its EMA state) at step 20
     eval_error:rank=1[:step=S]   raise inside evaluation
@@ -133,9 +135,12 @@ class FaultInjector:
             dist.all_reduce(torch.zeros(3), group=self._extra_group)
 
     def before_commit(self, step: int) -> None:
-        """Called by tools.encode between writing chunk `step` (from 1) of its shard's codes and committing it."""
+        """Called by tools.encode, tools.extract and tools.tokenize between writing chunk `step` (from 1) of their
+        shard and committing it."""
         if self._take("kill", step):
             os.kill(os.getpid(), signal.SIGKILL)
+        if self._take("hang", step):
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     def before_write(self, step: int) -> None:
         """Called on rank 0 as it starts writing a checkpoint."""

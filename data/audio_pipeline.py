@@ -1,0 +1,186 @@
+"""Audio files -> features, in file order and in windows of files, with the model fed by worker processes.
+
+A torch DataLoader's `num_workers` processes read each file, average it to mono, resample it to 16 kHz and
+compute the Seamless fbank (data/audio_features.py), ahead of the model and in file order; a thread takes
+their output into windows, one window ahead of the model. A window is consecutive files, at most
+`commit_files` of them and at most `commit_seconds` of audio (it closes as soon as it reaches either): what a
+tool commits at once. For w2v-BERT the chunks of every file of a window are grouped into forward passes by
+the caller's `passes` (tools.extract and tools.tokenize: sorted by length, at most --batch_seconds of padded
+audio a pass). The windows depend on the files alone, so a run resumed at a window's first file meets the
+passes of a run never stopped (padding changes a layer's last bits: the same bytes need the same passes).
+
+Features come out as a dump of `dtype` stores them (float16 rounds them); a file that cannot be read, or whose
+features are not finite in that dtype, is skipped with the reason. The time the model (the caller's thread)
+waits for decoded audio is measured: `input_wait`.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from torch.utils.data import DataLoader, Dataset
+
+from data.audio_features import SAMPLE_RATE, BadAudio, SeamlessFbank, W2vBertLayer, load_audio
+
+WORKER_PREFETCH = 4  # files decoded ahead per worker; the window thread bounds the rest by files and seconds
+
+
+@dataclass
+class AudioFile:
+    """One file of the shard: `features` once computed, or `skipped` with the reason."""
+
+    index: int  # its position in the shard's file list
+    rel: str
+    samples: int = 0  # at 16 kHz
+    fbank: np.ndarray | None = field(default=None, repr=False)
+    features: np.ndarray | None = field(default=None, repr=False)
+    skipped: str | None = None
+
+
+@dataclass
+class Window:
+    """Files first..end-1 of the shard, each with its features or the reason it was skipped."""
+
+    first: int
+    end: int
+    files: list[AudioFile]
+
+
+class DecodedFiles(Dataset):
+    """Item k: file first + k, read and turned into the Seamless fbank (what a DataLoader worker runs)."""
+
+    def __init__(self, root: Path, relpaths: list[str], first: int, fbank: SeamlessFbank):
+        self.root, self.relpaths, self.first, self.fbank = root, relpaths, first, fbank
+
+    def __len__(self) -> int:
+        return len(self.relpaths) - self.first
+
+    def __getitem__(self, k: int) -> AudioFile:
+        index = self.first + k
+        item = AudioFile(index, self.relpaths[index])
+        try:
+            wave = load_audio(self.root / item.rel)
+            item.samples, item.fbank = len(wave), self.fbank(wave)
+        except BadAudio as e:
+            item.skipped = str(e)
+        return item
+
+
+def _as_is(item):
+    return item
+
+
+class FeatureWindows:
+    """The shard's files `relpaths` under `root` as windows of features: `windows(first)` from file `first` on.
+
+    encoder: a W2vBertLayer, or None for the fbank itself; passes: W2vBertLayer's grouping of a window's chunks
+    into forward passes. progress(files) is called as work is done, with the share of files done (fractions
+    while a window's passes run), times `weight`."""
+
+    def __init__(self, root: Path, relpaths: list[str], *, fbank: SeamlessFbank, encoder: W2vBertLayer | None,
+                 dtype: str, num_workers: int, commit_files: int, commit_seconds: float,
+                 passes: Callable[[np.ndarray], list[np.ndarray]] | None = None,
+                 progress: Callable[[float], None] = lambda files: None, weight: float = 1.0):
+        self.root, self.relpaths, self.fbank, self.encoder = root, relpaths, fbank, encoder
+        self.dtype, self.num_workers = np.dtype(dtype), num_workers
+        self.commit_files, self.commit_seconds, self.passes = commit_files, commit_seconds, passes
+        self.progress, self.weight = progress, weight
+        self.input_wait = 0.0  # seconds the caller's thread waited for decoded audio
+        self.audio_seconds = 0.0  # of the files read
+
+    def windows(self, first: int) -> Iterator[Window]:
+        """Windows of files first.. to the end, each with every file's features or skip reason."""
+        if first >= len(self.relpaths):
+            return
+        loader = DataLoader(DecodedFiles(self.root, self.relpaths, first, self.fbank), batch_size=None,
+                            num_workers=self.num_workers, collate_fn=_as_is,
+                            prefetch_factor=WORKER_PREFETCH if self.num_workers else None)
+        ahead = WindowThread(iter(loader), self._cut)  # the workers start here, on the caller's thread
+        try:
+            while True:
+                began = time.perf_counter()
+                window = ahead.get()
+                self.input_wait += time.perf_counter() - began
+                if window is None:
+                    return
+                self._compute(window)
+                yield window
+        finally:
+            ahead.stop()
+
+    def _cut(self, files: Iterator[AudioFile]) -> Iterator[Window]:
+        """Decoded files -> windows (on the window thread)."""
+        window, seconds = [], 0.0
+        for item in files:
+            window.append(item)
+            seconds += item.samples / SAMPLE_RATE
+            self.audio_seconds += item.samples / SAMPLE_RATE
+            if self.encoder is None:
+                self.progress(self.weight)  # the fbank is the feature: this file is done
+            if len(window) >= self.commit_files or seconds >= self.commit_seconds:
+                yield Window(window[0].index, item.index + 1, window)
+                window, seconds = [], 0.0
+        if window:
+            yield Window(window[0].index, window[-1].index + 1, window)
+
+    def _compute(self, window: Window) -> None:
+        """Every readable file's features, as the dump's dtype stores them; non-finite ones skipped."""
+        readable = [f for f in window.files if f.skipped is None]
+        if self.encoder is None:
+            outputs = [f.fbank for f in readable]
+        else:
+            if len(readable) < len(window.files):
+                self.progress(self.weight * (len(window.files) - len(readable)))
+            outputs = self.encoder([f.fbank for f in readable], self.passes,
+                                   on_batch=lambda files: self.progress(self.weight * files)) if readable else []
+        for item, out in zip(readable, outputs, strict=True):
+            item.fbank = None
+            stored = np.asarray(out, dtype=self.dtype)  # checked as stored: float16 overflows to Inf
+            if np.isfinite(stored).all():
+                item.features = stored
+            else:
+                item.skipped = f"malformed: the features have NaN or Inf values (as {self.dtype.name})"
+
+
+class WindowThread:
+    """`cut(items)`'s windows made on a thread from `items` (a DataLoader iterator), one window ahead of `get`.
+    An exception there is raised by `get`; `stop` ends the thread at its next item."""
+
+    def __init__(self, items: Iterator, cut: Callable[[Iterator], Iterator[Window]]):
+        self.ready: queue.Queue = queue.Queue(maxsize=1)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(items, cut), name="audio windows", daemon=True)
+        self.thread.start()
+
+    def _run(self, items, cut) -> None:
+        try:
+            for window in cut(items):
+                if not self._put(window):
+                    return
+            self._put(None)
+        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+            self._put(e)
+
+    def _put(self, value) -> bool:
+        while not self.stopped.is_set():
+            try:
+                self.ready.put(value, timeout=0.5)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def get(self) -> Window | None:
+        value = self.ready.get()
+        if isinstance(value, BaseException):
+            raise value
+        return value
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join(timeout=5)  # it may be waiting for a worker's file: the daemon thread ends with it

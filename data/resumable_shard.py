@@ -1,0 +1,249 @@
+"""A shard written as it is computed and resumed after a crash from what was durably written: the one
+commit-and-resume mechanism of tools.extract (a feature dump), tools.encode and tools.tokenize (codes).
+
+While shard NAME is written, these lie in the output folder (a code shard's names; a feature dump's drop
+the `.codes`):
+
+- `NAME.codes.npy.partial`: a .npy of [rows, width] whose header is rewritten with the final row count at
+  the end, then the rows written so far;
+- `NAME.EXT.partial`: each text stream (`.codes.len`, `.km`, ...): lines appended with the rows they describe;
+- `NAME.codes.progress`: JSON with the settings the shard is written with, the inputs done, the rows and
+  each stream's bytes, all committed. A commit fsyncs every partial, then replaces this file atomically.
+
+Opened again with the same settings, every .partial is cut back to its committed size (what a killed
+process wrote after its last commit is dropped) and the work goes on from the next input. When every
+input is in, `finish` writes the metadata files, renames the streams and then the array to their final
+names, the array last (data/dump_writer.py's publish): an array on disk is complete, its files beside it.
+`claim_shard` is how a tool starts a shard: the writer lock (data/writer_lock.py), then a finished shard
+is left as it is, a shard written with other settings or by another tool refused, `--overwrite` honoured.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from data.dump_writer import fsync_folder, npy_header, publish, write_temporary
+from data.writer_lock import WriterLock
+from errors import BadInputError
+
+PARTIAL = ".partial"
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """The files of one kind of shard, by extension after NAME."""
+
+    array: str  # the rows: ".npy", ".codes.npy"
+    meta: str  # JSON: the settings and counts
+    texts: tuple[str, ...]  # every other file a finished shard may have
+    scratch: tuple[str, ...] = ()  # streams kept while writing only
+
+    @property
+    def stem(self) -> str:
+        return self.array[: -len(".npy")]
+
+    @property
+    def progress(self) -> str:
+        return self.stem + ".progress"
+
+    def lock_path(self, folder: Path, name: str) -> Path:
+        """The writer lock's file: hidden (`.NAME.codes.lock`), since it stays when the writer is gone."""
+        return folder / f".{name}{self.stem}.lock"
+
+    @property
+    def finished(self) -> tuple[str, ...]:
+        return (self.array, self.meta, *self.texts)
+
+
+FEATURE_DUMP = ShardLayout(".npy", ".json", (".len", ".tsv", ".skipped"))  # tools.extract (decode: .npy, .len)
+CODES = ShardLayout(".codes.npy", ".codes.json", (".codes.len", ".codes.tsv", ".codes.skipped", ".km"),
+                    scratch=(".codes.frames",))  # tools.encode, tools.tokenize
+
+
+def finished_meta(folder: Path, name: str, layout: ShardLayout) -> dict | None:
+    """The metadata of a finished shard NAME in `folder` ({} when its JSON is missing or unreadable), or None
+    when there is no finished shard."""
+    if not (folder / (name + layout.array)).is_file():
+        return None
+    return _read_json(folder / (name + layout.meta)) or {}
+
+
+def changed_settings(recorded: dict, settings: dict) -> str:
+    """`key: recorded -> now` for each setting that differs from what was recorded ('' when none does)."""
+    return ", ".join(f"{key}: {recorded.get(key)!r} -> {value!r}" for key, value in settings.items()
+                     if recorded.get(key) != value)
+
+
+def remove_shard(folder: Path, name: str, layout: ShardLayout) -> None:
+    """Every file of shard NAME, finished or not, but its lock file (a writer that has just opened it would lock
+    a file no longer there, and a third writer would create another)."""
+    for ext in (*layout.finished, layout.progress):
+        (folder / (name + ext)).unlink(missing_ok=True)
+    for ext in (layout.array, *layout.texts, *layout.scratch):
+        (folder / (name + ext + PARTIAL)).unlink(missing_ok=True)
+
+
+def claim_shard(folder: Path, name: str, layout: ShardLayout, settings: dict, *, overwrite: bool,
+                log: logging.Logger, redo: str) -> WriterLock | None:
+    """Lock shard NAME in `folder` (created) for this process, then: with `overwrite`, delete its files; a
+    shard finished with these settings: None, said in the log (nothing to do); one finished with other
+    settings, or whose array is there without its metadata: BadInputError naming the file and --overwrite.
+    Returns the held lock (the caller releases it). `redo`: what --overwrite does, in words."""
+    folder.mkdir(parents=True, exist_ok=True)
+    array = folder / (name + layout.array)
+    lock = WriterLock(layout.lock_path(folder, name), f"shard {array}").acquire()
+    try:
+        if overwrite:
+            remove_shard(folder, name, layout)
+            return lock
+        finished = finished_meta(folder, name, layout)
+        if finished is None:
+            return lock
+        if not finished:
+            raise BadInputError(f"{array} exists without its {name}{layout.meta}: it was not written by this tool, "
+                                f"and is left as it is; write elsewhere, or pass --overwrite to {redo}")
+        differ = changed_settings(finished, settings)
+        if differ:
+            raise BadInputError(f"{array} was written with other settings ({differ}); it is left as it is: write "
+                                f"elsewhere, or pass --overwrite to {redo}")
+    except BaseException:
+        lock.release()
+        raise
+    log.info("%s is complete (%s); nothing to do (--overwrite: %s)", name, array, redo)
+    log.info("finished successfully")
+    lock.release()
+    return None
+
+
+class ShardWriter:
+    """Rows appended to NAME{array}.partial and lines to the text streams; `commit` makes what was written durable.
+
+    `done` (inputs), `rows` and `commits` are what is committed: after opening, what an earlier run with the
+    same `settings` committed (0 when it starts anew); `dropped_bytes` what that run wrote past its last
+    commit. `streams`: extension -> the text a new stream begins with (a manifest's root line, or '')."""
+
+    def __init__(self, folder: Path, name: str, layout: ShardLayout, settings: dict, *, width: int,
+                 dtype: np.dtype | str, streams: dict[str, str] | None = None, rows: int | None = None):
+        self.folder, self.name, self.layout, self.settings = folder, name, layout, settings
+        self.width, self.total_rows = width, rows
+        self.dtype = np.dtype(dtype).newbyteorder("<")
+        self.partial = folder / (name + layout.array + PARTIAL)
+        self.progress = folder / (name + layout.progress)
+        self.stream_paths = {ext: folder / (name + ext + PARTIAL) for ext in (streams or {})}
+        self.done, self.rows, self.commits, self.dropped_bytes = self._resume(streams or {})
+        self.written = self.rows
+        self.file = open(self.partial, "r+b")
+        self.file.seek(self._offset(self.rows))
+        self.streams = {ext: open(path, "a", encoding="utf-8") for ext, path in self.stream_paths.items()}
+
+    def _offset(self, rows: int) -> int:
+        return len(npy_header(0, self.width)) + rows * self.width * self.dtype.itemsize
+
+    def _resume(self, streams: dict[str, str]) -> tuple[int, int, int, int]:
+        """(inputs done, rows, commits, bytes dropped) committed by an earlier run with these settings, every
+        .partial cut back to its commit; else new partials holding only their headers."""
+        committed = _read_json(self.progress)
+        paths = [self.partial, *self.stream_paths.values()]
+        if committed is not None and "done" in committed and all(p.is_file() for p in paths):
+            differ = changed_settings(committed.get("settings", {}), self.settings)
+            if differ:
+                raise BadInputError(f"{self.partial} was begun with other settings ({differ}): rerun with those, "
+                                    "or pass --overwrite to start the shard again")
+            sizes = {**committed.get("sizes", {}), self.layout.array: self._offset(committed["rows"])}
+            dropped = 0
+            for ext, path in [(self.layout.array, self.partial), *self.stream_paths.items()]:
+                size, keep = path.stat().st_size, sizes.get(ext, 0)
+                if size < keep:
+                    raise BadInputError(f"{path} has {size} bytes, fewer than its last commit ({keep}): the disk lost "
+                                        "confirmed writes; pass --overwrite to start the shard again")
+                with open(path, "r+b") as f:
+                    f.truncate(keep)
+                    os.fsync(f.fileno())
+                dropped += size - keep
+            return committed["done"], committed["rows"], committed.get("commits", 0), dropped
+        self.progress.unlink(missing_ok=True)
+        with open(self.partial, "wb") as f:
+            f.write(npy_header(self.total_rows or 0, self.width, dtype=self.dtype.name))
+        for ext, path in self.stream_paths.items():
+            path.write_text(streams[ext], encoding="utf-8")
+        return 0, 0, 0, 0
+
+    def write(self, rows: np.ndarray) -> None:
+        """Append [n, width] rows, handed to the OS (a killed process leaves them), not yet durable."""
+        rows = np.ascontiguousarray(rows, dtype=self.dtype)
+        if rows.ndim != 2 or rows.shape[1] != self.width or (
+                self.total_rows is not None and self.written + len(rows) > self.total_rows):
+            raise ValueError(f"rows of shape {rows.shape} do not fit {self.partial} ({self.written} of "
+                             f"{self.total_rows or '?'} rows x {self.width} written)")
+        self.file.write(rows.tobytes())
+        self.file.flush()
+        self.written += len(rows)
+
+    def append(self, ext: str, text: str) -> None:
+        """Append text to stream `ext`, not yet durable."""
+        self.streams[ext].write(text)
+
+    def commit(self, done: int) -> None:
+        """Make everything written so far durable: the rows and lines of the shard's first `done` inputs."""
+        sizes = {}
+        for ext, f in [(self.layout.array, self.file), *self.streams.items()]:
+            f.flush()
+            os.fsync(f.fileno())
+            sizes[ext] = os.fstat(f.fileno()).st_size
+        self.done, self.rows, self.commits = done, self.written, self.commits + 1
+        record = {"done": done, "rows": self.rows, "commits": self.commits, "sizes": sizes, "settings": self.settings}
+        os.replace(write_temporary(self.progress, json.dumps(record) + "\n"), self.progress)
+        fsync_folder(self.folder)
+
+    def text(self, ext: str) -> str:
+        """What stream `ext` holds."""
+        self.streams[ext].flush()
+        return self.stream_paths[ext].read_text(encoding="utf-8")
+
+    def finish(self, texts: dict[str, str | Iterable[str]]) -> Path:
+        """Write the metadata files (extension -> text), publish the streams that are finished files and the
+        array (its header now with the final row count), the array last; returns the array's path."""
+        if self.written != self.rows or (self.total_rows is not None and self.rows != self.total_rows):
+            raise RuntimeError(f"{self.partial}: {self.rows} rows committed, {self.written} written, "
+                               f"{self.total_rows} expected")
+        self.file.seek(0)
+        self.file.write(npy_header(self.rows, self.width, dtype=self.dtype.name))
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.close()
+        pairs = [(write_temporary(self.folder / (self.name + ext), text), self.folder / (self.name + ext))
+                 for ext, text in texts.items()]
+        pairs += [(path, self.folder / (self.name + ext)) for ext, path in self.stream_paths.items()
+                  if ext in self.layout.texts]
+        final = self.folder / (self.name + self.layout.array)
+        publish(pairs, (self.partial, final))
+        for ext, path in self.stream_paths.items():
+            if ext not in self.layout.texts:
+                path.unlink()
+        self.progress.unlink()
+        return final
+
+    def discard(self) -> None:
+        """Remove every file of the shard: nothing is kept (an extraction that kept no file)."""
+        self.close()
+        remove_shard(self.folder, self.name, self.layout)
+
+    def close(self) -> None:
+        """Stop writing; what was committed stays for the next run to resume."""
+        for f in (self.file, *self.streams.values()):
+            if not f.closed:
+                f.close()
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None

@@ -1,0 +1,319 @@
+"""Audio to codes at scale: extraction and tokenization that commit and resume, tokenize = extract + encode,
+one writer per shard, nothing replaced by mistake. Real audio the test makes, real processes where it matters."""
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from data.dump_writer import publish, shard_range
+from data.feature_settings import dump_feature_settings
+from models.codec import CodecConfig, RVQCodec
+from tests.audio_helpers import CORPUS, write_corpus
+from tests.helpers import REPO, TINY, _state, env, run_trainer
+from tools import encode, export, extract, tokenize
+
+pytestmark = pytest.mark.timeout(180)
+
+SHARD = "train_0_1"
+COMMIT = ["--commit_files", 2]  # 7 files (one of them bad): 4 commits
+W2V = ["--feature", "w2v-bert", "--layer", 1, "--max_chunk_seconds", 1.0, "--batch_seconds", 2.5, "--device", "cpu"]
+EXTRACTED = (".npy", ".len", ".tsv", ".skipped", ".json")
+CODES = (".codes.npy", ".codes.len", ".codes.tsv", ".km")
+
+
+@pytest.fixture(autouse=True)
+def info_logs(caplog):
+    caplog.set_level(logging.INFO)
+
+
+def w2v_bert(folder: Path, seed: int) -> Path:
+    """A random Wav2Vec2BertModel small enough for a CPU test, saved with save_pretrained."""
+    from transformers import Wav2Vec2BertConfig, Wav2Vec2BertModel
+
+    torch.manual_seed(seed)
+    config = Wav2Vec2BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                output_hidden_size=32, feature_projection_input_dim=160, conv_depthwise_kernel_size=5)
+    Wav2Vec2BertModel(config).eval().save_pretrained(folder)
+    return folder
+
+
+def random_codec(path: Path, data_dir: Path) -> Path:
+    """A checkpoint of an untrained codec for the features of `data_dir`, recording them as the trainer does."""
+    torch.manual_seed(0)
+    config = CodecConfig(feature_dim=32, latent_dim=16, num_quantizers=2, codebook_size=16, kmeans_init=False)
+    torch.save({"model": RVQCodec(config).state_dict(), "codec": config.to_dict(), "step": 0,
+                "config": {"features": dump_feature_settings(data_dir, "train")}}, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Six files and a bad one, in a manifest; their fbank dump and a codec trained on it by the trainer; a tiny
+    w2v-BERT's dump and an untrained codec that records it; each tokenized, and extracted then encoded."""
+    root = tmp_path_factory.mktemp("audio_to_codes")
+    c = SimpleNamespace(root=root, audio=root / "audio", manifest=root / "train.tsv")
+    good = write_corpus(c.audio, CORPUS[:6])
+    (c.audio / "bad.wav").write_text("not audio\n" * 20)
+    c.files = good[:3] + ["bad.wav"] + good[3:]
+    samples = {rel: sf.info(str(c.audio / rel)).frames for rel in good}
+    c.manifest.write_text(f"{c.audio}\n" + "".join(f"{rel}\t{samples.get(rel, 1)}\n" for rel in c.files))
+    c.w2v = w2v_bert(root / "w2v_bert", seed=0)
+    c.fbank_feats, c.w2v_feats = root / "fbank_feats", root / "w2v_feats"
+    assert extract.main([c.manifest, "train", 1, 0, c.fbank_feats, *COMMIT]) == 0
+    assert extract.main([c.manifest, "train", 1, 0, c.w2v_feats, *COMMIT, *W2V, "--checkpoint", c.w2v]) == 0
+    c.fbank_run = root / "fbank_run"
+    r = run_trainer(["--data_dir", c.fbank_feats, "--output_dir", c.fbank_run, "--max_steps", 4, *TINY,
+                     "--downsample", 2], timeout=150)
+    assert r.returncode == 0, r.stderr[-3000:]
+    c.w2v_run = random_codec(root / "w2v_codec.pt", c.w2v_feats)
+    for kind, feats, run, extra in (("fbank", c.fbank_feats, c.fbank_run, ["--km", 2]),
+                                    ("w2v", c.w2v_feats, c.w2v_run, ["--km"])):
+        assert encode.main(["--checkpoint", run, "--data_dir", feats, "--output_dir", root / f"{kind}_encoded",
+                            *extra]) == 0
+        assert tokenize.main([c.manifest, "train", 1, 0, root / f"{kind}_tokenized", "--checkpoint", run, *COMMIT,
+                              "--batch_seconds", 2.5, *extra]) == 0
+    return c
+
+
+def files_of(folder: Path, name: str, exts) -> dict:
+    return {ext: (folder / (name + ext)).read_bytes() for ext in exts}
+
+
+@pytest.mark.parametrize("kind", ["fbank", "w2v"])
+def test_tokenize_gives_the_codes_of_extract_then_encode_bit_for_bit(corpus, kind):
+    c = corpus
+    tokenized, encoded = c.root / f"{kind}_tokenized", c.root / f"{kind}_encoded"
+    assert files_of(tokenized, SHARD, CODES) == files_of(encoded, SHARD, CODES)
+    feats = c.fbank_feats if kind == "fbank" else c.w2v_feats
+    # the bad file skipped and listed as the extractor lists it
+    assert (tokenized / f"{SHARD}.codes.skipped").read_bytes() == (feats / f"{SHARD}.skipped").read_bytes()
+    assert (tokenized / f"{SHARD}.codes.skipped").read_text().startswith("bad.wav\tunreadable")
+    meta, want = (json.loads((d / f"{SHARD}.codes.json").read_text()) for d in (tokenized, encoded))
+    assert meta["feature_frames"] == want["feature_frames"] and meta["utterances"] == want["utterances"] == 6
+    assert meta["features"]["feature"] == ("fbank" if kind == "fbank" else "w2v-bert")
+    assert not [p.name for p in tokenized.iterdir() if p.suffix in (".partial", ".progress", ".tmp")]
+
+
+def test_a_km_file_has_a_line_per_utterance_with_a_unit_per_code_frame(corpus):
+    for kind, level in (("fbank", 2), ("w2v", 1)):
+        folder = corpus.root / f"{kind}_tokenized"
+        codes = np.load(folder / f"{SHARD}.codes.npy")
+        lengths = [int(n) for n in (folder / f"{SHARD}.codes.len").read_text().split()]
+        lines = (folder / f"{SHARD}.km").read_text().splitlines()
+        assert len(lines) == len(lengths) == 6
+        assert [len(line.split()) for line in lines] == lengths
+        units = np.array([int(u) for line in lines for u in line.split()])
+        np.testing.assert_array_equal(units, codes[:, level - 1])
+
+
+def test_the_trainer_records_the_features_and_export_reads_them(corpus, tmp_path):
+    _, state, _ = encode.load_codec(corpus.fbank_run)
+    assert state["config"]["features"] == {"feature": "fbank", "dim": 160, "frame_rate_hz": 50, "sample_rate": 16000,
+                                           "precision": "float32", "dtype": "float32"}
+    state["config"]["data_dir"] = str(tmp_path / "gone")  # the training data no longer there
+    torch.save(state, tmp_path / "step_00000004.pt")
+    assert export.main([tmp_path / "step_00000004.pt", tmp_path / "exported"]) == 0
+    assert json.loads((tmp_path / "exported" / "codec.json").read_text())["feature"]["kind"] == "fbank"
+
+
+def test_a_codec_refuses_to_tokenize_other_features(corpus, tmp_path, caplog):
+    c, out = corpus, tmp_path / "out"
+    fbank_codec, w2v_codec = ["--checkpoint", c.fbank_run], ["--checkpoint", c.w2v_run]
+    other = w2v_bert(tmp_path / "other_w2v_bert", seed=1)
+    old = tmp_path / "old.pt"  # a checkpoint from before the trainer recorded its features
+    state = torch.load(c.w2v_run, weights_only=False)
+    torch.save({**state, "config": {}}, old)
+    cases = [
+        (fbank_codec + ["--feature", "w2v-bert"], ["trained on fbank", "ask for w2v-bert", "feature: 'fbank' -> "
+                                                                                          "'w2v-bert'"]),
+        (w2v_codec + ["--layer", 2], ["trained on w2v-bert layer 1", "layer: 1 -> 2"]),
+        (w2v_codec + ["--precision", "bf16"], ["precision: 'float32' -> 'bfloat16'"]),
+        (w2v_codec + ["--w2v_bert", other], ["trained on w2v-bert layer 1", f"--w2v_bert {other} gives", "model: "]),
+        (["--checkpoint", old], ["trained on unknown features", "python -m tools.encode"]),
+    ]
+    for flags, messages in cases:
+        caplog.clear()
+        assert tokenize.main([c.manifest, "train", 1, 0, out, *flags]) == 2, flags
+        for message in messages:
+            assert message in caplog.text, (flags, message, caplog.text)
+    assert not out.exists()
+
+
+def test_bad_flags_exit_2_and_write_nothing(corpus, tmp_path, caplog):
+    c, out = corpus, tmp_path / "out"
+    for tool, flags in ((tokenize, ["--checkpoint", c.fbank_run]), (extract, [])):
+        for bad in (["--commit_files", 0], ["--num_workers", -1], ["--batch_seconds", 0], ["--commit_seconds", -1]):
+            with pytest.raises(SystemExit) as e:
+                tool.main([c.manifest, "train", 1, 0, out, *flags, *bad])
+            assert e.value.code == 2, (tool, bad)
+        with pytest.raises(SystemExit) as e:
+            tool.main([c.manifest, "train", 2, 2, out, *flags])  # rank out of range
+        assert e.value.code == 2
+        assert tool.main([c.root / "missing.tsv", "train", 1, 0, out, *flags]) == 2
+        empty = next(r for r in range(8) if len(set(shard_range(len(c.files), 8, r))) == 1)
+        assert tool.main([c.manifest, "train", 8, empty, out, *flags]) == 2 and "is empty" in caplog.text
+    assert tokenize.main([c.manifest, "train", 1, 0, out, "--checkpoint", c.fbank_run, "--km", 3]) == 2
+    assert "--km 3: the codes have levels 1 to 2" in caplog.text
+    assert tokenize.main([c.manifest, "train", 1, 0, out, "--checkpoint", c.root / "nope"]) == 2
+    assert not out.exists()
+
+
+def killed_after_first_commit(module: str, args: list, out: Path, progress: str) -> dict:
+    """Run `python -m module args` SIGKILLed between writing its second window and committing it."""
+    killed = subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True,
+                            timeout=120, cwd=REPO,  # the threads of this process: the same sums, the same bits
+                            env=env(RVQ_FAULT="kill:step=2", OMP_NUM_THREADS=torch.get_num_threads()))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    committed = json.loads((out / progress).read_text())
+    assert committed["done"] == 2 and committed["commits"] == 1
+    return committed
+
+
+def without_files(c, relpaths):
+    """The committed files moved out of the audio folder: a rerun that read them again would skip them."""
+    for rel in relpaths:
+        (c.audio / rel).rename(c.audio / (rel + ".away"))
+    return lambda: [(c.audio / (rel + ".away")).rename(c.audio / rel) for rel in relpaths]
+
+
+def test_a_killed_extraction_resumes_to_the_bytes_of_one_never_stopped(corpus, tmp_path, caplog):
+    c, out = corpus, tmp_path / "feats"
+    args = [c.manifest, "train", 1, 0, out, *COMMIT, *W2V, "--checkpoint", c.w2v, "--num_workers", 1]
+    killed_after_first_commit("tools.extract", args, out, f"{SHARD}.progress")
+    assert not (out / f"{SHARD}.npy").exists()
+    restore = without_files(c, c.files[:2])
+    try:
+        assert extract.main(args) == 0
+    finally:
+        restore()
+    assert "resuming at file 2 of 7" in caplog.text and "bytes written after the last commit dropped" in caplog.text
+    assert files_of(out, SHARD, EXTRACTED) == files_of(c.w2v_feats, SHARD, EXTRACTED)
+    caplog.clear()  # a finished shard: nothing to do
+    assert extract.main(args) == 0 and f"{SHARD} is complete" in caplog.text
+
+
+def test_a_killed_tokenization_resumes_to_the_bytes_of_one_never_stopped(corpus, tmp_path, caplog):
+    c, out = corpus, tmp_path / "codes"
+    args = [c.manifest, "train", 1, 0, out, "--checkpoint", c.fbank_run, *COMMIT, "--batch_seconds", 2.5, "--km", 2,
+            "--num_workers", 1]
+    killed_after_first_commit("tools.tokenize", args, out, f"{SHARD}.codes.progress")
+    restore = without_files(c, c.files[:2])
+    try:
+        assert tokenize.main(args) == 0
+    finally:
+        restore()
+    assert "resuming at file 2 of 7" in caplog.text
+    done = c.root / "fbank_tokenized"
+    assert files_of(out, SHARD, (*CODES, ".codes.json", ".codes.skipped")) == \
+        files_of(done, SHARD, (*CODES, ".codes.json", ".codes.skipped"))
+    caplog.clear()  # other settings: refused, the finished shard kept
+    assert tokenize.main([*args, "--beam_size", 1]) == 2 and "beam_size: 4 -> 1" in caplog.text
+    assert files_of(out, SHARD, CODES) == files_of(done, SHARD, CODES)
+
+
+def stopped(proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while _state(proc.pid) != "T":
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+
+
+def test_a_second_writer_of_a_shard_exits_2_at_once_and_the_first_finishes(corpus, tmp_path):
+    """Two extractors on one shard, and two encoders: the second of each exits 2 naming the first, which was
+    stopped (RVQ_FAULT hang) before its first commit holding the shard; the first then finishes, its files right."""
+    c = corpus
+    runs = {"extract": ["tools.extract", c.manifest, "train", 1, 0, tmp_path / "feats", *COMMIT],
+            "encode": ["tools.encode", "--checkpoint", c.fbank_run, "--data_dir", c.fbank_feats, "--output_dir",
+                       tmp_path / "codes", "--km", 2, "--commit_frames", 100]}
+    firsts = {k: subprocess.Popen([sys.executable, "-m", *map(str, cmd)], cwd=REPO, env=env(RVQ_FAULT="hang:step=1"),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k, cmd in runs.items()}
+    try:
+        for proc in firsts.values():
+            stopped(proc, 90)
+        before = {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in tmp_path.glob("*/*")}
+        began = time.monotonic()
+        seconds = {k: subprocess.Popen([sys.executable, "-m", *map(str, cmd)], cwd=REPO, env=env(),
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                   for k, cmd in runs.items()}
+        for k, proc in seconds.items():
+            _, err = proc.communicate(timeout=90)
+            assert proc.returncode == 2, err[-3000:]
+            assert f"is being written by another process (pid {firsts[k].pid} on host" in err, err[-3000:]
+        assert time.monotonic() - began < 60
+        assert {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in tmp_path.glob("*/*")} == before  # untouched
+        for proc in firsts.values():
+            proc.send_signal(signal.SIGCONT)
+        for k, proc in firsts.items():
+            _, err = proc.communicate(timeout=90)
+            assert proc.returncode == 0 and "finished successfully" in err, err[-3000:]
+    finally:
+        for proc in firsts.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+    assert files_of(tmp_path / "feats", SHARD, EXTRACTED) == files_of(c.fbank_feats, SHARD, EXTRACTED)
+    assert files_of(tmp_path / "codes", SHARD, CODES) == files_of(c.root / "fbank_encoded", SHARD, CODES)
+
+
+def test_no_tool_replaces_output_it_did_not_write(corpus, tmp_path, caplog):
+    c = corpus
+    feats = tmp_path / "feats"
+    shutil.copytree(c.fbank_feats, feats)
+    before = files_of(feats, SHARD, EXTRACTED)
+    one = tmp_path / "one"  # a mistyped source: one file
+    write_corpus(one, CORPUS[:1])
+    assert extract.main([one, "train", 1, 0, feats]) == 2
+    assert "train_0_1.npy was written with other settings (root:" in caplog.text and "--overwrite" in caplog.text
+    assert extract.main([c.manifest, "train", 2, 0, feats]) == 2  # another shard count beside train_0_1
+    assert "already holds split 'train' in other shards (train_0_1.npy)" in caplog.text
+    (feats / f"{SHARD}.json").rename(tmp_path / "note.json")  # a dump from another tool
+    assert extract.main([c.manifest, "train", 1, 0, feats, *COMMIT]) == 2 and "exists without its" in caplog.text
+    (tmp_path / "note.json").rename(feats / f"{SHARD}.json")
+    caplog.clear()  # decoding into the feature folder would replace the features with their reconstruction
+    assert encode.main(["decode", "--checkpoint", c.fbank_run, "--codes_dir", c.root / "fbank_encoded",
+                        "--output_dir", feats]) == 2
+    assert "train_0_1.npy exists: decoding into" in caplog.text and "--overwrite" in caplog.text
+    assert files_of(feats, SHARD, EXTRACTED) == before and not list(feats.glob("*.tmp"))
+    assert extract.main([one, "train", 1, 0, feats, "--overwrite"]) == 0  # asked for: starts over
+    assert json.loads((feats / f"{SHARD}.json").read_text())["utterances"] == 1
+
+
+def test_publish_renames_over_and_never_deletes_first(tmp_path, monkeypatch):
+    final, tmp, len_final, len_tmp = (tmp_path / n for n in ("a.npy", "a.npy.tmp", "a.len", "a.len.tmp"))
+    for path, text in ((final, "old"), (tmp, "new"), (len_final, "1"), (len_tmp, "2")):
+        path.write_text(text)
+    monkeypatch.setattr(os, "unlink", lambda *a, **k: pytest.fail("publish deleted a file"))
+    monkeypatch.setattr(Path, "unlink", lambda *a, **k: pytest.fail("publish deleted a file"))
+    publish([(len_tmp, len_final)], (tmp, final))
+    assert final.read_text() == "new" and len_final.read_text() == "2" and not tmp.exists()
+
+
+def test_the_encode_bar_moves_before_the_first_commit(corpus, tmp_path, monkeypatch):
+    events = []
+    real_update, real_commit = encode.tqdm.update, encode.ShardWriter.commit
+    monkeypatch.setattr(encode.tqdm, "update", lambda self, n=1: (events.append("batch"), real_update(self, n))[1])
+    monkeypatch.setattr(encode.ShardWriter, "commit",
+                        lambda self, done: (events.append("commit"), real_commit(self, done))[1])
+    assert encode.main(["--checkpoint", corpus.fbank_run, "--data_dir", corpus.fbank_feats, "--output_dir", tmp_path,
+                        "--batch_frames", 64]) == 0  # one commit, several batches
+    assert events.index("commit") >= 3 and events[:3] == ["batch"] * 3, events
+
+
+def test_under_torchrun_each_process_takes_its_part_of_the_shard(corpus, tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert extract.main([corpus.manifest, "train", 1, 0, tmp_path]) == 0  # process 1 of 2: shard 1 of 2
+    lines = (tmp_path / "train_1_2.tsv").read_text().splitlines()[1:]
+    assert [line.split("\t")[0] for line in lines] == [rel for rel in corpus.files[4:]]  # round(7 / 2) = 4

@@ -1,0 +1,158 @@
+"""What tools.extract and tools.tokenize share: the audio files a process takes, the flags of their input
+pipeline, and their loop, which writes and commits each window of files.
+
+`SOURCE SPLIT NSHARD RANK`: rank RANK of NSHARD takes its contiguous share of the files, as in fairseq's
+simple_kmeans. Under torchrun (RANK and WORLD_SIZE in the environment), process r of W takes shard
+RANK x W + r of NSHARD x W, and the GPU of its LOCAL_RANK: `torchrun --nproc_per_node 8 -m tools.extract SRC
+train 1 0 OUT` writes train_0_8 ... train_7_8, and `... train 2 1 OUT` on a second machine the second half
+as train_8_16 ... train_15_16. SLURM's variables are not read: a user of srun passes $SLURM_PROCID as RANK.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from data.audio_features import FRAME_RATE
+from data.audio_manifest import audio_files
+from data.audio_pipeline import FeatureWindows, Window
+from data.dump_writer import shard_range
+from data.resumable_shard import ShardWriter
+from errors import BadInputError
+from models.codes import length_sorted_batches
+from training.device import shard_device
+from training.faults import FaultInjector
+
+# --batch_seconds by device: padded audio per w2v-BERT forward pass (benchmarks/README.md, "Extraction")
+BATCH_SECONDS = {"cpu": 60.0, "cuda": 600.0}
+
+
+@dataclass
+class AudioShare:
+    """This process's files: `relpaths` under `root`, files start..end-1 of the source's `total`."""
+
+    root: Path
+    relpaths: list[str]
+    start: int
+    end: int
+    total: int
+    nshard: int
+    rank: int
+    local_rank: int  # which of the node's GPUs: LOCAL_RANK under a launcher, else RANK
+
+    @property
+    def settings(self) -> dict:
+        """What a shard written from this share is checked against when it is resumed or found finished."""
+        listed = hashlib.sha256("\n".join(self.relpaths).encode()).hexdigest()[:16]
+        return {"root": str(self.root), "nshard": self.nshard, "rank": self.rank, "first_file": self.start,
+                "files": len(self.relpaths), "file_list": f"sha256:{listed}"}
+
+
+def add_input_args(p: argparse.ArgumentParser) -> None:
+    """The positionals SOURCE SPLIT NSHARD RANK OUT_DIR and the input pipeline's flags."""
+    p.add_argument("source", type=Path, help="a fairseq manifest (.tsv: root line, then relpath<TAB>num_samples) "
+                                             "or a folder of .wav/.flac/.ogg files")
+    p.add_argument("split", help="name of the split written, e.g. train or valid")
+    p.add_argument("nshard", type=int, help="number of shards the file list is cut into")
+    p.add_argument("rank", type=int, help="which shard this process writes (0 .. nshard-1)")
+    p.add_argument("out_dir", type=Path, help="the output folder")
+    p.add_argument("--device", default="auto",
+                   help="auto or cuda (cuda:<rank %% visible GPUs>, or LOCAL_RANK's under torchrun, so that shards "
+                        "run side by side), cpu, cuda:1 ...")
+    p.add_argument("--num_workers", type=int, default=4,
+                   help="processes reading, resampling and turning audio into fbank ahead of the model (0: a "
+                        "thread of this process)")
+    p.add_argument("--batch_seconds", type=float,
+                   help="w2v-bert: padded audio per forward pass (rows x the longest chunk; a longer chunk goes "
+                        "alone); default: " + ", ".join(f"{s:g} on {d}" for d, s in BATCH_SECONDS.items()))
+    p.add_argument("--commit_files", type=int, default=1000,
+                   help="files per commit (their output fsynced, progress recorded): what a killed run does again "
+                        "at most, with --commit_seconds; w2v-bert sorts the chunks of these files into its batches")
+    p.add_argument("--commit_seconds", type=float, default=600.0,
+                   help="audio per commit at most: a commit comes after this much audio or --commit_files files")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete the shard's output, finished or partial, and write it from the start")
+
+
+def check_input_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """argparse's exit 2 for values out of range."""
+    if args.nshard < 1 or not 0 <= args.rank < args.nshard:
+        p.error(f"need nshard >= 1 and 0 <= rank < nshard, got nshard {args.nshard}, rank {args.rank}")
+    if args.num_workers < 0:
+        p.error(f"--num_workers must be 0 or more, got {args.num_workers}")
+    for name in ("batch_seconds", "max_chunk_seconds", "commit_files", "commit_seconds"):
+        value = getattr(args, name, None)
+        if value is not None and not value > 0:
+            p.error(f"--{name} must be positive, got {value}")
+
+
+def launched_shard(nshard: int, rank: int) -> tuple[int, int, int]:
+    """(shards, shard, local rank) of this process: under torchrun, process r of W takes shard rank x W + r of
+    nshard x W and GPU LOCAL_RANK; else shard `rank` of `nshard`, on GPU rank % visible GPUs."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world, me = int(env["WORLD_SIZE"]), int(env["RANK"])
+        return nshard * world, rank * world + me, int(env.get("LOCAL_RANK", me))
+    return nshard, rank, rank
+
+
+def audio_share(args: argparse.Namespace) -> AudioShare:
+    """This process's files; BadInputError for a missing or empty source, or an empty share."""
+    root, entries = audio_files(args.source)
+    nshard, rank, local_rank = launched_shard(args.nshard, args.rank)
+    start, end = shard_range(len(entries), nshard, rank)
+    if start == end:
+        raise BadInputError(f"shard {rank} of {nshard} is empty: {args.source} lists only {len(entries)} file(s); "
+                            "use fewer shards")
+    return AudioShare(root, entries[start:end], start, end, len(entries), nshard, rank, local_rank)
+
+
+def model_device(flag: str, share: AudioShare) -> torch.device:
+    """The device of this process's model: its own GPU among the node's, for auto or cuda."""
+    return shard_device(flag, share.local_rank)
+
+
+def batch_seconds(args: argparse.Namespace, device: torch.device) -> float:
+    return args.batch_seconds or BATCH_SECONDS.get(device.type, BATCH_SECONDS["cpu"])
+
+
+def w2v_passes(seconds: float) -> Callable[[np.ndarray], list[np.ndarray]]:
+    """w2v-BERT's forward passes over a window's chunks: sorted by length, at most `seconds` of padded audio each."""
+    return functools.partial(length_sorted_batches, batch_frames=max(1, int(seconds * FRAME_RATE)))
+
+
+def progress_bar(desc: str, share: AudioShare, done: int) -> tqdm:
+    """A bar over the share's files that moves with each forward pass (a file of k chunks: 1/k per chunk)."""
+    return tqdm(total=len(share.relpaths), initial=done, desc=desc, unit="file", dynamic_ncols=True, mininterval=1.0,
+                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total} files [{elapsed}<{remaining}{postfix}]")
+
+
+def write_windows(pipeline: FeatureWindows, writer: ShardWriter, write: Callable[[Window], None],
+                  faults: FaultInjector, bar: tqdm) -> None:
+    """Every window from the writer's first file not committed: `write` it, then commit it. RVQ_FAULT's kill
+    (and hang) fire between writing window N (counted from the shard's first) and committing it."""
+    windows = pipeline.windows(writer.done)
+    try:
+        for window in windows:
+            write(window)
+            faults.before_commit(writer.commits + 1)
+            writer.commit(window.end)
+            bar.set_postfix_str(f"input wait {pipeline.input_wait:.0f} s", refresh=False)
+    finally:
+        windows.close()
+
+
+def log_input_wait(log: logging.Logger, pipeline: FeatureWindows, seconds: float, model: str) -> None:
+    """The model's input wait, as the trainer logs its data wait."""
+    log.info("read %.1f s of audio in %.2f s: %.1f audio seconds per second; %s waited %.2f s (%.0f%%) for decoded "
+             "audio (--num_workers %d)", pipeline.audio_seconds, seconds, pipeline.audio_seconds / max(seconds, 1e-9),
+             model, pipeline.input_wait, 100 * pipeline.input_wait / max(seconds, 1e-9), pipeline.num_workers)

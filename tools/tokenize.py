@@ -1,0 +1,224 @@
+"""Audio -> RVQ codes in one pass, with the features the codec was trained on, never written to disk.
+
+    python -m tools.tokenize MANIFEST_OR_DIR SPLIT NSHARD RANK OUT_DIR --checkpoint RUN_DIR_OR_CKPT [--km]
+    torchrun --nproc_per_node 8 -m tools.tokenize MANIFEST_OR_DIR SPLIT 1 0 OUT_DIR --checkpoint RUN   # a shard per GPU
+
+The audio and its shards are tools.extract's (a fairseq manifest or a folder; rank RANK of NSHARD takes its
+contiguous share of the files; under torchrun each process its part of it: tools/audio_shard.py). The
+features are those the codec was trained on, as its checkpoint records them (the trainer notes tools.extract's
+settings: fbank, or the w2v-BERT model, layer, chunk length and precision, and the dump's dtype); computed as
+tools.extract computes them (data/audio_pipeline.py) and encoded as tools.encode encodes a dump, so that the
+codes are those of tools.extract followed by tools.encode, bit for bit on a CPU with the same --batch_seconds
+and commit sizes. --feature, --layer and --precision, when given, must be the checkpoint's: another value
+exits 2, naming both. --w2v_bert gives the w2v-BERT folder where it is not where it was at training; its
+files must be the same model.
+
+Written into OUT_DIR, for NAME = {split}_{rank}_{nshard}, as tools.encode writes them: `NAME.codes.npy`,
+`NAME.codes.len`, `NAME.codes.json` (the settings, counts and each utterance's feature frames),
+`NAME.codes.tsv` (the audio file of each utterance, a fairseq manifest), `NAME.km` with --km; and
+`NAME.codes.skipped`, the files skipped and why, as tools.extract lists them. Committed every --commit_files
+files or --commit_seconds of audio (data/resumable_shard.py): the same command run again after a crash goes
+on from the last commit and writes the same bytes as a run never stopped; a finished shard is said to be
+complete (exit 0); one with other settings is refused unless --overwrite. A second process on the same shard
+exits 2, naming the first. Exit codes: 0 done; 1 no file could be tokenized (nothing written); 2 bad
+arguments or input, features other than the codec's, or an output that is another's.
+"""
+from __future__ import annotations
+
+import os
+
+# numpy's BLAS (the fbank's mel projection) on one thread a process, set before numpy loads: the decoding workers
+# are the parallelism, and on busy cores a multi-threaded BLAS made the fbank 2.2x slower (benchmarks/README.md)
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from data.audio_features import FEATURES, SeamlessFbank, W2vBertLayer  # noqa: E402
+from data.audio_pipeline import FeatureWindows, Window  # noqa: E402
+from data.feature_settings import describe, model_fingerprint, settings_differ  # noqa: E402
+from data.resumable_shard import CODES, ShardWriter, claim_shard  # noqa: E402
+from errors import EXIT_FAILURE, EXIT_OK, BadInputError  # noqa: E402
+from models.codes import TAIL_PADDING, code_frames, encode_in_batches, km_lines  # noqa: E402
+from tools.audio_shard import (AudioShare, add_input_args, audio_share, batch_seconds, check_input_args,  # noqa: E402
+                               log_input_wait, model_device, progress_bar, w2v_passes, write_windows)
+from tools.cli import bad_input_exits_2, run  # noqa: E402
+from tools.trained_codec import (CodesSpec, add_codes_args, check_codes_args, codes_spec,  # noqa: E402
+                                 describe_codes, load_codec)
+from training.faults import FaultInjector  # noqa: E402
+from training.flag_help import FlagHelpFormatter  # noqa: E402
+
+log = logging.getLogger("tokenize")
+PRECISION_NAMES = {"fp32": "float32", "bf16": "bfloat16"}  # --precision -> the name tools.extract records
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m tools.tokenize", formatter_class=FlagHelpFormatter,
+        description="Tokenize audio with a trained codec: the features its checkpoint names, then its codes "
+                    "({split}_{rank}_{nshard}.codes.npy/.len/.json/.tsv), the features never written.")
+    add_input_args(p)
+    p.add_argument("--checkpoint", type=Path, required=True,
+                   help="the codec: a checkpoint file, or a run's --output_dir (its newest checkpoint)")
+    add_codes_args(p)
+    p.add_argument("--w2v_bert", type=Path,
+                   help="w2v-bert: the model's folder on this machine (default: the folder the checkpoint records)")
+    p.add_argument("--feature", choices=FEATURES, help="must be the codec's features (default: the checkpoint's)")
+    p.add_argument("--layer", type=int, help="w2v-bert: must be the codec's layer (default: the checkpoint's)")
+    p.add_argument("--precision", choices=tuple(PRECISION_NAMES),
+                   help="w2v-bert: must be the codec's precision (default: the checkpoint's)")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(None if argv is None else [str(a) for a in argv])
+    check_input_args(p, args)
+    check_codes_args(p, args)
+    return args
+
+
+def trained_features(state: dict, ckpt_path: Path, args) -> dict:
+    """The feature settings the checkpoint records, checked against --feature, --layer and --precision."""
+    trained = (state.get("config") or {}).get("features") or {}
+    if trained.get("feature") not in FEATURES:
+        raise BadInputError(f"the codec in {ckpt_path} was trained on {describe(trained)}: tokenize computes only "
+                            "features tools.extract wrote, as the checkpoint of a run on them records (trainers "
+                            "before this one recorded none); encode such features with python -m tools.encode")
+    asked = {**trained, **{k: v for k, v in (("feature", args.feature), ("layer", args.layer),
+                                             ("precision", PRECISION_NAMES.get(args.precision))) if v is not None}}
+    differ = settings_differ(trained, asked)
+    if differ:
+        raise BadInputError(f"the codec in {ckpt_path} was trained on {describe(trained)}; the flags ask for "
+                            f"{describe(asked)} ({differ}): its codes of other features would be meaningless")
+    return trained
+
+
+def feature_maker(trained: dict, args, device: torch.device,
+                  ckpt_path: Path) -> tuple[SeamlessFbank, W2vBertLayer | None, dict]:
+    """(the fbank, the w2v-BERT layer or None, the settings of the features they make), the latter the codec's."""
+    if trained["feature"] != "w2v-bert":
+        return SeamlessFbank(None), None, trained
+    folder = args.w2v_bert or Path(trained["checkpoint"])
+    if not folder.is_dir():
+        raise BadInputError(f"the codec in {ckpt_path} was trained on {describe(trained)}, and {folder} is not a "
+                            "folder here: give the model's folder with --w2v_bert")
+    encoder = W2vBertLayer(folder, trained["layer"], device=device, dtype=getattr(torch, trained["precision"]),
+                           max_chunk_seconds=trained["max_chunk_seconds"], flag="--w2v_bert")
+    now = {**trained, "dim": encoder.dim, "checkpoint": str(folder.resolve()), "model": model_fingerprint(folder)}
+    differ = settings_differ(trained, now)
+    if differ:
+        raise BadInputError(f"the codec in {ckpt_path} was trained on {describe(trained)}; --w2v_bert {folder} "
+                            f"gives {describe(now)} ({differ})")
+    log.info("w2v-bert layer %d of %s on %s (%s), %d-d", encoder.layer, folder, encoder.device, encoder.dtype,
+             encoder.dim)
+    return SeamlessFbank(folder), encoder, now
+
+
+def tokenize(args) -> int:
+    share = audio_share(args)
+    device = model_device(args.device, share)
+    model, state, ckpt_path = load_codec(args.checkpoint, device)
+    trained = trained_features(state, ckpt_path, args)
+    fbank, encoder, features = feature_maker(trained, args, device, ckpt_path)
+    spec = codes_spec(args, model, state, ckpt_path, device)
+    name = f"{args.split}_{share.rank}_{share.nshard}"
+    settings = {**spec.settings, "features": {k: v for k, v in features.items() if k != "checkpoint"},
+                "split": args.split, **share.settings}
+    if encoder is not None:  # the batches change a layer's last bits: a resumed shard keeps them
+        settings.update(batch_seconds=batch_seconds(args, device), commit_files=args.commit_files,
+                        commit_seconds=args.commit_seconds)
+    lock = claim_shard(args.out_dir, name, CODES, settings, overwrite=args.overwrite, log=log,
+                       redo="tokenize the shard again")
+    if lock is None:
+        return EXIT_OK
+    try:
+        streams = {".codes.len": "", ".codes.tsv": f"{share.root}\n", ".codes.skipped": "", ".codes.frames": ""}
+        writer = ShardWriter(args.out_dir, name, CODES, settings, width=spec.levels, dtype=spec.dtype,
+                             streams={**streams, **({".km": ""} if spec.km else {})})
+        try:
+            return tokenize_into(args, share, name, fbank, encoder, spec, settings, writer)
+        finally:
+            writer.close()
+    finally:
+        lock.release()
+
+
+def tokenize_into(args, share: AudioShare, name: str, fbank: SeamlessFbank, encoder: W2vBertLayer | None,
+                  spec: CodesSpec, settings: dict, writer: ShardWriter) -> int:
+    log.info("%s: files %d-%d of %d from %s -> %s/%s.codes.npy: %s features, %s", name, share.start, share.end - 1,
+             share.total, args.source, args.out_dir, name, settings["features"]["feature"], describe_codes(spec))
+    if writer.done:
+        log.info("resuming at file %d of %d (%d code frames committed; %d bytes written after the last commit "
+                 "dropped)", writer.done, len(share.relpaths), writer.rows, writer.dropped_bytes)
+    downsample = spec.model.config.downsample
+    began = time.perf_counter()
+    with progress_bar(f"tokenize {name}", share, writer.done) as bar:
+        # half of a file's share of the bar is its features, half its codes
+        pipeline = FeatureWindows(share.root, share.relpaths, fbank=fbank, encoder=encoder,
+                                  dtype=settings["features"]["dtype"], num_workers=args.num_workers,
+                                  commit_files=args.commit_files, commit_seconds=args.commit_seconds,
+                                  passes=w2v_passes(settings["batch_seconds"]) if encoder else None,
+                                  progress=bar.update, weight=0.5)
+
+        def write(window: Window) -> None:
+            kept = [item for item in window.files if item.features is not None]
+            for item in window.files:
+                if item.features is None:
+                    writer.append(".codes.skipped", f"{item.rel}\t{item.skipped}\n")
+            bar.update(0.5 * (len(window.files) - len(kept)))
+            if not kept:
+                return
+            # as a dump's utterances: float32 of the stored values (float16 widened), as tools.encode reads them
+            lengths = np.array([len(item.features) for item in kept], dtype=np.int64)
+            utterances = SimpleNamespace(lengths=lengths, utterance=lambda i: kept[i].features)
+            codes = encode_in_batches(spec.model, utterances, spec.levels, spec.batch_frames, spec.dtype, spec.beam,
+                                      on_batch=lambda batch: bar.update(0.5 * len(batch)))
+            writer.write(codes)
+            code_lengths = code_frames(lengths, downsample)
+            writer.append(".codes.len", "".join(f"{n}\n" for n in code_lengths))
+            writer.append(".codes.tsv", "".join(f"{item.rel}\t{item.samples}\n" for item in kept))
+            writer.append(".codes.frames", "".join(f"{n}\n" for n in lengths))
+            if spec.km:
+                writer.append(".km", km_lines(codes, code_lengths, spec.km))
+
+        write_windows(pipeline, writer, write, FaultInjector(share.rank), bar)
+    seconds = time.perf_counter() - began
+    frames = [int(n) for n in writer.text(".codes.frames").split()]
+    skipped = [line.split("\t", 1) for line in writer.text(".codes.skipped").splitlines()]
+    for rel, reason in skipped:
+        log.warning("skipped %s: %s", rel, reason)
+    if not frames:
+        writer.discard()
+        log.error("nothing written: all %d file(s) of shard %d/%d were skipped (reasons above)",
+                  len(share.relpaths), share.rank, share.nshard)
+        return EXIT_FAILURE
+    meta = {**settings, "source": str(args.source), "utterances": len(frames), "frames": sum(frames),
+            "code_frames": writer.rows, "skipped": len(skipped),
+            "padding": TAIL_PADDING, "feature_frames": frames}
+    array = writer.finish({CODES.meta: json.dumps(meta) + "\n"})
+    log_input_wait(log, pipeline, seconds, "the models")
+    config = spec.model.config
+    log.info("wrote %d utterances, %d code frames (%d levels, %.0f bits/frame of features) to %s; skipped %d "
+             "file(s)%s", len(frames), writer.rows, spec.levels,
+             spec.levels * math.log2(config.codebook_size) / config.downsample, array, len(skipped),
+             f", listed in {name}.codes.skipped" if skipped else "")
+    log.info("finished successfully")
+    return EXIT_OK
+
+
+@bad_input_exits_2(log)
+def main(argv=None) -> int:
+    return tokenize(parse_args(argv))
+
+
+if __name__ == "__main__":
+    run(main, "tokenize")
