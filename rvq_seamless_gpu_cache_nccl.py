@@ -43,6 +43,7 @@ from training.distributed import (DistContext, all_reduce_sum, destroy, detect_l
 from training.evaluate import evaluate
 from training.faults import FaultInjector
 from training.metrics_log import MetricsLog, require_tensorboard
+from training.output_dir import OutputDirLock
 from training.progress import FAILED, Progress
 from training.resume import agree_on_resume
 from training.schedule import REFIT_SHARE, Schedule
@@ -70,20 +71,26 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
     check_compile(cfg.optim.compile, device)
     data = open_training_data(cfg.data, rank=launch.rank, world_size=launch.world_size, seed=cfg.optim.seed,
                               multiple_of=cfg.codec["downsample"], device_type=device.type,
-                              manifest_dir=Path(cfg.run.output_dir))
+                              manifest_dir=Path(cfg.run.output_dir), save_manifests=False)
     cfg = dataclasses.replace(cfg, data=data.config)  # the batch size and automatic segment length decided
     codec = cfg.codec_config(data.train.dim)
+    # ---- one run per output dir: rank 0 locks it for the run's life (a refusal is raised once every rank knows it)
+    output = OutputDirLock(cfg.run.output_dir, launch.rank).take()
     # ---- process groups
     ctx = init_distributed(launch, device, timeout_s=cfg.dist.nccl_timeout, control_timeout_s=cfg.dist.sync_timeout,
                            output_dir=Path(cfg.run.output_dir))
-    # ---- rank 0 chooses the checkpoint, every rank loads it (exit 2 on every rank if one cannot), then the model
+    # ---- the output dir is ours, then rank 0 chooses the checkpoint and every rank loads it (exit 2 on every
+    # rank if either fails), then the model
     try:
+        output.agree(ctx)
         with phase_timeout(ctx, cfg.dist.slow_phase_s):  # each side waits while the other reads a checkpoint
             resume = agree_on_resume(ctx, cfg.run.resume, Path(cfg.run.output_dir) / "checkpoints", codec)
     except BadInputError:  # every rank raises it together: the groups go down here, not in the interpreter's exit
+        output.abandon()
         destroy()
         raise
-    trainer = Trainer(cfg, ctx, data, codec, stop, faults)
+    data.save_manifests()  # the output dir is this run's from here on
+    trainer = Trainer(cfg, ctx, data, codec, stop, faults, output)
     try:
         trainer.build(resume)
         # ---- the loop
@@ -112,8 +119,9 @@ class Trainer:
     """The run's objects and the named steps of its loop; `progress` is the loop's state."""
 
     def __init__(self, cfg: TrainConfig, ctx: DistContext, data: TrainingData, codec: CodecConfig,
-                 stop: StopRequest, faults: FaultInjector):
+                 stop: StopRequest, faults: FaultInjector, output: OutputDirLock):
         self.cfg, self.ctx, self.data, self.codec, self.stop, self.faults = cfg, ctx, data, codec, stop, faults
+        self.output = output
         self.main_rank = ctx.rank == 0
         self.out_dir = Path(cfg.run.output_dir)
         self.progress = Progress()
@@ -390,6 +398,7 @@ class Trainer:
         self.metrics.close()
         if not self.failed:  # tearing down groups with a lost peer can block; the process exit frees them
             destroy()
+        self.output.release()
 
 
 def setup_logging(rank: int) -> None:
