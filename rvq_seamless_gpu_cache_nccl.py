@@ -30,7 +30,7 @@ from tqdm import tqdm  # noqa: E402
 
 from data.bad_crops import BadCrops
 from data.training_data import TrainingData, batch_source, open_training_data
-from errors import EXIT_FAILURE, EXIT_OK, BadInputError, DistributedFailure, RanksDiverged
+from errors import EXIT_FAILURE, EXIT_OK, BadInputError, DistributedFailure, RanksDiverged, TransientFault
 from models.codec import CodecConfig, RVQCodec, codebook_tensors
 from training.checkpoint import Checkpointer, Resume
 from training.codebooks import feature_stats, init_codebooks, refit
@@ -80,13 +80,13 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
     ctx = init_distributed(launch, device, timeout_s=cfg.dist.nccl_timeout, control_timeout_s=cfg.dist.sync_timeout,
                            output_dir=Path(cfg.run.output_dir))
     # ---- the output dir is ours, then rank 0 chooses the checkpoint and every rank loads it (exit 2 on every
-    # rank if either fails), then the model
+    # rank if either fails; exit 1 on an OS error while reading), then the model
     try:
         output.agree(ctx)
         with phase_timeout(ctx, cfg.dist.slow_phase_s):  # each side waits while the other reads a checkpoint
             resume = agree_on_resume(ctx, cfg.run.resume, Path(cfg.run.output_dir) / "checkpoints", codec)
-    except BadInputError:  # every rank raises it together: the groups go down here, not in the interpreter's exit
-        output.abandon()
+    except (BadInputError, TransientFault):  # every rank raises it together: the groups go down here, not in the
+        output.abandon()  # interpreter's exit
         destroy()
         raise
     data.save_manifests()  # the output dir is this run's from here on
@@ -134,6 +134,7 @@ class Trainer:
         self.codebooks_before = None  # the quantizer's buffers before the step (Trainer.train_step)
         self.failed = False  # a collective failed: the process groups are left to the process exit
         self.exit_code = EXIT_OK
+        self.write_failed = False  # a checkpoint write failed: the run stops, the one before stays the newest
         self.progress.on_enter.append(faults.on_phase)
         self.watchdog = (PeerWatchdog(ctx.rank, ctx.world_size, timeout_s=cfg.dist.sync_timeout,
                                       slow_timeout_s=cfg.dist.slow_phase_s, progress=self.progress,
@@ -357,11 +358,16 @@ class Trainer:
 
     def maybe_save(self) -> None:
         p = self.progress
-        if p.step % self.cfg.run.save_every and p.stop_reason is None:
+        if self.write_failed or (p.step % self.cfg.run.save_every and p.stop_reason is None):
             return
-        with self.slow_phase(), p.phase_of("checkpoint"):  # the others wait for rank 0's write
-            path = self.checkpointer.save(self.model, self.optimizer, self.scaler, p,
-                                          before_write=self.faults.before_write)
+        try:
+            with self.slow_phase(), p.phase_of("checkpoint"):  # the others wait for rank 0's write
+                path = self.checkpointer.save(self.model, self.optimizer, self.scaler, p,
+                                              before_write=self.faults.before_write)
+        except TransientFault as e:  # on every rank together: rank 0 sent the outcome
+            p.stop_reason, self.exit_code, self.write_failed = str(e), EXIT_FAILURE, True
+            log.error("%s: stopping", e)
+            return
         if path is not None:
             self.metrics.write("checkpoint", p.step, path=str(path))
             log.info("checkpoint: %s", path)
@@ -376,6 +382,8 @@ class Trainer:
         final_barrier(self.ctx, self.cfg.dist.sync_timeout)
         if self.exit_code == EXIT_OK:
             log.info("finished at step %d: %s", p.step, p.stop_reason)
+        elif self.write_failed:
+            log.error("stopped at step %d: %s", p.step, p.stop_reason)
         else:
             log.error("%s (more than --max_bad_steps %d): checkpoint written, stopping; lower --lr or check the data",
                       p.stop_reason, self.cfg.optim.max_bad_steps)
@@ -416,7 +424,7 @@ def main(argv=None) -> int:
     stop = StopRequest().install()
     try:
         return train(cfg, stop)
-    except BadInputError as e:
+    except (BadInputError, TransientFault) as e:
         log.error("%s", e)
         return e.exit_code
     except DistributedFailure as e:

@@ -301,15 +301,19 @@ def test_unreadable_checkpoints_are_moved_aside_and_never_push_new_ones_out(tmp_
 def test_an_empty_or_truncated_checkpoint_is_reported_with_the_reason(tmp_path, caplog):
     from training.checkpoint import load_latest, save_checkpoint
 
-    save_checkpoint(tmp_path, 2, {"step": 2}, keep=3)
+    good = {"step": 2, "model": {}, "codec": {}}
+    save_checkpoint(tmp_path, 2, good, keep=4)
     (tmp_path / "step_00000004.pt").write_bytes(b"")
     (tmp_path / "step_00000006.pt").write_bytes(b"not a checkpoint")
+    save_checkpoint(tmp_path, 8, {"step": 8}, keep=4)  # a well-formed torch file, but no checkpoint
     path, state = load_latest(tmp_path)
-    assert path.name == "step_00000002.pt" and state == {"step": 2}
+    assert path.name == "step_00000002.pt" and state == good
     assert "step_00000004.pt is unreadable (empty file)" in caplog.text
     assert "step_00000006.pt is unreadable (not a torch checkpoint, or one holding objects other than tensors" \
         in caplog.text
-    assert sorted(p.name for p in tmp_path.iterdir())[-1] == "step_00000006.pt"  # load_latest only reads
+    assert "step_00000008.pt is unreadable (a torch file without a checkpoint's content (no 'model', 'codec'))" \
+        in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir())[-1] == "step_00000008.pt"  # load_latest only reads
 
 
 def test_nan_loss_step_is_skipped_and_counted(tmp_path, small_data):
