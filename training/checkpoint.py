@@ -29,7 +29,7 @@ import torch.distributed as dist
 from errors import BadInputError, TransientFault
 from models.codec import CodecConfig
 from training.distributed import DistContext
-from training.progress import Progress
+from training.progress import END_OF_SCHEDULE, Progress
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ class Checkpointer:
                      "scaler": scaler.state_dict(), "step": progress.step, "samples_seen": progress.samples_seen,
                      "schedule_fraction": progress.schedule_fraction,
                      "epoch": progress.step // self.steps_per_epoch, "codec": self.codec.to_dict(),
-                     "config": self.config, "rng": rng}
+                     "config": self.config, "rng": rng, "end_of_schedule": list(progress.end_done)}
             try:
                 path = save_checkpoint(self.folder, progress.step, state, keep=self.keep)
             except TransientFault as e:
@@ -245,6 +245,8 @@ class Checkpointer:
         restore_scaler(scaler, state.get("scaler") or {})
         progress.step, progress.samples_seen = state["step"], state["samples_seen"]
         progress.schedule_fraction = state.get("schedule_fraction", 0.0)
+        # a checkpoint from before this entry was saved after the end-of-schedule work, if any was due
+        progress.end_done = list(state.get("end_of_schedule", END_OF_SCHEDULE))
         restore_rng_states(state["rng"], self.ctx)
         log.info("resumed from %s at step %d", resume.path, progress.step)
 
