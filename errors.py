@@ -21,5 +21,13 @@ class DistributedFailure(Exception):
     exit_code = EXIT_DISTRIBUTED
 
 
+class TransientFault(Exception):
+    """A fault of the machine, not of the user's input nor of a file: an OS error (EIO, ESTALE, disk full) or
+    exhausted memory while reading or writing the run's files. Exit code 1 with one line; every file is kept, and
+    a restart may succeed."""
+
+    exit_code = EXIT_FAILURE
+
+
 class RanksDiverged(DistributedFailure):
     """Every rank found the same mismatch in one exchange (a sync check): the process groups are still intact."""

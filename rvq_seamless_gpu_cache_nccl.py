@@ -31,7 +31,7 @@ from tqdm import tqdm  # noqa: E402
 from data.bad_crops import BadCrops
 from data.feature_settings import dump_feature_settings
 from data.training_data import TrainingData, batch_source, open_training_data
-from errors import EXIT_FAILURE, EXIT_OK, BadInputError, DistributedFailure, RanksDiverged
+from errors import EXIT_FAILURE, EXIT_OK, BadInputError, DistributedFailure, RanksDiverged, TransientFault
 from models.codec import CodecConfig, RVQCodec, codebook_tensors
 from training.checkpoint import Checkpointer, Resume
 from training.codebooks import feature_stats, init_codebooks, refit
@@ -44,10 +44,11 @@ from training.distributed import (DistContext, all_reduce_sum, destroy, detect_l
 from training.evaluate import evaluate
 from training.faults import FaultInjector
 from training.metrics_log import MetricsLog, require_tensorboard
+from training.output_dir import OutputDirLock
 from training.progress import FAILED, Progress
 from training.resume import agree_on_resume
 from training.schedule import REFIT_SHARE, Schedule
-from training.signals import StopRequest
+from training.signals import Stopped, StopRequest, stop_reason
 from training.step_guard import StepOutcome, guarded_step
 from training.sync_check import sync_check
 from training.throughput import start_step_timer
@@ -71,20 +72,26 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
     check_compile(cfg.optim.compile, device)
     data = open_training_data(cfg.data, rank=launch.rank, world_size=launch.world_size, seed=cfg.optim.seed,
                               multiple_of=cfg.codec["downsample"], device_type=device.type,
-                              manifest_dir=Path(cfg.run.output_dir))
+                              manifest_dir=Path(cfg.run.output_dir), save_manifests=False)
     cfg = dataclasses.replace(cfg, data=data.config)  # the batch size and automatic segment length decided
     codec = cfg.codec_config(data.train.dim)
+    # ---- one run per output dir: rank 0 locks it for the run's life (a refusal is raised once every rank knows it)
+    output = OutputDirLock(cfg.run.output_dir, launch.rank).take()
     # ---- process groups
     ctx = init_distributed(launch, device, timeout_s=cfg.dist.nccl_timeout, control_timeout_s=cfg.dist.sync_timeout,
                            output_dir=Path(cfg.run.output_dir))
-    # ---- rank 0 chooses the checkpoint, every rank loads it (exit 2 on every rank if one cannot), then the model
+    # ---- the output dir is ours, then rank 0 chooses the checkpoint and every rank loads it (exit 2 on every
+    # rank if either fails; exit 1 on an OS error while reading), then the model
     try:
+        output.agree(ctx)
         with phase_timeout(ctx, cfg.dist.slow_phase_s):  # each side waits while the other reads a checkpoint
             resume = agree_on_resume(ctx, cfg.run.resume, Path(cfg.run.output_dir) / "checkpoints", codec)
-    except BadInputError:  # every rank raises it together: the groups go down here, not in the interpreter's exit
+    except (BadInputError, TransientFault):  # every rank raises it together: the groups go down here, not in the
+        output.abandon()  # interpreter's exit
         destroy()
         raise
-    trainer = Trainer(cfg, ctx, data, codec, stop, faults)
+    data.save_manifests()  # the output dir is this run's from here on
+    trainer = Trainer(cfg, ctx, data, codec, stop, faults, output)
     try:
         trainer.build(resume)
         # ---- the loop
@@ -92,11 +99,12 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
             trainer.train_step()
             trainer.log_step()
             trainer.decide_stop()
-            if trainer.progress.stop_reason in SCHEDULE_ENDS:
-                trainer.end_of_schedule()  # the codebook refit and the final eval
-            elif trainer.progress.step % cfg.run.eval_every == 0:
-                trainer.evaluate()
+            if trainer.progress.stop_reason is None and trainer.progress.step % cfg.run.eval_every == 0:
+                trainer.evaluate()  # a stop agreed during it ends the loop
             trainer.maybe_save()
+        if trainer.progress.stop_reason in SCHEDULE_ENDS:
+            trainer.end_of_schedule()  # the codebook refit and the final eval, or what a resumed run has left
+        trainer.save_last()
         return trainer.finish()
     except RanksDiverged:  # every rank raises it from the same exchange: the groups go down in close(), as after
         raise  # a clean run, and main() frees them (free_destroyed_groups)
@@ -113,8 +121,9 @@ class Trainer:
     """The run's objects and the named steps of its loop; `progress` is the loop's state."""
 
     def __init__(self, cfg: TrainConfig, ctx: DistContext, data: TrainingData, codec: CodecConfig,
-                 stop: StopRequest, faults: FaultInjector):
+                 stop: StopRequest, faults: FaultInjector, output: OutputDirLock):
         self.cfg, self.ctx, self.data, self.codec, self.stop, self.faults = cfg, ctx, data, codec, stop, faults
+        self.output = output
         self.main_rank = ctx.rank == 0
         self.out_dir = Path(cfg.run.output_dir)
         self.progress = Progress()
@@ -130,6 +139,8 @@ class Trainer:
         self.codebooks_before = None  # the quantizer's buffers before the step (Trainer.train_step)
         self.failed = False  # a collective failed: the process groups are left to the process exit
         self.exit_code = EXIT_OK
+        self.saved = None  # (step, end-of-schedule work done) of the last checkpoint written or resumed from
+        self.write_failed = False  # a checkpoint write failed: the run stops, the one before stays the newest
         self.progress.on_enter.append(faults.on_phase)
         self.watchdog = (PeerWatchdog(ctx.rank, ctx.world_size, timeout_s=cfg.dist.sync_timeout,
                                       slow_timeout_s=cfg.dist.slow_phase_s, progress=self.progress,
@@ -159,10 +170,13 @@ class Trainer:
         torch.manual_seed(cfg.optim.seed + ctx.rank)
         if resume is not None:
             self.checkpointer.restore(resume, self.model, self.optimizer, self.scaler, p)
+            self.saved = (p.step, tuple(p.end_done))
         self.schedule = Schedule(cfg.optim, steps_per_epoch=self.steps_per_epoch, world_size=ctx.world_size,
                                  frames_per_step=cfg.data.frames_per_step * cfg.optim.grad_accum,
                                  codebook_size=self.codec.codebook_size, started_at=STARTED, start_step=p.step,
                                  start_fraction=p.schedule_fraction)
+        if self.schedule.stop_reason(p.step) is None:  # training goes on: the end-of-schedule work is to come
+            p.end_done = []
         self.ddp_model = wrap_ddp(self.model, ctx)
         self.open_outputs()
         self.batches = batch_source(cfg.data, self.data.shard, self.data.plan, ctx.device,
@@ -171,10 +185,7 @@ class Trainer:
                                                             cfg.optim.precision))
         self.bad_crops = BadCrops(self.data.shard, self.data.plan)
         if p.step == 0 and self.codec.kmeans_init and cfg.codebooks.kmeans_init_frames:
-            with self.slow_phase(), p.phase_of("k-means init"):
-                init_codebooks(self.model, self.data.shard, frames=cfg.codebooks.kmeans_init_frames,
-                               length=min(self.data.plan.segment_lengths), seed=cfg.optim.seed + ctx.rank,
-                               batch_frames=cfg.data.frames_per_step, device=ctx.device)
+            self.init_codebooks()
         mode, why = compile_mode(cfg.optim.compile, ctx.device, steps=self.schedule.steps,
                                  minutes=cfg.optim.max_minutes)
         if mode is None:
@@ -187,7 +198,21 @@ class Trainer:
                         unit="step", dynamic_ncols=True, mininterval=1.0)
         self.timer = start_step_timer(self.model, ctx.device, self.amp_dtype, ctx.world_size, log)
         p.phase = "train"
-        p.stop_reason = self.schedule.stop_reason(p.step)
+        if p.stop_reason is None:  # a run resumed at the end of its schedule goes to what is left of its end
+            p.stop_reason = self.schedule.stop_reason(p.step)
+
+    def init_codebooks(self) -> None:
+        """k-means before the first step; a stop during it ends the run with nothing trained, so nothing to save."""
+        cfg, p = self.cfg, self.progress
+        try:
+            with self.slow_phase(), p.phase_of("k-means init"):
+                init_codebooks(self.model, self.data.shard, frames=cfg.codebooks.kmeans_init_frames,
+                               length=min(self.data.plan.segment_lengths), seed=cfg.optim.seed + self.ctx.rank,
+                               batch_frames=cfg.data.frames_per_step, ctx=self.ctx, stop=self.stop)
+        except Stopped as stopped:
+            p.stop_reason = f"{stopped} during the k-means init"
+            log.warning("stopped during the k-means init, before the first step: nothing trained, no checkpoint "
+                        "written (a relaunch starts afresh)")
 
     def forward_backward(self, x: torch.Tensor, keep: torch.Tensor, step: int, micro_batches: int = 1):
         """One micro-batch's forward and backward (the gradient all-reduce, under DDP); returns the forward's output.
@@ -301,14 +326,14 @@ class Trainer:
         time_total = schedule.estimate(p.step, **self.end_work())
         out_of_time = schedule.out_of_time()
         if not ctx.is_distributed:
-            signal = f"signal {self.stop.reason}" if self.stop else None
+            signal = stop_reason(ctx, self.stop, [])
             time_up = out_of_time
         elif p.step % cfg.dist.sync_check_every == 0 or p.stop_reason or schedule.stop_reason(p.step):
             with p.phase_of("sync check"):
                 result = sync_check(ctx, step=p.step, epoch=p.step // self.steps_per_epoch,
                                     samples_seen=p.samples_seen, stop=bool(self.stop), out_of_time=out_of_time,
                                     time_total=time_total, codebooks=codebook_tensors(self.model))
-            signal = f"signal on rank(s) {result.stop_ranks}" if result.stop_ranks else None
+            signal = stop_reason(ctx, self.stop, result.stop_ranks)
             time_up, time_total = result.out_of_time, result.time_total  # rank 0's clock decides for every rank
         else:
             time_up, time_total, signal = False, None, None
@@ -327,37 +352,87 @@ class Trainer:
                 "eval_frames": len(windows.utterances) * windows.length * self.ctx.world_size}
 
     def end_of_schedule(self) -> None:
-        """The codebooks' last pass over whole utterances, then the final eval (a stop on request skips both:
-        a preempted job may have seconds left)."""
-        cfg, p = self.cfg, self.progress
+        """The codebooks' last pass over whole utterances, then the final eval, or what a resumed run has left of
+        them (Progress.end_done, kept in the checkpoint). A stop on request before them skips both (a preempted
+        job may have seconds left); one during them ends them at their next chunk, and a resume does the rest."""
+        p = self.progress
         start = time.monotonic()
+        self.bar.close()  # the training bar ends before the refit's and the final eval's start
+        if "refit" not in p.end_done:
+            self.refit()
+        if p.stop_reason in SCHEDULE_ENDS and "final eval" not in p.end_done:
+            self.evaluate(final=True)  # the codes encode gives; the evals before follow training's
+        if self.schedule.deadline is not None and p.stop_reason in SCHEDULE_ENDS:
+            log.info("end of schedule: refit and final eval took %.0f s (%.0f s were kept for them and the "
+                     "checkpoint)", time.monotonic() - start, self.schedule.end_work)
+
+    def refit(self) -> None:
+        """The codebook refit. A stop during it puts back the codebooks training left: the checkpoint then holds
+        the trained weights, and a run resumed from it does the refit."""
+        cfg, p = self.cfg, self.progress
         iters = cfg.codebooks.refit_iters
         if iters:
             frames = self.schedule.refit_frames(cfg.codebooks.refit_frames, iters, self.codec.beam_size)
             if frames < min(cfg.codebooks.refit_frames, self.data.shard.total_frames):
                 log.info("codebooks: the refit reads %d frames per rank, not --refit_frames %d: what fits in %.0f%% "
                          "of --max_minutes", frames, cfg.codebooks.refit_frames, 100 * REFIT_SHARE)
-            with self.slow_phase(), p.phase_of("refit"):
-                refit(self.model, self.data.shard, self.ctx, iters=iters, frames=frames,
-                      batch_frames=cfg.data.frames_per_step, seed=cfg.optim.seed, step=p.step, metrics=self.metrics)
-        self.evaluate(beam_size=self.codec.beam_size)  # the codes encode gives; the evals before follow training's
-        if self.schedule.deadline is not None:
-            log.info("end of schedule: refit and final eval took %.0f s (%.0f s were kept for them and the "
-                     "checkpoint)", time.monotonic() - start, self.schedule.end_work)
+            trained = self.codebooks_before = self.model.codebook_state(into=self.codebooks_before)
+            try:
+                with self.slow_phase(), p.phase_of("refit"):
+                    refit(self.model, self.data.shard, self.ctx, iters=iters, frames=frames,
+                          batch_frames=cfg.data.frames_per_step, seed=cfg.optim.seed, step=p.step,
+                          metrics=self.metrics, stop=self.stop)
+            except Stopped as stopped:
+                self.model.restore_codebook_state(trained)
+                p.stop_reason = f"{stopped} during the refit"
+                log.warning("stopped during the refit: the codebooks are put back as training left them, and the "
+                            "checkpoint holds them; a run resumed from it does the refit and the final eval")
+                return
+        p.end_done.append("refit")
 
-    def evaluate(self, beam_size: int = 1) -> None:
-        with self.slow_phase(), self.progress.phase_of("eval"):
-            evaluate(self.model, self.data.eval, self.ctx, amp_dtype=self.amp_dtype,
-                     batch_frames=self.cfg.data.frames_per_step, step=self.progress.step, metrics=self.metrics,
-                     faults=self.faults, beam_size=beam_size)
+    def evaluate(self, final: bool = False) -> None:
+        """An eval on every rank; the final one's codes come from the codec's beam search. A stop during it ends
+        the run (the eval is left unfinished)."""
+        p = self.progress
+        try:
+            with self.slow_phase(), p.phase_of("eval"):
+                evaluate(self.model, self.data.eval, self.ctx, amp_dtype=self.amp_dtype,
+                         batch_frames=self.cfg.data.frames_per_step, step=p.step, metrics=self.metrics,
+                         faults=self.faults, stop=self.stop, beam_size=self.codec.beam_size if final else 1,
+                         final=final)
+        except Stopped as stopped:
+            p.stop_reason = f"{stopped} during the {'final ' if final else ''}eval"
+            if final:
+                log.warning("stopped during the final eval: the checkpoint holds the refit codebooks; a run "
+                            "resumed from it does the final eval")
+            return
+        if final:
+            p.end_done.append("final eval")
 
     def maybe_save(self) -> None:
+        """A checkpoint every --save_every steps while training goes on; the last one is save_last's."""
         p = self.progress
-        if p.step % self.cfg.run.save_every and p.stop_reason is None:
+        if p.stop_reason is None and p.step % self.cfg.run.save_every == 0:
+            self.save()
+
+    def save_last(self) -> None:
+        """The run's last checkpoint, unless there is nothing new to keep: no step trained (a stop during the
+        k-means init), nothing done since the checkpoint resumed from, or a write that failed."""
+        p = self.progress
+        if p.step and not self.write_failed and self.saved != (p.step, tuple(p.end_done)):
+            self.save()
+
+    def save(self) -> None:
+        p = self.progress
+        try:
+            with self.slow_phase(), p.phase_of("checkpoint"):  # the others wait for rank 0's write
+                path = self.checkpointer.save(self.model, self.optimizer, self.scaler, p,
+                                              before_write=self.faults.before_write)
+        except TransientFault as e:  # on every rank together: rank 0 sent the outcome
+            p.stop_reason, self.exit_code, self.write_failed = str(e), EXIT_FAILURE, True
+            log.error("%s: stopping", e)
             return
-        with self.slow_phase(), p.phase_of("checkpoint"):  # the others wait for rank 0's write
-            path = self.checkpointer.save(self.model, self.optimizer, self.scaler, p,
-                                          before_write=self.faults.before_write)
+        self.saved = (p.step, tuple(p.end_done))
         if path is not None:
             self.metrics.write("checkpoint", p.step, path=str(path))
             log.info("checkpoint: %s", path)
@@ -368,10 +443,13 @@ class Trainer:
         p = self.progress
         self.bar.close()
         self.metrics.write("stop", p.step, reason=p.stop_reason)
+        self.stop.settle(self.exit_code)  # the outcome is saved: a signal from here on does not change it
         p.phase = "teardown"
         final_barrier(self.ctx, self.cfg.dist.sync_timeout)
         if self.exit_code == EXIT_OK:
             log.info("finished at step %d: %s", p.step, p.stop_reason)
+        elif self.write_failed:
+            log.error("stopped at step %d: %s", p.step, p.stop_reason)
         else:
             log.error("%s (more than --max_bad_steps %d): checkpoint written, stopping; lower --lr or check the data",
                       p.stop_reason, self.cfg.optim.max_bad_steps)
@@ -394,24 +472,39 @@ class Trainer:
         self.metrics.close()
         if not self.failed:  # tearing down groups with a lost peer can block; the process exit frees them
             destroy()
+        self.output.release()
+
+
+class BarAwareHandler(logging.StreamHandler):
+    """Writes each record through tqdm.write: a progress bar on the stream is cleared first and redrawn after, so
+    that no log line is glued to a bar's, on a terminal or in a file stderr is redirected to."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # noqa: BLE001 - logging's own rule: a record that cannot be written is reported, no more
+            self.handleError(record)
 
 
 def setup_logging(rank: int) -> None:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s [rank{rank}] %(levelname)s %(message)s", datefmt="%H:%M:%S",
-                        stream=sys.stderr, force=True)
+                        handlers=[BarAwareHandler(sys.stderr)], force=True)
     from loguru import logger  # vector-quantize-pytorch logs through loguru
 
     logger.remove()
-    logger.add(sys.stderr, level="ERROR")
+    logger.add(lambda message: tqdm.write(str(message), file=sys.stderr, end=""), level="ERROR")
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, script: bool = False) -> int:
+    """script: the process ends with main, and ignores the stop signals from its return on, so that a signal during
+    its exit cannot change the exit code (a default handler would make it 143); a caller in the same process gets
+    its previous handlers back."""
     cfg = parse_args(argv)
     stop = StopRequest().install()
     try:
         return train(cfg, stop)
-    except BadInputError as e:
+    except (BadInputError, TransientFault) as e:
         log.error("%s", e)
         return e.exit_code
     except DistributedFailure as e:
@@ -421,9 +514,9 @@ def main(argv=None) -> int:
         log.exception("training failed")
         return EXIT_FAILURE
     finally:
-        stop.restore()
+        stop.restore(ignore=script)
         free_destroyed_groups()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(script=True))

@@ -143,12 +143,24 @@ class TrainingData:
     shard: FeatureStore  # this rank's training utterances, in the plan's order
     plan: BatchPlan
     eval: EvalWindows
+    pending_manifests: list = field(default_factory=list)  # (path, lengths, dim, digest) not yet written
+
+    def save_manifests(self) -> None:
+        """Write the lengths manifests of read-only folder stores (into the output dir)."""
+        for path, lengths, dim, digest in self.pending_manifests:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_manifest(path, lengths, dim, digest)
+            log.info("the data folder is read-only: its lengths manifest is in %s", path)
+        self.pending_manifests = []
 
 
 def open_training_data(cfg: DataConfig, *, rank: int, world_size: int, seed: int, multiple_of: int,
-                       device_type: str, manifest_dir: Path | None = None) -> TrainingData:
+                       device_type: str, manifest_dir: Path | None = None,
+                       save_manifests: bool = True) -> TrainingData:
     """Find, validate and shard the features; every problem is a BadInputError (exit 2). A read-only folder
-    store's lengths manifest is saved in `manifest_dir` (the output dir) once every check has passed."""
+    store's lengths manifest is saved in `manifest_dir` (the output dir) once every check has passed, or, with
+    save_manifests=False, when the caller says (`TrainingData.save_manifests`: the trainer, once its output
+    dir is its own)."""
     data_dir = cfg.data_dir
     if data_dir is None:
         data_dir = ensure_demo_corpus()
@@ -182,12 +194,11 @@ def open_training_data(cfg: DataConfig, *, rank: int, world_size: int, seed: int
              ", every eval reads them" if cfg.eval_frames == 0 else
              f", picked once by --seed (--eval_frames {cfg.eval_frames} over all ranks) and kept on the device")
     shard = train.subset(shard_indices(len(train), rank, world_size), "this rank's shard")
-    for path, lengths, dim, digest in pending:  # the data passed every check: the output dir may be written
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_manifest(path, lengths, dim, digest)
-        log.info("the data folder is read-only: its lengths manifest is in %s", path)
-    return TrainingData(cfg, train, shard, plan, EvalWindows(valid_shard, utterances[picked], starts[picked], length,
-                                                        resident=cfg.eval_frames > 0))
+    data = TrainingData(cfg, train, shard, plan, EvalWindows(valid_shard, utterances[picked], starts[picked], length,
+                                                        resident=cfg.eval_frames > 0), pending)
+    if save_manifests:  # the data passed every check: the output dir may be written
+        data.save_manifests()
+    return data
 
 
 def check_eval_windows(valid: FeatureStore, length: int, cfg: DataConfig, *, holdout: bool) -> None:

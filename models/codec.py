@@ -8,6 +8,7 @@ nothing larger, so nothing big can be gathered or reduced by mistake.
 from __future__ import annotations
 
 import functools
+import itertools
 import random
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
@@ -398,21 +399,31 @@ class RVQCodec(nn.Module):
         codebook.embed.mul_(factor)
 
     @torch.no_grad()
-    def init_codebooks(self, features: torch.Tensor, batch_frames: int, keep: torch.Tensor | None = None) -> None:
+    def init_codebooks(self, features: torch.Tensor, batch_frames: int, keep: torch.Tensor | None = None,
+                       between=None) -> None:
         """k-means init of every level on a sample of features [B, T, D], larger than one batch, of the crops
         `keep` marks (as in `forward`; the sample keeps its shape, so every rank scales alike).
 
         A training-mode forward of the quantizer: every rank must call it together (the library's
         k-means and EMA statistics are all-reduced across ranks). The EMA cluster sizes are then
         scaled to what one batch of `batch_frames` gives, so that dead-code expiry works from step one.
+        between(): called before each k-means iteration of each level (`kmeans_iters` x levels calls), at the
+        same points on every rank; it may raise to abandon the init (the levels after it stay uninitialised).
         """
         if not self.training:
             raise RuntimeError("init_codebooks() runs the quantizer in training mode; call model.train() first")
+        codebooks = self._codebooks()
+        reduces = [codebook.kmeans_all_reduce_fn for codebook in codebooks]
+        if between is not None:
+            for codebook, reduce in zip(codebooks, reduces):
+                codebook.kmeans_all_reduce_fn = _calling_between(reduce, between)
         dropout, self.rvq.quantize_dropout = self.rvq.quantize_dropout, False  # every level sees the sample
         try:
             self.rvq(self._encode_latent(self._drop_crops(features, keep)))
         finally:
             self.rvq.quantize_dropout = dropout
+            for codebook, reduce in zip(codebooks, reduces):
+                codebook.kmeans_all_reduce_fn = reduce
         scale = batch_frames / (features.shape[0] * features.shape[1])
         for codebook in self._codebooks():
             codebook.cluster_size.mul_(scale)
@@ -421,7 +432,7 @@ class RVQCodec(nn.Module):
 
     @torch.no_grad()
     def refit_codebooks(self, utterances: list[torch.Tensor], iters: int, batch_frames: int, all_reduce=None,
-                        seed: int = 0) -> list[float]:
+                        seed: int = 0, between=None, cut_short=None) -> list[float]:
         """Residual k-means of every level in turn over the latents of whole training utterances, for the beam
         search that encodes (`beam_size`).
 
@@ -441,25 +452,37 @@ class RVQCodec(nn.Module):
         call this together, and every rank ends with the same codebooks (the splits draw from `seed`, the
         same on every rank). Eval mode (no EMA update); the EMA statistics are set to what one batch of
         `batch_frames` gives. Returns the mean squared residual per latent dimension after each level, of each
-        frame's best sequence, over the frames of all ranks.
+        frame's best sequence, over the frames of all ranks. between(): called before each Lloyd step and each
+        beam extension, and once at the end ((iters + 1) x levels + 1 calls), at the same points on every rank;
+        it may raise to abandon the refit, whose levels are then part refitted: the caller keeps a copy
+        (`codebook_state`) to put back. cut_short(): looked at between two utterances encoded and between
+        REFIT_CHUNKs of a pass, on this rank alone; when true the rest is skipped (the sums over ranks are still
+        joined), and the next between() must raise: what was computed is not used.
         """
         if self.training:
             raise RuntimeError("refit_codebooks() runs the quantizer in eval mode; call model.eval() first")
         reduce = all_reduce or (lambda t: t)
         s, beam = self.config.downsample, self.config.beam_size
         whole = [u[: len(u) // s * s] for u in utterances if len(u) >= s]
-        latent = torch.cat([self._encode_latent(u[None])[0] for u in whole]).float()
+        latent = []
+        for u in whole:
+            if latent and cut_short is not None and cut_short():
+                break
+            latent.append(self._encode_latent(u[None])[0])
+        latent = torch.cat(latent).float()
         total = reduce(torch.tensor([float(len(latent))], device=latent.device)).item()
         generator = torch.Generator().manual_seed(seed)
         # [frames, sequences, dim]; the levels' own projections are identities in ResidualVQ (each level is
         # built with the codebook dim), so residuals and codes share one space
         residual = self.rvq.project_in(latent)[:, None]
+        between = between or (lambda: None)
         errors = []
         for layer in self.rvq.layers:
             codebook = layer._codebook
             means, counts = codebook.embed[0].detach().clone(), None
             for _ in range(iters):
-                means, counts = lloyd_step(residual.flatten(0, 1), means, reduce)
+                between()
+                means, counts = lloyd_step(residual.flatten(0, 1), means, reduce, cut_short)
                 counts = counts.masked_fill(counts < RARE_SHARE * counts.double().mean(), 0)
                 split_empty_codes(means, counts, generator)
             codebook.embed.copy_(means[None])
@@ -467,9 +490,11 @@ class RVQCodec(nn.Module):
                 size = counts.float() * (batch_frames / counts.sum().item())
                 codebook.cluster_size.copy_(size[None])
                 codebook.embed_avg.copy_((means * size[:, None])[None])
-            residual = extend_beam(residual, means, beam)
+            between()
+            residual = extend_beam(residual, means, beam, cut_short)
             error = reduce((residual[:, 0].double() ** 2).sum().reshape(1))
             errors.append(error.item() / total / residual.shape[-1])
+        between()  # the last pass may have been cut short
         return errors
 
     @torch.no_grad()
@@ -513,14 +538,31 @@ class RVQCodec(nn.Module):
         return out[0] if single else out
 
 
-def lloyd_step(samples: torch.Tensor, means: torch.Tensor, reduce) -> tuple[torch.Tensor, torch.Tensor]:
+def _calling_between(reduce, between):
+    """The library's k-means all-reduce with between() before every other call: each of its k-means iterations
+    reduces twice (the counts, then the sums), so between() runs before each iteration."""
+    calls = itertools.count()
+
+    def reduce_between(tensor):
+        if next(calls) % 2 == 0:
+            between()
+        return reduce(tensor)
+
+    return reduce_between
+
+
+def lloyd_step(samples: torch.Tensor, means: torch.Tensor, reduce,
+               cut_short=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One Lloyd iteration: [N, d] samples assigned to the nearest of [K, d] means, the sums and counts summed
     over ranks by `reduce` (in place); returns the new means (a code with no sample keeps its old one) and the
     counts [K]. REFIT_CHUNK rows at a time: the library's `kmeans` holds the whole [N, K] distance matrix, in
-    several temporaries, which at a refit's million beam residuals is gigabytes each and 4x the time."""
+    several temporaries, which at a refit's million beam residuals is gigabytes each and 4x the time.
+    cut_short(): when true, the rows left are skipped (the sums are still reduced)."""
     sums, counts = torch.zeros_like(means), torch.zeros(len(means), dtype=torch.long, device=means.device)
     norms = (means * means).sum(-1)
     for chunk in samples.split(REFIT_CHUNK):
+        if cut_short is not None and cut_short():
+            break
         nearest = torch.addmm(norms, chunk, means.T, alpha=-2).argmin(-1)  # ||x||^2 is the same for every code
         sums.index_add_(0, nearest, chunk)
         counts += torch.bincount(nearest, minlength=len(means))
@@ -529,13 +571,16 @@ def lloyd_step(samples: torch.Tensor, means: torch.Tensor, reduce) -> tuple[torc
     return torch.where(counts[:, None] > 0, sums / counts.clamp_min(1)[:, None], means), counts
 
 
-def extend_beam(residual: torch.Tensor, codebook: torch.Tensor, beam: int) -> torch.Tensor:
+def extend_beam(residual: torch.Tensor, codebook: torch.Tensor, beam: int, cut_short=None) -> torch.Tensor:
     """[N, b, d] residuals of b partial code sequences per frame -> [N, beam, d] (fewer where the codebook is
     smaller): each sequence extended by its `beam` nearest codes of `codebook` [K, d], and the `beam` extended
-    sequences with the smallest residual kept per frame, best first."""
+    sequences with the smallest residual kept per frame, best first. cut_short(): when true after a chunk, the
+    frames left are dropped (fewer rows out)."""
     norms = (codebook * codebook).sum(-1)
     out = []
     for chunk in residual.split(max(1, REFIT_CHUNK // residual.shape[1])):
+        if out and cut_short is not None and cut_short():
+            break
         n, b, d = chunk.shape
         dist = torch.addmm(norms, chunk.reshape(n * b, d), codebook.T, alpha=-2).view(n, b, -1)
         dist += (chunk * chunk).sum(-1, keepdim=True)  # the squared residual each extension leaves

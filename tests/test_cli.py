@@ -119,11 +119,31 @@ def test_a_split_not_in_a_fairseq_dump_exits_2_naming_the_splits_there(tmp_path,
     (["--grad_clip", "-1"], "argument --grad_clip: expected zero or more"),
     (["--device", "tpu"], "--device tpu: not a device; use auto, cpu, cuda or cuda:N"),
     (["--device", "mps"], "--device mps: not supported"),
+    (["--max_minutes", "inf"], "argument --max_minutes: expected a finite number, got 'inf'"),
+    (["--seed", "-5"], "argument --seed: expected a whole number from 0 to 4294967295, got -5"),
 ])
 def test_bad_flags_exit_2(tmp_path, argv, message):
     r = run_trainer([*argv, "--output_dir", tmp_path / "run"], timeout=60)
     assert r.returncode == 2 and message in r.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_an_empty_output_dir_exits_2_and_writes_nothing_in_the_current_folder(tmp_path):
+    r = run_trainer(["--output_dir", ""], timeout=60, cwd=tmp_path)
+    assert r.returncode == 2 and "argument --output_dir: expected a folder, got an empty name" in r.stderr
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("argv", [["--max_minutes", "nan"], ["--lr", "inf"], ["--lr", "nan"],
+                                  ["--gpu_cache_gb", "inf"], ["--weight_decay", "inf"], ["--grad_clip", "nan"],
+                                  ["--dead_code_threshold", "inf"], ["--commitment_weight", "nan"]])
+def test_a_float_flag_that_is_not_finite_is_refused(argv, capsys):
+    from training.config import parse_args
+
+    with pytest.raises(SystemExit) as exit:
+        parse_args(argv)
+    assert exit.value.code == 2
+    assert f"argument {argv[0]}: expected a finite number, got '{argv[1]}'" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: --device cuda is no bad flag here")
@@ -281,15 +301,19 @@ def test_unreadable_checkpoints_are_moved_aside_and_never_push_new_ones_out(tmp_
 def test_an_empty_or_truncated_checkpoint_is_reported_with_the_reason(tmp_path, caplog):
     from training.checkpoint import load_latest, save_checkpoint
 
-    save_checkpoint(tmp_path, 2, {"step": 2}, keep=3)
+    good = {"step": 2, "model": {}, "codec": {}}
+    save_checkpoint(tmp_path, 2, good, keep=4)
     (tmp_path / "step_00000004.pt").write_bytes(b"")
     (tmp_path / "step_00000006.pt").write_bytes(b"not a checkpoint")
+    save_checkpoint(tmp_path, 8, {"step": 8}, keep=4)  # a well-formed torch file, but no checkpoint
     path, state = load_latest(tmp_path)
-    assert path.name == "step_00000002.pt" and state == {"step": 2}
+    assert path.name == "step_00000002.pt" and state == good
     assert "step_00000004.pt is unreadable (empty file)" in caplog.text
     assert "step_00000006.pt is unreadable (not a torch checkpoint, or one holding objects other than tensors" \
         in caplog.text
-    assert sorted(p.name for p in tmp_path.iterdir())[-1] == "step_00000006.pt"  # load_latest only reads
+    assert "step_00000008.pt is unreadable (a torch file without a checkpoint's content (no 'model', 'codec'))" \
+        in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir())[-1] == "step_00000008.pt"  # load_latest only reads
 
 
 def test_nan_loss_step_is_skipped_and_counted(tmp_path, small_data):

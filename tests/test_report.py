@@ -67,6 +67,42 @@ def test_report_keeps_the_last_record_of_a_step_logged_twice(tmp_path):
     assert events["train"][13]["loss"] is None  # step 14 logged again with a NaN loss: the later line wins
 
 
+JUNK = [
+    '{"event": "train", "step": 1e400, "loss": 0.5}',  # a step past float's range: inf
+    '{"event": "train", "step": NaN}', '{"event": "train", "step": true}', '{"event": "eval", "step": "x"}',
+    '{"step": 5}', '[1, 2]', '"train"', '17', 'null', '{"event": "train"}',
+    '{"event": "eval", "step": 33, "rel_mse": 1e400, "cosine": "high", "code_usage": 7, "perplexity": [1, "x"],'
+    ' "bits_per_frame": {"a": 1}}',  # an event whose fields are junk: reported as missing
+    '{"event": "train", "step": 34, "loss": [1], "lr": "x", "frames_per_sec": 99999999999999999999999999999999999'
+    '9999999999999999999999999999999999999999999999999999999999999999999999999999999999999999999999999999999999999'
+    '99999999999999999999999999999999999999999999999999999999999999999999999999999999999999999999999999999999999999'
+    '99999999999999999999999999999999999999999999999999999999999999999999999999999999999999999999999999999999999999}',
+]
+
+
+@pytest.mark.timeout(120)
+def test_report_on_a_folder_named_in_no_utf8_with_junk_lines_reports_what_it_can(tmp_path):
+    import os
+    import subprocess
+
+    from tests.helpers import REPO, env
+
+    run_dir = tmp_path / os.fsdecode(b"run-\xe9t\xe9")  # a Latin-1 name, as an old archive gives it
+    write_run(run_dir)
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write("\n" + "\n".join(JUNK) + "\n")
+        f.write(json.dumps({"event": "checkpoint", "step": 40, "path": str(run_dir / "step_00000040.pt")}) + "\n")
+    r = subprocess.run([sys.executable, "-m", "tools.report", os.fsencode(run_dir)], capture_output=True,
+                       text=True, timeout=100, env=env(), cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    text = (run_dir / "report" / "report.md").read_text()
+    assert "# Training report: " in text and "run-\ufffdt\ufffd" in text
+    assert f"| unreadable lines in metrics.jsonl | {1 + len(JUNK) - 2} |" in text  # the cut line, and the junk
+    assert "| last step | 40 (stopped: max_steps) |" in text and "| eval cosine (last) | 0.975 |" in text
+    assert "run-?t?/step_00000040.pt |" in text  # a path in an event, written as it could be
+    assert (run_dir / "report" / "codes.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
 def test_report_without_metrics_exits_2(tmp_path, caplog):
     caplog.set_level(logging.INFO)
     from tools import report

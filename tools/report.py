@@ -12,7 +12,10 @@ RUN_DIR/report/ unless --out says otherwise:
 - report.md: the numbers that matter, and the plots.
 
 A resumed run logs the steps after its last checkpoint twice; the later line
-wins. Lines that are not JSON (a run killed mid-write) are counted and skipped.
+wins. Lines that are not an event (not JSON, as a run killed mid-write leaves,
+or with no finite whole step) are counted and skipped; a field that is not a
+number where one is plotted counts as missing. A folder name that is not UTF-8
+is shown with its undecodable bytes replaced.
 Needs matplotlib (`pip install matplotlib`). Exit codes: 0 done, 2 no
 metrics.jsonl or nothing in it, or matplotlib missing.
 """
@@ -22,6 +25,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import statistics
 from pathlib import Path
 
@@ -43,18 +47,32 @@ def read_events(path: Path) -> tuple[dict[str, list[dict]], int]:
             continue
         try:
             record = json.loads(line)
-            step = int(record["step"])
-            kind = str(record["event"])
-        except (ValueError, KeyError, TypeError):
+            step, kind = record["step"], str(record["event"])
+        except (ValueError, KeyError, TypeError, IndexError):
             bad += 1
             continue
-        by_kind.setdefault(kind, {})[step] = record  # a resumed run re-logs steps: the later line wins
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step):
+            bad += 1  # "step": 1e400 reads as inf
+            continue
+        record["step"] = int(step)
+        by_kind.setdefault(kind, {})[record["step"]] = record  # a resumed run re-logs steps: the later line wins
     return {k: [v[s] for s in sorted(v)] for k, v in by_kind.items()}, bad
 
 
 def number(value) -> float:
-    """A plottable float; None (how metrics.jsonl writes NaN and Inf) and non-numbers become NaN."""
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    """A plottable float; None (how metrics.jsonl writes NaN and Inf), non-numbers and infinities become NaN."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return math.nan
+    try:
+        value = float(value)
+    except OverflowError:  # an integer past float's range
+        return math.nan
+    return value if math.isfinite(value) else math.nan
+
+
+def shown(path: Path) -> str:
+    """A path as text that can be written and drawn: undecodable bytes of its name replaced."""
+    return os.fsencode(path).decode("utf-8", "replace")
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -68,6 +86,10 @@ def per_level(rows: list[dict], key: str) -> tuple[list[int], list[list[float]]]
     levels = max((len(r[key]) for r in rows), default=0)
     values = [[number(r[key][q]) if q < len(r[key]) else math.nan for r in rows] for q in range(levels)]
     return [r["step"] for r in rows], values
+
+
+def _list(value) -> list:
+    return value if isinstance(value, list) else []
 
 
 def _finite(values) -> list[float]:
@@ -152,13 +174,13 @@ def plot_codes(plt, events: dict, path: Path, title: str, codebook_size: int | N
     evals = events.get("eval", [])
     fig, (ax_use, ax_ppl) = plt.subplots(1, 2, figsize=(11, 4.2))
     steps, usage = per_level(evals, "code_usage")
-    _, perplexity = per_level(evals, "perplexity")
+    ppl_steps, perplexity = per_level(evals, "perplexity")  # the steps of each: a record may lack either
     if usage:
         colors = plt.get_cmap("viridis")([q / max(1, len(usage) - 1) * 0.9 for q in range(len(usage))])
         for q, values in enumerate(usage):
             ax_use.plot(steps, values, "o-", ms=3, color=colors[q], label=f"level {q}")
         for q, values in enumerate(perplexity):
-            ax_ppl.plot(steps, values, "o-", ms=3, color=colors[q], label=f"level {q}")
+            ax_ppl.plot(ppl_steps, values, "o-", ms=3, color=colors[q % len(colors)], label=f"level {q}")
         if codebook_size:
             ax_ppl.axhline(codebook_size, color="0.5", ls="--", lw=1, label=f"codebook size {codebook_size}")
         ax_use.set_ylim(0, 1.02)
@@ -210,8 +232,8 @@ def summary(run_dir: Path, events: dict, bad_lines: int, config: dict) -> str:
                              f"step {best[1]})"),
             ("eval cosine (last)", _fmt(number(last.get("cosine")))),
             ("bits per frame", _fmt(last.get("bits_per_frame"))),
-            ("code usage per level (last)", ", ".join(_fmt(number(v), 3) for v in last.get("code_usage", []))),
-            ("perplexity per level (last)", ", ".join(_fmt(number(v), 4) for v in last.get("perplexity", []))),
+            ("code usage per level (last)", ", ".join(_fmt(number(v), 3) for v in _list(last.get("code_usage")))),
+            ("perplexity per level (last)", ", ".join(_fmt(number(v), 4) for v in _list(last.get("perplexity")))),
         ]
     else:
         rows.append(("eval", "no eval events yet"))
@@ -224,7 +246,7 @@ def summary(run_dir: Path, events: dict, bad_lines: int, config: dict) -> str:
     keys = ("data_dir", "num_quantizers", "codebook_size", "codebook_dim", "latent_dim", "downsample", "batch_size",
             "segment_length", "multi_length_training", "lr", "max_steps", "precision", "device")
     flags = ", ".join(f"`--{k} {config[k]}`" for k in keys if k in config and config[k] is not None)
-    lines = [f"# Training report: {run_dir}", "", "| | |", "|---|---|"]
+    lines = [f"# Training report: {shown(run_dir)}", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
     if flags:
         lines += ["", f"Flags: {flags}"]
@@ -252,17 +274,20 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     if (run_dir / "config.json").is_file():
         try:
             config = json.loads((run_dir / "config.json").read_text())
+            if not isinstance(config, dict):
+                raise ValueError("not an object")
         except ValueError:
             log.warning("%s/config.json is not JSON; the report leaves the flags out", run_dir)
     out_dir = out_dir or run_dir / "report"
     out_dir.mkdir(parents=True, exist_ok=True)
-    title = run_dir.resolve().name
+    title = shown(Path(run_dir.resolve().name))
     plot_loss(plt, events, out_dir / "loss.png", title)
     plot_eval(plt, events, out_dir / "eval.png", title)
     plot_codes(plt, events, out_dir / "codes.png", title, config.get("codebook_size"))
     plot_speed(plt, events, out_dir / "speed.png", title)
     report = out_dir / "report.md"
-    report.write_text(summary(run_dir, events, bad, config))
+    # a path in an event may hold a name that is not UTF-8 too (JSON keeps it as a lone surrogate)
+    report.write_text(summary(run_dir, events, bad, config), encoding="utf-8", errors="replace")
     if bad:
         log.warning("%d unreadable line(s) in %s were skipped", bad, metrics)
     return report

@@ -4,13 +4,18 @@ A checkpoint is a plain dict: model, optimizer, grad scaler, step, samples seen,
 epoch, the codec's config, every flag, and every rank's RNG states. `Checkpointer`
 is the one place that decides that content, both ways. A file is written to a
 temporary name, fsynced, then renamed into place, so the last good checkpoint is
-never overwritten in place; a truncated file is detected on resume, moved aside
-(NAME.pt.unreadable) and the previous checkpoint used instead. Which checkpoint
-every rank resumes from is rank 0's choice (training/resume.py).
+never overwritten in place, and a write that fails removes its temporary file.
+Only a file proven malformed (not a zip, a bad pickle, truncated, or a torch
+file without a checkpoint's content) is moved aside on resume (NAME.pt.unreadable)
+and the previous checkpoint used instead; an OS error or exhausted memory while
+reading says nothing about the file: it ends the run (TransientFault, exit 1) and
+every file is kept. Which checkpoint every rank resumes from is rank 0's choice
+(training/resume.py).
 """
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import os
 import pickle
@@ -21,10 +26,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from errors import BadInputError
+from errors import BadInputError, TransientFault
 from models.codec import CodecConfig
 from training.distributed import DistContext
-from training.progress import Progress
+from training.progress import END_OF_SCHEDULE, Progress
 
 log = logging.getLogger(__name__)
 
@@ -37,15 +42,22 @@ def checkpoint_path(folder: Path, step: int) -> Path:
 
 
 def save_checkpoint(folder: Path, step: int, state: dict, keep: int) -> Path:
+    """Written to NAME.pt.tmp, fsynced and renamed into place; a write that fails (disk full, an I/O error)
+    removes the temporary file and raises TransientFault, leaving the checkpoints as they were."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(folder, step)
     tmp = final.with_name(final.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise TransientFault(f"writing checkpoint {final} failed: {e}; the newest checkpoint is the one "
+                             "before it") from e
     dir_fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -65,20 +77,59 @@ def list_checkpoints(folder: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name, reverse=True)
 
 
-def load_checkpoint(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True)
+# What every reader of a checkpoint needs (tools.encode, tools.export), and what a resume needs too
+CHECKPOINT_KEYS = ("model", "codec", "step")
+RESUME_KEYS = (*CHECKPOINT_KEYS, "optimizer", "samples_seen", "rng")
+# An error that the path causes, not the file nor the machine: the caller names the path
+WRONG_PATH = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
 
 
-def load_latest(folder: Path, *, set_aside: bool = False) -> tuple[Path, dict] | None:
-    """The newest checkpoint that loads; unreadable ones are reported and skipped. With set_aside (resuming, on
+class Malformed(Exception):
+    """A file proven not to be a checkpoint: not a zip, a bad pickle, truncated, or without a checkpoint's content.
+    Its text is the reason, in a few words."""
+
+
+def load_checkpoint(path: Path, needs: tuple = CHECKPOINT_KEYS) -> dict:
+    """The checkpoint's dict. Raises Malformed for a file that is not a checkpoint with the entries `needs`;
+    TransientFault for an OS error or exhausted memory while reading it (which proves nothing about the file);
+    a WRONG_PATH error as it is."""
+    path = Path(path)
+    try:
+        # read whole first: an I/O error then comes from this read, never from inside torch's zip reader, where
+        # it would look like a damaged file
+        data = path.read_bytes()
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except WRONG_PATH:
+        raise
+    except (OSError, MemoryError, torch.OutOfMemoryError) as e:
+        raise TransientFault(f"reading checkpoint {path} failed ({type(e).__name__}: {e}); every checkpoint is "
+                             "kept as it is: run again once the filesystem or memory has recovered") from e
+    except Exception as e:  # noqa: BLE001 - any other error is the parser's: the bytes are not a checkpoint
+        raise Malformed(unreadable_reason(path, e)) from e
+    missing = [key for key in needs if not isinstance(state, dict) or key not in state]
+    if missing or not (isinstance(state["model"], dict) and isinstance(state["codec"], dict)
+                       and isinstance(state["step"], int)):
+        raise Malformed(f"a torch file without a checkpoint's content (no {', '.join(map(repr, missing))})"
+                        if missing else "a torch file whose model, codec or step entries are not a checkpoint's")
+    return state
+
+
+def load_latest(folder: Path, *, set_aside: bool = False, needs: tuple = CHECKPOINT_KEYS) -> tuple[Path, dict] | None:
+    """The newest checkpoint that loads; malformed ones are reported and skipped. With set_aside (resuming, on
     rank 0, the one process that writes checkpoints/) each is also renamed NAME.pt.unreadable, so that it neither
     counts among the --keep_checkpoints, where it would sort newer and push the run's new checkpoints out, nor is
-    overwritten by a new checkpoint of its step. Nothing is deleted."""
+    overwritten by a new checkpoint of its step. Nothing is deleted. An OS error or exhausted memory while reading
+    raises TransientFault: a good checkpoint must not be set aside for it."""
     for path in list_checkpoints(folder):
         try:
-            return path, load_checkpoint(path)
-        except Exception as e:  # noqa: BLE001 - a truncated file: fall back to the one before
-            reason = unreadable_reason(path, e)
+            return path, load_checkpoint(path, needs)
+        except Malformed as e:
+            reason = str(e)
+        except FileNotFoundError:  # gone since the listing
+            continue
+        except WRONG_PATH as e:
+            raise BadInputError(f"checkpoint {path} cannot be read ({e.strerror}): --output_dir must be readable "
+                                "and writable") from e
         if not set_aside:
             log.warning("checkpoint %s is unreadable (%s); trying the one before it", path, reason)
             continue
@@ -95,6 +146,8 @@ def load_latest(folder: Path, *, set_aside: bool = False) -> tuple[Path, dict] |
 
 def unreadable_reason(path: Path, error: Exception) -> str:
     """Why a checkpoint did not load, in a few words: an empty file, else the error's type and first line."""
+    if isinstance(error, Malformed):
+        return str(error)
     try:
         if path.stat().st_size == 0:
             return "empty file"
@@ -119,11 +172,11 @@ def find_resume(resume: str, folder: Path, codec: CodecConfig) -> Resume | None:
     there, or an older --resume path) is refused: its own checkpoints would be the oldest, pruned first."""
     found = None
     if resume == "auto":
-        found = load_latest(folder, set_aside=True)
+        found = load_latest(folder, set_aside=True, needs=RESUME_KEYS)
     elif resume != "none":
         try:
-            found = Path(resume), load_checkpoint(Path(resume))
-        except Exception as e:  # noqa: BLE001 - missing, truncated or not a checkpoint: the flag is wrong
+            found = Path(resume), load_checkpoint(Path(resume), RESUME_KEYS)
+        except (Malformed, *WRONG_PATH) as e:  # missing, truncated or not a checkpoint: the flag is wrong
             raise BadInputError(f"--resume {resume}: cannot read it: {unreadable_reason(Path(resume), e)}") from e
     start = found[1]["step"] if found is not None else 0
     ahead = [p for p in list_checkpoints(folder) if int(NAME.match(p.name).group(1)) > start]
@@ -160,10 +213,11 @@ class Checkpointer:
     def save(self, model, optimizer, scaler, progress: Progress, before_write=None) -> Path | None:
         """Every rank calls it (the RNG states are gathered); rank 0 writes while the others wait for it on the
         control plane, so that the wait runs under the caller's slow-phase timeout rather than in the next
-        step's collective. Returns the path on rank 0. before_write(step) runs on rank 0 first (fault
-        injection)."""
+        step's collective. Returns the path on rank 0. A write that failed raises TransientFault on every rank
+        (rank 0 sends the outcome), the previous checkpoint still the newest. before_write(step) runs on rank 0
+        first (fault injection)."""
         rng = gather_rng_states(self.ctx)
-        path = None
+        path, error = None, None
         if self.ctx.rank == 0:
             if before_write is not None:
                 before_write(progress.step)
@@ -171,10 +225,17 @@ class Checkpointer:
                      "scaler": scaler.state_dict(), "step": progress.step, "samples_seen": progress.samples_seen,
                      "schedule_fraction": progress.schedule_fraction,
                      "epoch": progress.step // self.steps_per_epoch, "codec": self.codec.to_dict(),
-                     "config": self.config, "rng": rng}
-            path = save_checkpoint(self.folder, progress.step, state, keep=self.keep)
+                     "config": self.config, "rng": rng, "end_of_schedule": list(progress.end_done)}
+            try:
+                path = save_checkpoint(self.folder, progress.step, state, keep=self.keep)
+            except TransientFault as e:
+                error = str(e)
         if self.ctx.is_distributed:
-            dist.barrier(group=self.ctx.control)
+            outcome = [error]
+            dist.broadcast_object_list(outcome, src=0, group=self.ctx.control)
+            error = outcome[0]
+        if error:
+            raise TransientFault(error if self.ctx.rank == 0 else f"rank 0: {error}")
         return path
 
     def restore(self, resume: Resume, model, optimizer, scaler, progress: Progress) -> None:
@@ -184,6 +245,8 @@ class Checkpointer:
         restore_scaler(scaler, state.get("scaler") or {})
         progress.step, progress.samples_seen = state["step"], state["samples_seen"]
         progress.schedule_fraction = state.get("schedule_fraction", 0.0)
+        # a checkpoint from before this entry was saved after the end-of-schedule work, if any was due
+        progress.end_done = list(state.get("end_of_schedule", END_OF_SCHEDULE))
         restore_rng_states(state["rng"], self.ctx)
         log.info("resumed from %s at step %d", resume.path, progress.step)
 

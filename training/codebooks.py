@@ -3,7 +3,9 @@ and the refit after the last.
 
 The k-means init and the refit run collectives (the quantizer's own, and sums
 over ranks): every rank calls them together, and the trainer gives them the
-slow-phase timeout.
+slow-phase timeout. Each says what it does when it starts, shows a bar on rank 0,
+and looks for a stop between its iterations (training/slow_phase.py): a stop
+raises Stopped on every rank at the same point.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from data.crops import assemble_crops
 from data.stores import FeatureStore
 from models.codec import RVQCodec
 from training.distributed import DistContext, all_reduce_sum
+from training.signals import StopRequest
+from training.slow_phase import Chunks
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +48,22 @@ def kmeans_sample(store: FeatureStore, frames: int, length: int, seed: int) -> t
 
 
 def init_codebooks(model: RVQCodec, shard: FeatureStore, *, frames: int, length: int, seed: int, batch_frames: int,
-                   device: torch.device) -> None:
+                   ctx: DistContext, stop: StopRequest) -> None:
     """k-means on more frames than one batch holds (2048 frames are thin for 1024 codes), before the first step.
 
-    The library syncs it across ranks: every rank calls it together.
+    The library syncs it across ranks: every rank calls it together. A stop between two iterations raises
+    Stopped (the codebooks are then part initialised: nothing to save).
     """
-    sample = kmeans_sample(shard, frames, length, seed).to(device)
-    model.init_codebooks(sample, batch_frames=batch_frames, keep=finite_crops(sample))
-    log.info("codebooks: k-means init on %d frames per rank", sample.shape[0] * sample.shape[1])
+    config = model.config
+    start = time.perf_counter()
+    log.info("codebooks: k-means init of %d levels x %d codes (%d iterations each) on about %d frames per rank",
+             config.num_quantizers, config.codebook_size, config.kmeans_iters, frames)
+    sample = kmeans_sample(shard, frames, length, seed).to(ctx.device)
+    with Chunks("k-means init", total=config.num_quantizers * config.kmeans_iters, unit="iter", ctx=ctx,
+                stop=stop) as chunks:
+        model.init_codebooks(sample, batch_frames=batch_frames, keep=finite_crops(sample), between=chunks)
+    log.info("codebooks: k-means init on %d frames per rank in %.1f s", sample.shape[0] * sample.shape[1],
+             time.perf_counter() - start)
 
 
 def refit_utterances(store: FeatureStore, frames: int, seed: int) -> list[torch.Tensor]:
@@ -70,14 +82,22 @@ def refit_utterances(store: FeatureStore, frames: int, seed: int) -> list[torch.
 
 
 def refit(model: RVQCodec, shard: FeatureStore, ctx: DistContext, *, iters: int, frames: int, batch_frames: int,
-          seed: int, step: int, metrics) -> None:
-    """The codebooks' last pass: Lloyd's k-means over whole utterances of every rank (all ranks together)."""
+          seed: int, step: int, metrics, stop: StopRequest) -> None:
+    """The codebooks' last pass: Lloyd's k-means over whole utterances of every rank (all ranks together). A stop
+    between two Lloyd steps raises Stopped, the codebooks part refitted (the caller puts its copy back)."""
+    config = model.config
     start = time.perf_counter()
+    log.info("codebooks: refit of %d levels x %d codes (%d Lloyd iteration(s) each, for a beam %d wide) on up to "
+             "%d frames per rank", config.num_quantizers, config.codebook_size, iters, config.beam_size,
+             min(frames, shard.total_frames))
     utterances = [u.to(ctx.device) for u in refit_utterances(shard, frames, seed + REFIT_SEED_OFFSET + ctx.rank)]
     model.eval()  # no EMA update in the passes the refit makes
     try:
-        errors = model.refit_codebooks(utterances, iters, batch_frames=batch_frames,
-                                       all_reduce=lambda t: all_reduce_sum(ctx, t), seed=seed)
+        with Chunks("refit", total=config.num_quantizers * (iters + 1) + 1, unit="pass", ctx=ctx,
+                    stop=stop) as chunks:
+            errors = model.refit_codebooks(utterances, iters, batch_frames=batch_frames,
+                                           all_reduce=lambda t: all_reduce_sum(ctx, t), seed=seed, between=chunks,
+                                           cut_short=chunks.requested)
     finally:
         model.train()
     seconds = time.perf_counter() - start

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -43,6 +44,8 @@ def _number(kind, text: str, minimum_ok, wanted: str):
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected {'a whole number' if kind is int else 'a number'}, got {text!r}") from None
+    if kind is float and not math.isfinite(value):  # no flag means anything by inf or nan: each fails later
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     if not minimum_ok(value):
         raise argparse.ArgumentTypeError(f"expected {wanted}, got {value}")
     return value
@@ -62,6 +65,10 @@ def positive_float(text: str) -> float:
 
 def nonnegative_float(text: str) -> float:
     return _number(float, text, lambda v: v >= 0, "zero or more")
+
+
+def finite_float(text: str) -> float:
+    return _number(float, text, lambda v: True, "a number")
 
 
 def fraction(text: str) -> float:
@@ -220,7 +227,7 @@ def _argparse_options(f: dataclasses.Field) -> dict:
         options["type"] = {"nonnegative": nonnegative_int, "any": int}.get(kind, positive_int)
     elif annotation.startswith("float"):
         options["type"] = {"positive": positive_float, "nonnegative": nonnegative_float, "fraction": fraction}.get(
-            kind, positive_float if annotation.endswith("None") else float)
+            kind, positive_float if annotation.endswith("None") else finite_float)
     return options
 
 
@@ -265,6 +272,10 @@ def parse_args(argv=None) -> TrainConfig:
     bad = [L for L in config.data.train_lengths if L is not None and L % downsample]
     if bad:
         parser.error(f"segment length(s) {bad} are not multiples of --downsample {downsample}")
+    if not 0 <= config.optim.seed < 2**32:  # numpy's and torch's generators take no negative seed
+        parser.error(f"argument --seed: expected a whole number from 0 to {2**32 - 1}, got {config.optim.seed}")
+    if not config.run.output_dir.strip():  # "" would be the current folder
+        parser.error("argument --output_dir: expected a folder, got an empty name")
     return config
 
 

@@ -4,11 +4,13 @@ Each rank evaluates its own windows with no collective, so a failure there canno
 hang a peer; the ranks then agree over the control plane whether every one
 succeeded, and all-reduce the sums (errors, counts, code histograms), never
 per-frame outputs. An eval that failed anywhere is skipped everywhere, logged,
-and training goes on.
+and training goes on. A rank asked to stop leaves its windows between two
+batches; the same exchange tells the others, and every rank raises Stopped.
 """
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -16,6 +18,8 @@ from data.training_data import EvalWindows
 from models.codec import RVQCodec, dead_code_counts
 from models.metrics import EvalSums
 from training.distributed import DistContext, all_reduce_sum
+from training.signals import Stopped, StopRequest, stop_reason
+from training.slow_phase import Chunks
 from training.sync_check import exchange
 
 log = logging.getLogger(__name__)
@@ -25,9 +29,9 @@ LOW_USAGE = 0.2  # a level that uses less than this share of its codes on held-o
 
 @torch.no_grad()
 def evaluate_shard(model: RVQCodec, windows: EvalWindows, device: torch.device, amp_dtype,
-                   batch_frames: int, beam_size: int = 1) -> EvalSums:
+                   batch_frames: int, beam_size: int = 1, between=None) -> EvalSums:
     """Sums over this rank's held-out windows, `batch_frames` frames per forward pass, codes from a beam search
-    `beam_size` wide; no collectives."""
+    `beam_size` wide; no collectives. between(): called before each batch; it may raise to leave the eval."""
     config = model.config
     sums = EvalSums(config.feature_dim, config.num_quantizers, config.codebook_size, device)
     per_batch = max(1, batch_frames // windows.length)
@@ -35,6 +39,8 @@ def evaluate_shard(model: RVQCodec, windows: EvalWindows, device: torch.device, 
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             for x in windows.batches(device, per_batch):
+                if between is not None:
+                    between()
                 with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                     out = model(x, beam_size=beam_size)
                 sums.add(x, out.reconstruction.float(), out.codes)
@@ -44,18 +50,34 @@ def evaluate_shard(model: RVQCodec, windows: EvalWindows, device: torch.device, 
 
 
 def evaluate(model: RVQCodec, windows: EvalWindows, ctx: DistContext, *, amp_dtype, batch_frames: int, step: int,
-             metrics, faults, beam_size: int = 1) -> dict | None:
+             metrics, faults, stop: StopRequest, beam_size: int = 1, final: bool = False) -> dict | None:
     """Eval on all ranks, written to `metrics` as an `eval` event; None (and an `eval_failed` event) when it
     failed on any rank, in which case every rank skipped it. beam_size: the codes' (1: the nearest code at each
-    level, as training picks them; the codec's `beam_size`: as `encode` gives them)."""
+    level, as training picks them; the codec's `beam_size`: as `encode` gives them). A stop requested on any
+    rank raises Stopped on every rank (nothing written). final: the end of the schedule's eval, which says
+    when it starts and shows a bar on rank 0."""
     sums = vector = None
+    stopped = False
+    batches = math.ceil(len(windows.utterances) / max(1, batch_frames // windows.length))
+    if final:
+        log.info("final eval at step %d: %d held-out windows of %d frames on this rank in %d batch(es), codes from "
+                 "a beam search %d wide", step, len(windows.utterances), windows.length, batches, beam_size)
     try:
         faults.in_eval(step)
-        sums = evaluate_shard(model, windows, ctx.device, amp_dtype, batch_frames, beam_size)
+        with Chunks("final eval", total=batches, unit="batch", ctx=ctx, stop=stop, agreed=False,
+                    show=final) as chunks:
+            sums = evaluate_shard(model, windows, ctx.device, amp_dtype, batch_frames, beam_size, between=chunks)
         vector = sums.vector()
+    except Stopped:
+        stopped = True
     except Exception as e:  # noqa: BLE001 - reported, agreed on, and training goes on
         log.error("eval at step %d failed on rank %d: %r", step, ctx.rank, e)
-    failed = [r for r, flag in enumerate(exchange(ctx, [vector is None])[:, 0]) if flag > 0]
+    table = exchange(ctx, [vector is None and not stopped, stopped])
+    stopping = [r for r, flag in enumerate(table[:, 1]) if flag > 0]
+    if stopping:
+        log.info("eval at step %d left unfinished on every rank: a stop was requested on rank(s) %s", step, stopping)
+        raise Stopped(stop_reason(ctx, stop, stopping))
+    failed = [r for r, flag in enumerate(table[:, 0]) if flag > 0]
     if failed:
         return skipped(metrics, step, failed)
     sums.load_vector(all_reduce_sum(ctx, vector))  # a failed collective is a lost peer, not a failed eval

@@ -15,7 +15,7 @@ rank defaults to every rank, step to the first chance:
     nan:step=12[:rank=0]         make the loss NaN at step 12
     desync:rank=1:step=20        perturb this rank's first codebook (and its EMA state) at step 20
     eval_error:rank=1[:step=S]   raise inside evaluation
-    signal:rank=0:step=10[:sig=TERM]  send this rank a signal at step 10 (TERM, INT or USR1)
+    signal:rank=0:step=10[:sig=TERM]  send this rank a signal at step 10 (TERM, INT, USR1 or HUP)
     stall:rank=1:step=30[:seconds=N][:at=PHASE]  this rank's main thread sleeps (N s, or for good) as it enters
                                  PHASE (default data) at step 30; its other threads and the process live on
     extra_collective:rank=1:step=30  this rank enters an all-reduce the others never join, at step 30
@@ -64,7 +64,7 @@ def parse_faults(text: str | None) -> list[Fault]:
             key, _, value = pair.partition("=")
             if key in ("rank", "step", "seconds") and value.isdigit():
                 fields[key] = int(value)
-            elif key == "sig" and value in (("ABRT",) if kind == "kill" else ("TERM", "INT", "USR1")):
+            elif key == "sig" and value in (("ABRT",) if kind == "kill" else ("TERM", "INT", "USR1", "HUP")):
                 fields[key] = value
             elif key == "at" and value in ("step", "backward") + (STALL_PHASES if kind == "stall" else ()):
                 fields[key] = value

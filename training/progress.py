@@ -17,6 +17,7 @@ IN_STEP = ("data", "forward", "backward", "optimizer")
 # ... then after the step's count went up.
 AFTER_STEP = ("train", "sync check", "refit", "eval", "checkpoint", "teardown")
 FAILED = "failed collective"  # the main thread saw a collective fail and waits for the watchdog's verdict
+END_OF_SCHEDULE = ("refit", "final eval")  # the work after the last step, in order
 
 
 def order(step: int, phase: str) -> tuple:
@@ -35,6 +36,8 @@ class Progress:
     bad_steps: int = 0  # non-finite steps skipped so far
     bad_in_a_row: int = 0
     schedule_fraction: float = 0.0  # how far along the learning-rate decay (saved, for a resumed time budget)
+    end_done: list = field(default_factory=list)  # END_OF_SCHEDULE's parts done after this step (saved: a resume
+    # at the end of the schedule does the rest)
     phase: str = "setup"  # what the main thread is doing: setup, data, forward, backward, eval, checkpoint ...
     stop_reason: str | None = None  # set when the loop is to end after this step
     since: float = field(default_factory=time.monotonic)  # when the main thread entered `phase`

@@ -9,8 +9,9 @@ the control plane; rank 0 alone renames files, before it sends its choice. Every
 other rank reads that checkpoint where its own flags point (its `--output_dir`'s
 checkpoints/, or its `--resume` path) and checks its step;
 then one all-gather of each rank's outcome ends every rank at once, with exit 2
-and the rank, the path and the cause named, when any of them could not. When
-rank 0 has none, every rank starts from step 0.
+and the rank, the path and the cause named, when any of them could not (exit 1,
+TransientFault, when the cause was an OS error or exhausted memory while reading:
+no file is to blame). When rank 0 has none, every rank starts from step 0.
 """
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from errors import BadInputError
+from errors import BadInputError, TransientFault
 from models.codec import CodecConfig
-from training.checkpoint import Resume, check_codec, find_resume, list_checkpoints, load_checkpoint
+from training.checkpoint import RESUME_KEYS, Resume, check_codec, find_resume, list_checkpoints, load_checkpoint
 from training.distributed import DistContext
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class Choice:
     path: str | None = None
     step: int | None = None
     error: str | None = None
+    transient: bool = False  # the error is a TransientFault (exit 1), not bad input (exit 2)
 
 
 def agree_on_resume(ctx: DistContext, resume: str, folder: Path, codec: CodecConfig) -> Resume | None:
@@ -43,25 +45,29 @@ def agree_on_resume(ctx: DistContext, resume: str, folder: Path, codec: CodecCon
         return find_resume(resume, folder, codec)
     mine, choice = _choose(ctx, resume, folder, codec)
     if choice.error:
-        raise BadInputError(choice.error if ctx.rank == 0 else f"rank 0: {choice.error}")
+        failure = TransientFault if choice.transient else BadInputError
+        raise failure(choice.error if ctx.rank == 0 else f"rank 0: {choice.error}")
     if choice.path is None:
         if ctx.rank != 0 and resume == "auto":
             _warn_of_ignored_checkpoints(ctx.rank, folder)
         return None
-    error = None
+    error = None  # (message, transient)
     if ctx.rank != 0:
         path = folder / Path(choice.path).name if resume == "auto" else Path(resume)
         try:
             mine = _read_chosen(path, choice.step, codec)
+        except TransientFault as e:
+            error = (f"rank {ctx.rank}: {e}", True)
         except Exception as e:  # noqa: BLE001 - any failure must reach the all-gather, or the others would wait
             where = "--output_dir" if resume == "auto" else "--resume"
             error = (f"rank {ctx.rank} cannot read checkpoint {path} chosen by rank 0 ({choice.path}, step "
-                     f"{choice.step}): {e}. {where} must be on a filesystem every node sees")
+                     f"{choice.step}): {e}. {where} must be on a filesystem every node sees", False)
     outcomes = [None] * ctx.world_size
     dist.all_gather_object(outcomes, error, group=ctx.control)
     failed = [outcome for outcome in outcomes if outcome]
     if failed:
-        raise BadInputError("; ".join(failed))
+        failure = TransientFault if any(transient for _, transient in failed) else BadInputError
+        raise failure("; ".join(message for message, _ in failed))
     return mine
 
 
@@ -71,8 +77,8 @@ def _choose(ctx: DistContext, resume: str, folder: Path, codec: CodecConfig) -> 
     if ctx.rank == 0:
         try:
             mine = find_resume(resume, folder, codec)
-        except BadInputError as e:
-            choice = Choice(error=str(e))
+        except (BadInputError, TransientFault) as e:
+            choice = Choice(error=str(e), transient=isinstance(e, TransientFault))
         if mine is not None:
             choice = Choice(path=str(mine.path.absolute()), step=mine.state["step"])
     sent = [choice]
@@ -81,7 +87,7 @@ def _choose(ctx: DistContext, resume: str, folder: Path, codec: CodecConfig) -> 
 
 
 def _read_chosen(path: Path, step: int, codec: CodecConfig) -> Resume:
-    state = load_checkpoint(path)
+    state = load_checkpoint(path, RESUME_KEYS)
     if state["step"] != step:
         raise ValueError(f"it holds step {state['step']}: another run's checkpoint")
     check_codec(path, state, codec)

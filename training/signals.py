@@ -1,7 +1,14 @@
-"""Stop requests from signals: SIGTERM, SIGINT and SIGUSR1 set a flag the loop reads.
+"""Stop requests from signals: SIGTERM, SIGINT, SIGUSR1 and SIGHUP set a flag the run reads.
 
 The loop stops at a step boundary, on every rank at the same step (agreed at
-the next sync check), and writes a checkpoint. A second SIGINT exits at once.
+the next sync check), and writes a checkpoint. The slow phases (k-means init,
+refit, eval) look at the flag between chunks of their work (training/slow_phase.py),
+so that a stop is honoured there within seconds too; where those chunks hold
+collectives the look is agreed by every rank (`agree_to_stop`) and every rank
+raises `Stopped` at the same point. Once the run's outcome is saved (`settle`),
+a signal changes nothing, up to the process's exit (`restore(ignore=True)`), so
+a late SIGTERM cannot turn a clean exit into 143. A second SIGINT exits at once
+(with the settled exit code, once there is one).
 """
 from __future__ import annotations
 
@@ -10,14 +17,22 @@ import os
 import signal
 import threading
 
+from training.distributed import DistContext
+from training.sync_check import exchange
+
 log = logging.getLogger(__name__)
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
+
+
+class Stopped(Exception):
+    """A stop agreed inside a slow phase: its work is abandoned on every rank alike. The text is the stop reason."""
 
 
 class StopRequest:
     def __init__(self):
         self.reason: str | None = None
+        self.settled: int | None = None  # the exit code, once the run's outcome is saved
         self._previous = {}
 
     def __bool__(self) -> bool:
@@ -27,6 +42,10 @@ class StopRequest:
         if self.reason is None:
             self.reason = reason
 
+    def settle(self, exit_code: int) -> None:
+        """The run's outcome is saved (its last checkpoint written, or none due): later signals change nothing."""
+        self.settled = exit_code
+
     def install(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
@@ -35,13 +54,40 @@ class StopRequest:
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
-        if signum == signal.SIGINT and self.reason is not None:
+        second = self.reason is not None
+        self.request(name)
+        if self.settled is not None:
+            if signum == signal.SIGINT and second:
+                os._exit(self.settled)
+            log.warning("%s received after the run's outcome was saved: it ends as it would have (exit code %d)",
+                        name, self.settled)
+            return
+        if signum == signal.SIGINT and second:
             log.error("second SIGINT: exiting now, without a checkpoint")
             os._exit(130)
-        log.warning("%s received: stopping at the next step boundary all ranks agree on, with a checkpoint", name)
-        self.request(name)
+        log.warning("%s received: stopping at the next point all ranks agree on (a step boundary, or between two "
+                    "chunks of the k-means init, the refit or an eval), with a checkpoint", name)
 
-    def restore(self) -> None:
+    def restore(self, ignore: bool = False) -> None:
+        """Put the previous handlers back; or, with ignore (the process ends with the run), ignore the stop
+        signals from now on: the interpreter's exit resets handlers written in Python to the default, where a
+        late SIGTERM would end the process with 143, but leaves an ignore alone."""
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if ignore else handler)
         self._previous.clear()
+
+
+def agree_to_stop(ctx: DistContext, stop: StopRequest) -> str | None:
+    """The stop reason when a stop was requested on any rank, else None; every rank calls it at the same point
+    (one exchange over the control plane) and gets the same answer."""
+    if not ctx.is_distributed:
+        return stop_reason(ctx, stop, [])
+    return stop_reason(ctx, stop, [r for r, flag in enumerate(exchange(ctx, [bool(stop)])[:, 0]) if flag > 0])
+
+
+def stop_reason(ctx: DistContext, stop: StopRequest, ranks: list[int]) -> str | None:
+    """The reason of a stop requested on `ranks` (one process: its own signal), as the `stop` event gives it;
+    None when there is none."""
+    if not ctx.is_distributed:
+        return f"signal {stop.reason}" if stop else None
+    return f"signal on rank(s) {ranks}" if ranks else None

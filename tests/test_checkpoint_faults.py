@@ -1,0 +1,138 @@
+"""Checkpoints under passing faults, on real processes and files: an OS error or MemoryError while reading ends
+the run with exit 1 and keeps every file; a well-formed file without a checkpoint's content is set aside and the
+one before resumes; a write that fails (disk full) removes its temporary file, logs a `stop` event and leaves the
+previous checkpoint the newest.
+
+The faults are injected by a `sitecustomize.py` on the subprocess's PYTHONPATH (as tests/exit_probe does), which
+patches torch.load or torch.save at start-up: the trainer's code runs unchanged."""
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import REPO, TINY, Ranks, events, run_trainer, write_fairseq
+
+pytestmark = pytest.mark.timeout(180)
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # on shared cores, idle OpenMP threads spin
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    write_fairseq(d, "train", np.random.default_rng(7).integers(40, 200, size=40).tolist(), seed=7)
+    write_fairseq(d, "valid", [64] * 4, seed=8)
+    return d
+
+
+def flags(data, out, *extra):
+    return ["--data_dir", data, "--output_dir", out, *TINY, "--eval_every", "100", "--refit_iters", "0",
+            *map(str, extra)]
+
+
+@pytest.fixture(scope="module")
+def checkpointed(data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("checkpointed")
+    r = run_trainer(flags(data, out, "--max_steps", 8, "--save_every", 4), timeout=120, extra_env=ONE_THREAD)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def patched(tmp_path, code: str) -> dict:
+    """extra_env for a subprocess that runs `code` at start-up."""
+    folder = tmp_path / "patch"
+    folder.mkdir(exist_ok=True)
+    (folder / "sitecustomize.py").write_text(code)
+    return {"PYTHONPATH": f"{REPO}:{folder}"}
+
+
+def files(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+LOAD_FAILS = """
+import errno, os, torch
+def load(*args, **kwargs):
+    if os.environ.get("RANK", "0") == "0":
+        raise {error}
+    return LOAD(*args, **kwargs)
+LOAD, torch.load = torch.load, load
+"""
+
+
+def test_memory_exhausted_while_reading_a_checkpoint_exits_1_and_keeps_every_file(tmp_path, checkpointed, data):
+    """The allocator fails under memory pressure: the checkpoints are good, and none may be set aside for it."""
+    out = tmp_path / "run"
+    shutil.copytree(checkpointed, out)
+    before, metrics = files(out / "checkpoints"), (out / "metrics.jsonl").read_bytes()
+    r = run_trainer(flags(data, out, "--max_steps", 10), timeout=120,
+                    extra_env={**patched(tmp_path, LOAD_FAILS.format(error="MemoryError()")), **ONE_THREAD})
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert (f"reading checkpoint {out}/checkpoints/step_00000008.pt failed (MemoryError: ); every checkpoint is "
+            "kept") in r.stderr, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "moved aside" not in r.stderr
+    assert files(out / "checkpoints") == before and (out / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_an_io_error_while_rank_0_reads_a_checkpoint_ends_every_rank_with_exit_1(tmp_path, checkpointed, data):
+    """An NFS hiccup on rank 0: it sends the outcome, so rank 1 exits 1 too rather than wait for a choice."""
+    out = tmp_path / "run"
+    shutil.copytree(checkpointed, out)
+    before = files(out / "checkpoints")
+    job = Ranks(flags(data, out, "--max_steps", 10),
+                extra_env=patched(tmp_path, LOAD_FAILS.format(error='OSError(errno.EIO, "Input/output error")')),
+                log_dir=tmp_path / "logs")
+    try:
+        assert job.wait(timeout=120) == [1, 1], job.output(0) + job.output(1)
+    finally:
+        job.close()
+    for rank in (0, 1):
+        assert "step_00000008.pt failed (OSError: [Errno 5] Input/output error); every checkpoint is kept" \
+            in job.output(rank), job.output(rank)[-3000:]
+        assert "Traceback" not in job.output(rank)
+    assert "rank 0: reading checkpoint" in job.output(1)
+    assert files(out / "checkpoints") == before
+
+
+def test_a_torch_file_without_a_checkpoints_content_is_set_aside_and_the_one_before_resumes(tmp_path, checkpointed,
+                                                                                            data):
+    out = tmp_path / "run"
+    shutil.copytree(checkpointed, out)
+    foreign = out / "checkpoints" / "step_00000012.pt"
+    torch.save({"step": 12}, foreign)
+    written = foreign.read_bytes()
+    r = run_trainer(flags(data, out, "--max_steps", 10), timeout=120, extra_env=ONE_THREAD)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert ("step_00000012.pt is unreadable (a torch file without a checkpoint's content (no 'model', 'codec', "
+            "'optimizer', 'samples_seen', 'rng')); moved aside to step_00000012.pt.unreadable") in r.stderr
+    assert "resumed from" in r.stderr and "at step 8" in r.stderr
+    assert (out / "checkpoints" / "step_00000012.pt.unreadable").read_bytes() == written
+    assert events(out, "stop")[-1] == {**events(out, "stop")[-1], "step": 10, "reason": "max_steps"}
+
+
+SAVE_FAILS = """
+import errno, torch
+calls = []
+def save(obj, f, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:  # the second checkpoint: the disk fills up halfway through the write
+        f.write(b"x" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return SAVE(obj, f, *args, **kwargs)
+SAVE, torch.save = torch.save, save
+"""
+
+
+def test_a_checkpoint_write_that_fails_removes_its_tmp_logs_a_stop_and_keeps_the_one_before(tmp_path, data):
+    out = tmp_path / "run"
+    r = run_trainer(flags(data, out, "--max_steps", 12, "--save_every", 4), timeout=120,
+                    extra_env={**patched(tmp_path, SAVE_FAILS), **ONE_THREAD})
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    assert f"writing checkpoint {out}/checkpoints/step_00000008.pt failed: [Errno 28] No space left on device" \
+        in r.stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000004.pt"]
+    assert [e["step"] for e in events(out, "checkpoint")] == [4]
+    stop = events(out, "stop")
+    assert len(stop) == 1 and stop[0]["step"] == 8 and "No space left on device" in stop[0]["reason"]
+    assert [e["step"] for e in events(out, "train")][-1] == 8  # no step after the failed write

@@ -1,0 +1,101 @@
+"""One run per --output_dir: a second run into it (one process, or several ranks) exits 2 within seconds naming
+the first and touches nothing; a folder that cannot be written exits 2 before anything is written."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.helpers import REPO, TINY, TRAINER, Ranks, env, events, run_trainer, write_fairseq
+
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # on shared cores, idle OpenMP threads spin
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    write_fairseq(d, "train", np.random.default_rng(5).integers(40, 200, size=40).tolist(), seed=5)
+    write_fairseq(d, "valid", [64] * 4, seed=6)
+    return d
+
+
+def flags(data, out, *extra):
+    return ["--data_dir", data, "--output_dir", out, *TINY, "--eval_every", "100", "--refit_iters", "0",
+            *map(str, extra)]
+
+
+def tree(folder):
+    """Every file under `folder` with its size and modification time."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.timeout(200)
+def test_a_second_run_into_a_busy_output_dir_exits_2_naming_the_first_and_touches_nothing(tmp_path, data):
+    out = tmp_path / "run"
+    with open(tmp_path / "first.log", "w+") as log:
+        first = subprocess.Popen([sys.executable, str(TRAINER), *map(str, flags(data, out, "--max_steps", 12,
+                                                                                  "--save_every", 4))],
+                                 stdout=log, stderr=subprocess.STDOUT, env=env(**ONE_THREAD), cwd=REPO)
+        others = None
+        try:
+            deadline = time.monotonic() + 120
+            while "training for" not in (tmp_path / "first.log").read_text():  # logged once it holds the lock
+                assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()
+                time.sleep(0.1)
+            first.send_signal(signal.SIGSTOP)  # stopped mid-run, not dead: its output dir is still its own
+            before = tree(out)
+            started = time.monotonic()
+            # a job submitted twice: as one process, and as two ranks whose rank 0 finds the lock taken
+            others = Ranks(flags(data, out, "--max_steps", 12), log_dir=tmp_path / "ranks")
+            second = run_trainer(flags(data, out, "--max_steps", 12), timeout=120, extra_env=ONE_THREAD)
+            assert others.wait(timeout=120) == [2, 2], others.output(0) + others.output(1)
+            took = time.monotonic() - started
+            assert tree(out) == before  # no config.json, metrics line, checkpoint or manifest of theirs
+        finally:
+            first.send_signal(signal.SIGCONT)
+            if others is not None:
+                others.close()
+        holder = f"is being written by another process (pid {first.pid} on host {socket.gethostname()}, since "
+        assert second.returncode == 2 and f"--output_dir {out} {holder}" in second.stderr, second.stderr[-3000:]
+        assert "Traceback" not in second.stderr
+        for rank in (0, 1):
+            assert holder in others.output(rank), others.output(rank)[-3000:]
+        assert f"rank 0: --output_dir {out} {holder}" in others.output(1)
+        print(f"the second run and the two ranks were refused within {took:.1f} s of their start")
+        assert took < 60  # process start and the data checks, on 2 busy cores
+
+        assert first.wait(timeout=120) == 0, (tmp_path / "first.log").read_text()[-3000:]
+    # the first run's files are its own alone: one run's events, its checkpoints
+    rows = events(out)
+    assert len({(r["event"], r["step"]) for r in rows}) == len(rows)
+    assert [r["step"] for r in rows if r["event"] == "train"] == list(range(1, 13))
+    assert [r["step"] for r in events(out, "checkpoint")] == [4, 8, 12]
+    assert len(events(out, "stop")) == 1
+
+
+@pytest.mark.parametrize("case", ["file", "under_a_file", "read_only"])
+def test_an_output_dir_that_cannot_be_written_exits_2_and_writes_nothing(tmp_path, data, case):
+    if case == "read_only" and os.geteuid() == 0:
+        pytest.skip("root writes into a read-only folder")
+    if case == "file":
+        out = tmp_path / "run"
+        out.write_text("not a folder")
+        message = f"--output_dir {out} is a file, not a folder"
+    elif case == "under_a_file":
+        (tmp_path / "file").write_text("not a folder")
+        out = tmp_path / "file" / "run"
+        message = f"--output_dir {out} cannot be made or written (Not a directory)"
+    else:
+        out = tmp_path / "run"
+        out.mkdir(mode=0o555)
+        message = "Permission denied"
+    before = tree(tmp_path)
+    r = run_trainer(flags(data, out, "--max_steps", 2), timeout=120, extra_env=ONE_THREAD)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert message in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert tree(tmp_path) == before

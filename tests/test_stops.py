@@ -1,0 +1,185 @@
+"""A stop signal is honoured in every phase within seconds: delivered inside the refit, the k-means init, and the
+teardown, to real trainer processes whose stderr goes to a file (where no log line may be glued to a bar's)."""
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import REPO, TINY, TRAINER, Ranks, env, events, run_trainer, write_fairseq
+
+SLOW_REFIT = ["--refit_iters", "20000"]  # minutes of Lloyd steps: a stop must cut it short
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # on shared cores, idle OpenMP threads spin: times would mean little
+LOG_LINE = re.compile(r"\d\d:\d\d:\d\d \[rank\d\] (INFO|WARNING|ERROR) ")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    write_fairseq(d, "train", np.random.default_rng(11).integers(40, 200, size=40).tolist(), seed=11)
+    write_fairseq(d, "valid", [64] * 4, seed=12)
+    return d
+
+
+def flags(data, out, *extra):
+    return ["--data_dir", data, "--output_dir", out, *TINY, "--eval_every", "100", *map(str, extra)]
+
+
+class Run:
+    """One trainer process, its stdout and stderr in a file, as a cluster job's log."""
+
+    def __init__(self, args, log):
+        self.log = log
+        with open(log, "w") as f:
+            self.proc = subprocess.Popen([sys.executable, str(TRAINER), *map(str, args)], stdout=f,
+                                         stderr=subprocess.STDOUT, env=env(**ONE_THREAD), cwd=REPO)
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def wait_for(self, text, timeout=120) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.text():
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.text()[-3000:]
+            time.sleep(0.05)
+
+    def signal_until_exit(self, sig, every=0.01, timeout=60) -> int:
+        """Send `sig` again and again until the process ends (a teardown's every moment gets one); its exit code."""
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            try:
+                self.proc.send_signal(sig)
+            except ProcessLookupError:
+                break
+            time.sleep(every)
+        return self.proc.wait(timeout=5)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+
+def newest(folder):
+    from training.checkpoint import list_checkpoints, load_checkpoint
+
+    return load_checkpoint(list_checkpoints(folder / "checkpoints")[0])
+
+
+def assert_not_glued(text: str) -> None:
+    """Each log line starts a line of the file, or follows the carriage return of a bar cleared before it."""
+    for line in text.split("\n"):
+        for match in LOG_LINE.finditer(line):
+            assert match.start() == 0 or line[match.start() - 1] == "\r", repr(line[:300])
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_during_the_refit_saves_the_trained_weights_and_a_resume_does_the_refit(tmp_path, data):
+    straight = tmp_path / "straight"
+    r = run_trainer(flags(data, straight, "--max_steps", 6), timeout=120, extra_env=ONE_THREAD)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    out = tmp_path / "split"
+    run = Run(flags(data, out, "--max_steps", 6, *SLOW_REFIT), tmp_path / "split.log")
+    try:
+        run.wait_for("codebooks: refit of")
+        sent = time.time()
+        run.proc.send_signal(signal.SIGTERM)
+        run.wait_for("INFO checkpoint: ", timeout=30)
+        # more SIGTERMs through the teardown, until the process is gone: the outcome is saved, exit 0 stays
+        code = run.signal_until_exit(signal.SIGTERM)
+        ended = time.time()
+    finally:
+        run.kill()
+    assert code == 0, run.text()[-3000:]
+    saved = (out / "checkpoints" / "step_00000006.pt").stat().st_mtime - sent
+    print(f"SIGTERM in the refit: checkpoint {saved:.1f} s after the signal, exit after {ended - sent:.1f} s")
+    assert saved < 10 and ended - sent < 15
+    assert "stopped during the refit: the codebooks are put back as training left them" in run.text()
+    assert events(out, "stop")[-1]["reason"] == "signal SIGTERM during the refit"
+    assert not events(out, "refit")
+    assert newest(out)["end_of_schedule"] == []  # the trained weights: a resume does the refit
+    assert_not_glued(run.text())
+
+    r = run_trainer(flags(data, out, "--max_steps", 6), timeout=120, extra_env=ONE_THREAD)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stderr and "at step 6" in r.stderr
+    assert [e["step"] for e in events(out, "refit")] == [6]
+    assert events(out, "eval")[-1]["beam_size"] == 4 and events(out, "stop")[-1]["reason"] == "max_steps"
+    a, b = newest(straight), newest(out)
+    assert a["end_of_schedule"] == b["end_of_schedule"] == ["refit", "final eval"]
+    for key in a["model"]:  # a refit from the trained weights, as if never stopped
+        torch.testing.assert_close(a["model"][key], b["model"][key], rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.timeout(180)
+def test_sigint_during_the_kmeans_init_stops_within_seconds_with_nothing_trained(tmp_path, data):
+    out = tmp_path / "run"
+    run = Run(flags(data, out, "--max_steps", 4, "--kmeans_init_frames", 400000), tmp_path / "run.log")
+    try:
+        run.wait_for("k-means init:")  # its bar: the sample is read, the iterations begin
+        sent = time.monotonic()
+        run.proc.send_signal(signal.SIGINT)
+        code = run.proc.wait(timeout=30)
+        took = time.monotonic() - sent
+    finally:
+        run.kill()
+    print(f"SIGINT in the k-means init: exit {took:.1f} s after the signal")
+    assert code == 0 and took < 10, run.text()[-3000:]
+    assert "stopped during the k-means init, before the first step: nothing trained, no checkpoint" in run.text()
+    assert events(out, "stop") == [{**events(out, "stop")[0], "step": 0,
+                                    "reason": "signal SIGINT during the k-means init"}]
+    assert not events(out, "train") and not list((out / "checkpoints").iterdir())
+    assert_not_glued(run.text())
+
+
+@pytest.mark.timeout(180)
+def test_sighup_to_one_rank_during_the_refit_stops_every_rank_with_the_trained_weights(tmp_path, data):
+    out = tmp_path / "run"
+    job = Ranks(flags(data, out, "--max_steps", 8, "--sync_check_every", 4, *SLOW_REFIT), log_dir=tmp_path / "logs")
+    try:
+        job.wait_for(0, "codebooks: refit of", timeout=120)
+        sent = time.time()
+        job.procs[1].send_signal(signal.SIGHUP)  # a closed terminal, an ssh connection dropped
+        codes = job.wait(timeout=30)
+        ended = time.time()
+    finally:
+        job.close()
+    assert codes == [0, 0], job.output(0) + job.output(1)
+    saved = (out / "checkpoints" / "step_00000008.pt").stat().st_mtime - sent
+    print(f"SIGHUP to rank 1 in the refit: checkpoint {saved:.1f} s after the signal, exit after "
+          f"{ended - sent:.1f} s")
+    assert saved < 10
+    assert "SIGHUP received" in job.output(1)
+    assert events(out, "stop")[-1]["reason"] == "signal on rank(s) [1] during the refit"
+    assert newest(out)["step"] == 8 and newest(out)["end_of_schedule"] == []
+
+
+def test_a_stop_requested_during_an_eval_leaves_it_between_two_batches(tmp_path, data):
+    """evaluate() looks at the stop request before each batch: the eval is left unfinished and writes nothing."""
+    from data.training_data import DataConfig, open_training_data
+    from models.codec import CodecConfig, RVQCodec
+    from training.distributed import DistContext
+    from training.evaluate import evaluate
+    from training.faults import FaultInjector
+    from training.metrics_log import MetricsLog
+    from training.signals import Stopped, StopRequest
+
+    held_out = open_training_data(DataConfig(data_dir=str(data), segment_length=32), rank=0, world_size=1, seed=0,
+                                  multiple_of=1, device_type="cpu").eval
+    model = RVQCodec(CodecConfig(feature_dim=16, latent_dim=32, num_quantizers=2, codebook_size=32))
+    ctx = DistContext(0, 1, 0, torch.device("cpu"))
+    stop = StopRequest()
+    batches = []
+    metrics = MetricsLog(tmp_path / "metrics.jsonl")
+    model.register_forward_hook(lambda *_: batches.append(stop.request("SIGTERM")))  # the signal in batch 1
+    with pytest.raises(Stopped, match="^signal SIGTERM$"):
+        evaluate(model, held_out, ctx, amp_dtype=None, batch_frames=64, step=4, metrics=metrics,
+                 faults=FaultInjector(0, ""), stop=stop)
+    metrics.close()
+    assert len(batches) == 1 and model.training  # of 4 batches, one ran; the model is back in training mode
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
