@@ -40,7 +40,7 @@ from training.device import (cache_dtype, check_compile, compile_mode, compute_d
                              select_device)
 from training.distributed import (DistContext, all_reduce_sum, destroy, detect_launch, dump_flight_recorder,
                                   final_barrier, free_destroyed_groups, init_distributed, is_distributed_error,
-                                  phase_timeout, wrap_ddp)
+                                  make_flight_recorder_dir, phase_timeout, wrap_ddp)
 from training.evaluate import evaluate
 from training.faults import FaultInjector
 from training.metrics_log import MetricsLog, require_tensorboard
@@ -91,6 +91,7 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
         destroy()
         raise
     data.save_manifests()  # the output dir is this run's from here on
+    make_flight_recorder_dir(ctx, Path(cfg.run.output_dir))
     trainer = Trainer(cfg, ctx, data, codec, stop, faults, output)
     try:
         trainer.build(resume)

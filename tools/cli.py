@@ -1,6 +1,6 @@
-"""How every tool starts and ends: INFO logs on stderr tagged with the tool's name, and a BadInputError
-(bad flags or data, nothing written) logged as an error and returned as exit code 2; and how its --help
-shows each flag's default."""
+"""How every tool starts and ends: INFO logs on stderr tagged with the tool's name; a BadInputError (bad flags
+or data, nothing written) logged in one line and returned as exit code 2, a TransientFault (an OS error or
+exhausted memory reading a checkpoint: a rerun may succeed) in one line as exit code 1."""
 from __future__ import annotations
 
 import functools
@@ -8,11 +8,12 @@ import logging
 import sys
 from collections.abc import Callable
 
-from errors import EXIT_BAD_INPUT, BadInputError
+from errors import EXIT_BAD_INPUT, BadInputError, TransientFault
 
 
 def bad_input_exits_2(log: logging.Logger) -> Callable[[Callable[..., int]], Callable[..., int]]:
-    """Decorates a tool's main(): a BadInputError is logged on `log` and main returns EXIT_BAD_INPUT."""
+    """Decorates a tool's main(): a BadInputError is logged on `log` and main returns EXIT_BAD_INPUT; a
+    TransientFault is logged and main returns its exit code (1)."""
     def decorate(main: Callable[..., int]) -> Callable[..., int]:
         @functools.wraps(main)
         def guarded(*args, **kwargs) -> int:
@@ -21,6 +22,9 @@ def bad_input_exits_2(log: logging.Logger) -> Callable[[Callable[..., int]], Cal
             except BadInputError as e:
                 log.error("%s", e)
                 return EXIT_BAD_INPUT
+            except TransientFault as e:
+                log.error("%s", e)
+                return e.exit_code
         return guarded
     return decorate
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from errors import BadInputError
+from errors import BadInputError, TransientFault
 from models.codec import CodecConfig, RVQCodec
 from models.codes import code_dtype
 from training.checkpoint import load_checkpoint, load_latest, unreadable_reason
@@ -30,6 +30,8 @@ def load_codec(path: str | Path, device: str | torch.device = "cpu") -> tuple[RV
     elif path.is_file():
         try:
             state = load_checkpoint(path)
+        except TransientFault:  # an OS error or exhausted memory while reading: not the file's fault, exit 1
+            raise
         except Exception as e:  # noqa: BLE001 - a truncated or foreign file is the user's to fix
             raise BadInputError(f"--checkpoint {path} could not be read: {unreadable_reason(path, e)}") from None
     else:

@@ -78,12 +78,19 @@ def _set_default_env(name: str, value: str) -> None:
 def configure_nccl_env(output_dir: Path) -> None:
     """PyTorch's async error handling and NCCL flight recorder, dumping into the output dir.
 
-    Read by PyTorch when the NCCL process group is created; values the user set win.
+    Read by PyTorch when the NCCL process group is created; values the user set win. The dump folder is made
+    by `make_flight_recorder_dir` once the output dir is this run's.
     """
-    (Path(output_dir) / FLIGHT_RECORDER_DIR).mkdir(parents=True, exist_ok=True)
     # the values live in training/nccl_env.py, which the launcher reads too (DRY_RUN shows them)
     for name, value in trainer_nccl_env(output_dir).items():
         _set_default_env(name, value)
+
+
+def make_flight_recorder_dir(ctx: DistContext, output_dir: Path) -> None:
+    """The folder NCCL's flight recorder dumps into, on NCCL runs: made after the output dir's lock is agreed, so
+    that a run refused at start leaves nothing in another run's folder."""
+    if ctx.backend == "nccl":
+        (Path(output_dir) / FLIGHT_RECORDER_DIR).mkdir(parents=True, exist_ok=True)
 
 
 def bind_gloo_across_nodes(launch: Launch) -> None:
