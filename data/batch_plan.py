@@ -151,3 +151,16 @@ def pick_windows(count: int, frames: int, window: int, *, seed: int, rank: int, 
     if frames == 0 or count <= per_rank:
         return np.arange(count, dtype=np.int64)
     return np.sort(np.random.default_rng([seed, rank, world_size, 2]).choice(count, per_rank, replace=False))
+
+
+def pick_utterances(lengths, frames: int, *, seed: int, rank: int, world_size: int) -> np.ndarray:
+    """Which of a rank's held-out utterances the final eval scores whole: drawn once from the seed until they
+    hold its share of `frames` over all ranks (the last one crossing it), in order; all of them when `frames`
+    is 0 or they hold fewer."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    per_rank = -(-frames // world_size)
+    if frames == 0 or int(lengths.sum()) <= per_rank:
+        return np.arange(len(lengths), dtype=np.int64)
+    order = np.random.default_rng([seed, rank, world_size, 3]).permutation(len(lengths))
+    take = int(np.searchsorted(np.cumsum(lengths[order]), per_rank)) + 1
+    return np.sort(order[:take])

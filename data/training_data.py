@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from data.bad_crops import finite_crops
-from data.batch_plan import BatchPlan, eval_windows, pick_windows, shard_indices
+from data.batch_plan import BatchPlan, eval_windows, pick_utterances, pick_windows, shard_indices
 from data.crops import CropReader, HostBatches
 from data.demo_corpus import ensure_demo_corpus
 from data.device_cache import DeviceFeatureCache
@@ -72,8 +72,10 @@ class DataConfig:
     prefetch_depth: int = field(default=4, metadata={"help": "batches the prefetcher keeps ready ahead of the step"})
     # 32768 frames: an eval is about 3% of the time of 100 default steps on a 2-core CPU (README, Data)
     eval_frames: int = field(default=32768, metadata={
-        "kind": "nonnegative", "help": "held-out frames per eval over all ranks, picked once by --seed and kept "
-                                       "on the device (0: every held-out window, read at each eval)"})
+        "kind": "nonnegative", "help": "held-out frames per eval over all ranks, in windows of the shortest "
+                                       "segment length picked once by --seed and kept on the device; the final "
+                                       "eval scores whole utterances holding as many (0: every held-out window, "
+                                       "read at each eval, and every utterance)"})
 
     @property
     def frames_per_step(self) -> int:
@@ -114,6 +116,7 @@ class EvalWindows:
     utterances: np.ndarray
     starts: np.ndarray
     length: int
+    whole: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # utterances the final eval scores
     resident: bool = False  # read once, on the first eval, and kept on the device
     _crops: torch.Tensor | None = field(default=None, repr=False)
 
@@ -194,8 +197,10 @@ def open_training_data(cfg: DataConfig, *, rank: int, world_size: int, seed: int
              ", every eval reads them" if cfg.eval_frames == 0 else
              f", picked once by --seed (--eval_frames {cfg.eval_frames} over all ranks) and kept on the device")
     shard = train.subset(shard_indices(len(train), rank, world_size), "this rank's shard")
-    data = TrainingData(cfg, train, shard, plan, EvalWindows(valid_shard, utterances[picked], starts[picked], length,
-                                                        resident=cfg.eval_frames > 0), pending)
+    whole = pick_utterances(valid_shard.lengths, cfg.eval_frames, seed=seed, rank=rank, world_size=world_size)
+    eval_set = EvalWindows(valid_shard, utterances[picked], starts[picked], length, whole=whole,
+                           resident=cfg.eval_frames > 0)
+    data = TrainingData(cfg, train, shard, plan, eval_set, pending)
     if save_manifests:  # the data passed every check: the output dir may be written
         data.save_manifests()
     return data

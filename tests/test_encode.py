@@ -44,6 +44,7 @@ def pipeline(tmp_path_factory):
     p.relpaths = write_corpus(p.audio)
     steps = [
         ("tools.extract", p.audio, "train", 1, 0, p.feats, "--feature", "fbank"),
+        ("tools.extract", p.audio, "valid", 1, 0, p.feats, "--feature", "fbank"),  # held out: the same audio
         None,  # the trainer
         ("tools.encode", "--checkpoint", p.run, "--data_dir", p.feats, "--split", "train", "--output_dir", p.codes),
         ("tools.encode", "decode", "--checkpoint", p.run, "--codes_dir", p.codes, "--split", "train",
@@ -80,6 +81,43 @@ def test_every_step_writes_its_documented_files(pipeline):
     assert list(recon.lengths) == list(p.store.lengths) and recon.dim == 160
     for folder in (p.feats, p.codes, p.recon):
         assert not list(folder.glob("*.tmp"))
+
+
+def test_the_final_eval_scores_what_encode_and_decode_give(pipeline, tmp_path):
+    """The trainer's last eval (whole held-out utterances, the codec's beam) gives the rel_mse of the held-out
+    split encoded by tools.encode and decoded by tools.encode decode, as the quality tables score it; the evals
+    during training say they score windows."""
+    p = pipeline
+    evals = [json.loads(line) for line in (p.run / "metrics.jsonl").read_text().splitlines()]
+    evals = [e for e in evals if e["event"] == "eval"]
+    assert evals[-1]["scored"] == "whole utterances" and evals[-1]["beam_size"] == 4
+    assert all(e["scored"].endswith("-frame windows") for e in evals[:-1])
+    assert encode.main(["--checkpoint", p.run, "--data_dir", p.feats, "--split", "valid",
+                        "--output_dir", tmp_path / "codes"]) == 0
+    assert encode.main(["decode", "--checkpoint", p.run, "--codes_dir", tmp_path / "codes", "--split", "valid",
+                        "--output_dir", tmp_path / "recon"]) == 0
+    valid, recon = find_split(p.feats, "valid"), find_split(tmp_path / "recon", "valid")
+    x = np.concatenate([valid.utterance(i) for i in range(len(valid))]).astype(np.float64)
+    x_hat = np.concatenate([recon.utterance(i) for i in range(len(recon))]).astype(np.float64)
+    rel_mse = ((x - x_hat) ** 2).sum() / ((x - x.mean(0)) ** 2).sum()
+    assert evals[-1]["frames"] == len(x)
+    assert evals[-1]["rel_mse"] == pytest.approx(rel_mse, rel=0.01)
+
+
+def test_the_reports_command_gives_the_runs_configuration(pipeline, tmp_path):
+    """report.md's command, read back by the trainer's own parser, is the configuration in config.json."""
+    import re
+    import shlex
+
+    from tools import report
+    from training.config import parse_args
+
+    p = pipeline
+    report.write_report(p.run, tmp_path)
+    command = re.search(r"```bash\n(python rvq_seamless_gpu_cache_nccl.py .*)\n```", (tmp_path / "report.md").read_text())
+    argv = shlex.split(command.group(1))[2:]
+    assert "--multi_length_training" not in argv and "--downsample" in argv
+    assert parse_args(argv).to_dict() == json.loads((p.run / "config.json").read_text())
 
 
 def test_decode_of_encode_is_the_models_own_eval_reconstruction(pipeline):

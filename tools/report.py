@@ -6,10 +6,11 @@ Reads RUN_DIR/metrics.jsonl (and config.json when present) and writes, into
 RUN_DIR/report/ unless --out says otherwise:
 
 - loss.png: train loss, reconstruction and commitment terms, and the learning rate, over steps;
-- eval.png: held-out relative MSE and cosine similarity over steps;
+- eval.png: held-out relative MSE and cosine similarity over steps: the evals during training on fixed
+  windows, the final eval on whole utterances (as tools.encode's codes give them), each labelled;
 - codes.png: code usage and perplexity of each level over steps;
 - speed.png: training frames per second (all ranks) over steps;
-- report.md: the numbers that matter, and the plots.
+- report.md: the numbers that matter, the command that gives the run's configuration, and the plots.
 
 A resumed run logs the steps after its last checkpoint twice; the later line
 wins. Lines that are not an event (not JSON, as a run killed mid-write leaves,
@@ -26,11 +27,13 @@ import json
 import logging
 import math
 import os
+import shlex
 import statistics
 from pathlib import Path
 
 from errors import EXIT_OK, BadInputError
 from tools.cli import bad_input_exits_2, run
+from training.config import command_line
 from training.flag_help import FlagHelpFormatter
 
 log = logging.getLogger("report")
@@ -152,17 +155,27 @@ def plot_loss(plt, events: dict, path: Path, title: str) -> None:
     _save(plt, fig, path)
 
 
+def is_final(record: dict) -> bool:
+    """An eval of whole utterances (the final eval), not of windows (the evals during training)."""
+    return record.get("scored") == "whole utterances"
+
+
 def plot_eval(plt, events: dict, path: Path, title: str) -> None:
     evals = events.get("eval", [])
     fig, (ax, ax_cos) = plt.subplots(1, 2, figsize=(11, 4.2))
     if evals:
-        steps, rel = series(evals, "rel_mse")
-        ax.plot(steps, rel, "o-", color="tab:blue", ms=4)
-        if all(v > 0 for v in _finite(rel)):
+        windows, finals = [r for r in evals if not is_final(r)], [r for r in evals if is_final(r)]
+        label = f"held-out {windows[-1].get('scored', 'windows')}" if windows else None
+        for records, style, name in ((windows, "o-", label), (finals, "*", "whole utterances (final eval)")):
+            if records:
+                ax.plot(*series(records, "rel_mse"), style, color="tab:blue", ms=4 if style == "o-" else 11,
+                        label=name)
+                ax_cos.plot(*series(records, "cosine"), style, color="tab:green", ms=4 if style == "o-" else 11,
+                            label=name)
+        if all(v > 0 for v in _finite(series(evals, "rel_mse")[1])):
             ax.set_yscale("log")
         _mark_events(ax, events)
-        steps, cos = series(evals, "cosine")
-        ax_cos.plot(steps, cos, "o-", color="tab:green", ms=4)
+        ax.legend(fontsize=8)
     else:
         _empty("no eval events", ax, ax_cos)
     ax.set(title="held-out relative MSE (lower is better)", xlabel="step", ylabel="sum|x - x̂|² / sum|x - mean|²")
@@ -222,14 +235,23 @@ def summary(run_dir: Path, events: dict, bad_lines: int, config: dict) -> str:
         fps = _finite(series(train, "frames_per_sec")[1])
         if fps:
             rows.append(("frames / s (all ranks)", f"median {statistics.median(fps):,.0f}, last {fps[-1]:,.0f}"))
-    if evals:
-        first, last = evals[0], evals[-1]
-        rel = [(number(r.get("rel_mse")), r["step"]) for r in evals if math.isfinite(number(r.get("rel_mse")))]
+    windows = [r for r in evals if not is_final(r)]
+    if windows:
+        first, last = windows[0], windows[-1]
+        rel = [(number(r.get("rel_mse")), r["step"]) for r in windows if math.isfinite(number(r.get("rel_mse")))]
         best = min(rel) if rel else (math.nan, None)
+        rows.append((f"eval rel_mse, {last.get('scored', 'windows')} (during training)",
+                     f"{_fmt(number(first.get('rel_mse')))} at step {first['step']} -> "
+                     f"{_fmt(number(last.get('rel_mse')))} at step {last['step']} (best {_fmt(best[0])} at "
+                     f"step {best[1]})"))
+    finals = [r for r in evals if is_final(r)]
+    if finals:
+        final = finals[-1]
+        rows.append((f"final eval rel_mse, whole utterances (codes as tools.encode gives them, beam "
+                     f"{final.get('beam_size', '?')})", f"{_fmt(number(final.get('rel_mse')))} at step {final['step']}"))
+    if evals:
+        last = evals[-1]
         rows += [
-            ("eval rel_mse", f"{_fmt(number(first.get('rel_mse')))} at step {first['step']} -> "
-                             f"{_fmt(number(last.get('rel_mse')))} at step {last['step']} (best {_fmt(best[0])} at "
-                             f"step {best[1]})"),
             ("eval cosine (last)", _fmt(number(last.get("cosine")))),
             ("bits per frame", _fmt(last.get("bits_per_frame"))),
             ("code usage per level (last)", ", ".join(_fmt(number(v), 3) for v in _list(last.get("code_usage")))),
@@ -243,13 +265,12 @@ def summary(run_dir: Path, events: dict, bad_lines: int, config: dict) -> str:
     rows.append(("failed evals", f"{len(failed)}" + (f" at steps {[r['step'] for r in failed]}" if failed else "")))
     if bad_lines:
         rows.append(("unreadable lines in metrics.jsonl", str(bad_lines)))
-    keys = ("data_dir", "num_quantizers", "codebook_size", "codebook_dim", "latent_dim", "downsample", "batch_size",
-            "segment_length", "multi_length_training", "lr", "max_steps", "precision", "device")
-    flags = ", ".join(f"`--{k} {config[k]}`" for k in keys if k in config and config[k] is not None)
     lines = [f"# Training report: {shown(run_dir)}", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
-    if flags:
-        lines += ["", f"Flags: {flags}"]
+    if config:  # the flags that give this run's configuration (the automatic ones as decided), to paste
+        command = shlex.join(["python", "rvq_seamless_gpu_cache_nccl.py", *command_line(config)])
+        lines += ["", "The run's configuration, as a command (in another --output_dir it trains the same run "
+                      "afresh; in this one it resumes):", "", "```bash", command, "```"]
     lines += ["", "![training loss](loss.png)", "", "![held-out error](eval.png)", "",
               "![code usage and perplexity per level](codes.png)", "", "![training speed](speed.png)", ""]
     return "\n".join(lines)

@@ -279,6 +279,31 @@ def parse_args(argv=None) -> TrainConfig:
     return config
 
 
+def command_line(values: dict) -> list[str]:
+    """The trainer's flags that give back the configuration `values` (config.json's: every flag's value under
+    its name, the automatic ones as they were decided), each as it is typed: a plain switch (`--prefetch`) when
+    on, true/false for the others, lists comma-separated; a flag at its default is left out. Flags it does not
+    know (a config.json of another version) are left out."""
+    parser = build_parser()
+    argv = []
+    for action in parser._actions:
+        name = action.dest
+        if not action.option_strings or name not in values or action.help == argparse.SUPPRESS:
+            continue
+        value = values[name]
+        if value == action.default:
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            argv += [action.option_strings[0]] if value else []
+        elif value is not None:
+            if isinstance(value, bool):
+                value = str(value).lower()
+            elif isinstance(value, (list, tuple)):
+                value = ",".join(map(str, value))
+            argv += [action.option_strings[0], str(value)]
+    return argv
+
+
 def save_config(config: TrainConfig, path) -> None:
     with open(path, "w") as f:
         json.dump(config.to_dict(), f, indent=2, sort_keys=True)

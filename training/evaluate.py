@@ -1,6 +1,11 @@
-"""Evaluation on every rank: sums over this rank's held-out windows, agreed on and reduced across ranks.
+"""Evaluation on every rank: sums over this rank's held-out data, agreed on and reduced across ranks.
 
-Each rank evaluates its own windows with no collective, so a failure there cannot
+The evals during training score fixed windows of held-out utterances (fast, resident on the device); the final
+eval scores whole held-out utterances, encoded and decoded as tools.encode and `tools.encode decode` do (codes
+from the codec's beam search, each utterance's tail padded as theirs), so its rel_mse is the one a user gets from
+the codes and the one the quality tables give. Every `eval` event says which (`scored`).
+
+Each rank evaluates its own share with no collective, so a failure there cannot
 hang a peer; the ranks then agree over the control plane whether every one
 succeeded, and all-reduce the sums (errors, counts, code histograms), never
 per-frame outputs. An eval that failed anywhere is skipped everywhere, logged,
@@ -12,10 +17,12 @@ from __future__ import annotations
 import logging
 import math
 
+import numpy as np
 import torch
 
 from data.training_data import EvalWindows
 from models.codec import RVQCodec, dead_code_counts
+from models.codes import code_frames, decode_utterance, encode_batch, length_sorted_batches
 from models.metrics import EvalSums
 from training.distributed import DistContext, all_reduce_sum
 from training.signals import Stopped, StopRequest, stop_reason
@@ -49,24 +56,64 @@ def evaluate_shard(model: RVQCodec, windows: EvalWindows, device: torch.device, 
     return sums
 
 
+@torch.no_grad()
+def score_utterances(model: RVQCodec, windows: EvalWindows, device: torch.device, batch_frames: int,
+                     beam_size: int, between=None) -> EvalSums:
+    """Sums over this rank's whole held-out utterances picked for the final eval (`windows.whole`): encoded in
+    length-sorted batches of at most `batch_frames` padded frames, as tools.encode encodes a split, and decoded
+    as `tools.encode decode` does; an utterance with a NaN or Inf frame is left out. between(): before each
+    batch."""
+    config = model.config
+    sums = EvalSums(config.feature_dim, config.num_quantizers, config.codebook_size, device)
+    store, whole = windows.store, windows.whole
+    model.eval()
+    try:
+        for batch in length_sorted_batches(code_frames(store.lengths[whole], config.downsample) * config.downsample,
+                                           batch_frames):
+            if between is not None:
+                between()
+            utterances = [np.asarray(store.utterance(int(whole[i])), dtype=np.float32) for i in batch]
+            utterances = [u for u in utterances if len(u) and np.isfinite(u).all()]
+            for features, codes in zip(utterances, encode_batch(model, utterances, beam_size=beam_size)):
+                reconstruction = decode_utterance(model, codes, len(features))
+                sums.add(torch.from_numpy(features).to(device), torch.from_numpy(reconstruction).to(device),
+                         torch.from_numpy(codes).to(device))
+    finally:
+        model.train()
+    return sums
+
+
+def utterance_batches(windows: EvalWindows, downsample: int, batch_frames: int) -> int:
+    lengths = code_frames(windows.store.lengths[windows.whole], downsample) * downsample
+    return len(length_sorted_batches(lengths, batch_frames))
+
+
 def evaluate(model: RVQCodec, windows: EvalWindows, ctx: DistContext, *, amp_dtype, batch_frames: int, step: int,
              metrics, faults, stop: StopRequest, beam_size: int = 1, final: bool = False) -> dict | None:
     """Eval on all ranks, written to `metrics` as an `eval` event; None (and an `eval_failed` event) when it
     failed on any rank, in which case every rank skipped it. beam_size: the codes' (1: the nearest code at each
     level, as training picks them; the codec's `beam_size`: as `encode` gives them). A stop requested on any
-    rank raises Stopped on every rank (nothing written). final: the end of the schedule's eval, which says
-    when it starts and shows a bar on rank 0."""
+    rank raises Stopped on every rank (nothing written). final: the end of the schedule's eval, on whole
+    utterances (`score_utterances`), which says when it starts and shows a bar on rank 0; else windows."""
     sums = vector = None
     stopped = False
-    batches = math.ceil(len(windows.utterances) / max(1, batch_frames // windows.length))
+    scored = "whole utterances" if final else f"{windows.length}-frame windows"
     if final:
-        log.info("final eval at step %d: %d held-out windows of %d frames on this rank in %d batch(es), codes from "
-                 "a beam search %d wide", step, len(windows.utterances), windows.length, batches, beam_size)
+        batches = utterance_batches(windows, model.config.downsample, batch_frames)
+        whole = windows.store.lengths[windows.whole]
+        log.info("final eval at step %d: %d whole held-out utterances (%d frames) on this rank in %d batch(es), "
+                 "encoded and decoded as tools.encode does, codes from a beam search %d wide", step, len(whole),
+                 int(whole.sum()), batches, beam_size)
+    else:
+        batches = math.ceil(len(windows.utterances) / max(1, batch_frames // windows.length))
     try:
         faults.in_eval(step)
         with Chunks("final eval", total=batches, unit="batch", ctx=ctx, stop=stop, agreed=False,
                     show=final) as chunks:
-            sums = evaluate_shard(model, windows, ctx.device, amp_dtype, batch_frames, beam_size, between=chunks)
+            if final:
+                sums = score_utterances(model, windows, ctx.device, batch_frames, beam_size, between=chunks)
+            else:
+                sums = evaluate_shard(model, windows, ctx.device, amp_dtype, batch_frames, beam_size, between=chunks)
         vector = sums.vector()
     except Stopped:
         stopped = True
@@ -83,13 +130,13 @@ def evaluate(model: RVQCodec, windows: EvalWindows, ctx: DistContext, *, amp_dty
     sums.load_vector(all_reduce_sum(ctx, vector))  # a failed collective is a lost peer, not a failed eval
     try:  # from the reduced sums, the same on every rank: it fails on all of them alike (no frames evaluated...)
         result = {**sums.result(model.config.downsample), "dead_codes": dead_code_counts(model),
-                  "beam_size": beam_size}
+                  "beam_size": beam_size, "scored": scored}
     except Exception as e:  # noqa: BLE001 - as above, with no need to agree
         log.error("eval at step %d failed on every rank: %r", step, e)
         return skipped(metrics, step, list(range(ctx.world_size)))
     metrics.write("eval", step, **result)
-    log.info("eval at step %d%s: rel_mse %.4f, cosine %.4f, code usage %s, dead codes %s, %.0f bits/frame", step,
-             f" (codes from a beam search {beam_size} wide)" if beam_size > 1 else "", result["rel_mse"],
+    log.info("eval at step %d on %s%s: rel_mse %.4f, cosine %.4f, code usage %s, dead codes %s, %.0f bits/frame",
+             step, scored, f" (codes from a beam search {beam_size} wide)" if beam_size > 1 else "", result["rel_mse"],
              result["cosine"], result["code_usage"], result["dead_codes"], result["bits_per_frame"])
     low = [level for level, usage in enumerate(result["code_usage"]) if usage < LOW_USAGE]
     if low:
