@@ -43,9 +43,10 @@ from training.distributed import (DistContext, all_reduce_sum, destroy, detect_l
                                   make_flight_recorder_dir, phase_timeout, wrap_ddp)
 from training.evaluate import evaluate
 from training.faults import FaultInjector
+from training.log_stream import log_to_stderr
 from training.metrics_log import MetricsLog, require_tensorboard
 from training.output_dir import OutputDirLock
-from training.progress import FAILED, Progress
+from training.progress import END_OF_SCHEDULE, FAILED, Progress
 from training.resume import agree_on_resume
 from training.schedule import REFIT_SHARE, Schedule
 from training.signals import Stopped, StopRequest, stop_reason
@@ -198,9 +199,14 @@ class Trainer:
         self.bar = tqdm(total=self.schedule.steps, initial=p.step, disable=not self.main_rank, desc="train",
                         unit="step", dynamic_ncols=True, mininterval=1.0)
         self.timer = start_step_timer(self.model, ctx.device, self.amp_dtype, ctx.world_size, log)
+        self.schedule.check_setup()  # a --max_minutes budget that the set-up has mostly spent is said at once
         p.phase = "train"
         if p.stop_reason is None:  # a run resumed at the end of its schedule goes to what is left of its end
             p.stop_reason = self.schedule.stop_reason(p.step)
+        if resume is not None and p.stop_reason and set(END_OF_SCHEDULE) <= set(p.end_done):
+            log.warning("%s holds a finished run (step %d, %s; its refit and final eval done): nothing is left to "
+                        "do. To train afresh, give another --output_dir; to train on from it, a larger budget "
+                        "(--max_steps, --max_minutes)", self.out_dir, p.step, self.schedule.describe())
 
     def init_codebooks(self) -> None:
         """k-means before the first step; a stop during it ends the run with nothing trained, so nothing to save."""
@@ -476,21 +482,8 @@ class Trainer:
         self.output.release()
 
 
-class BarAwareHandler(logging.StreamHandler):
-    """Writes each record through tqdm.write: a progress bar on the stream is cleared first and redrawn after, so
-    that no log line is glued to a bar's, on a terminal or in a file stderr is redirected to."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            tqdm.write(self.format(record), file=self.stream)
-        except Exception:  # noqa: BLE001 - logging's own rule: a record that cannot be written is reported, no more
-            self.handleError(record)
-
-
 def setup_logging(rank: int) -> None:
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"%(asctime)s [rank{rank}] %(levelname)s %(message)s", datefmt="%H:%M:%S",
-                        handlers=[BarAwareHandler(sys.stderr)], force=True)
+    log_to_stderr(f"rank{rank}", logging.INFO if rank == 0 else logging.WARNING)
     from loguru import logger  # vector-quantize-pytorch logs through loguru
 
     logger.remove()

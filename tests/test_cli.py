@@ -207,6 +207,11 @@ def test_stop_and_resume_gives_identical_weights(tmp_path, small_data):
     for key in a["model"]:
         torch.testing.assert_close(a["model"][key], b["model"][key], rtol=0, atol=0, msg=key)
 
+    trained = len(events(split, "train"))  # the same command once more: a finished run says so, and trains nothing
+    r = run_trainer([*common, "--output_dir", split])
+    assert r.returncode == 0 and "holds a finished run (step 24" in r.stderr, r.stderr[-3000:]
+    assert "give another --output_dir" in r.stderr and len(events(split, "train")) == trained
+
 
 def test_outputs_of_a_run(tmp_path, small_data):
     out = tmp_path / "run"

@@ -37,6 +37,16 @@ def test_a_short_schedule_is_warned_about(caplog):
     assert caplog.text == ""
 
 
+def test_a_time_budget_mostly_spent_on_set_up_is_warned_about_before_the_first_step(caplog):
+    with caplog.at_level(logging.WARNING):
+        schedule(max_minutes=1).check_setup(now=10.0)  # a sixth of the minute: fine
+        schedule(max_steps=3000).check_setup(now=500.0)  # no time budget: nothing to say
+    assert caplog.text == ""
+    with caplog.at_level(logging.WARNING):
+        schedule(max_minutes=1).check_setup(now=20.0)
+    assert "set-up took 20 s, 33% of --max_minutes 1" in caplog.text and "pass --max_minutes 3 or more" in caplog.text
+
+
 def test_steps_alone_warm_up_then_decay_to_the_floor():
     s = schedule(max_steps=110, lr=1e-3, min_lr_ratio=0.1)
     assert s.learning_rate(0) == pytest.approx(1e-4)

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 
 from errors import EXIT_BAD_INPUT, BadInputError, TransientFault
+from training.log_stream import log_to_stderr
 
 
 def bad_input_exits_2(log: logging.Logger) -> Callable[[Callable[..., int]], Callable[..., int]]:
@@ -31,6 +32,5 @@ def bad_input_exits_2(log: logging.Logger) -> Callable[[Callable[..., int]], Cal
 
 def run(main: Callable[[], int], name: str) -> None:
     """`python -m tools.NAME`: log lines as `HH:MM:SS [name] LEVEL message` on stderr; exit with main()'s code."""
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{name}] %(levelname)s %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stderr)
+    log_to_stderr(name)  # beside the tool's progress bar, never glued to it
     sys.exit(main())

@@ -76,6 +76,23 @@ class Schedule:
                             "pass --max_minutes M to train for M minutes, or a larger --max_steps", self.steps,
                             frames_per_code, why)
 
+    def check_setup(self, now: float | None = None) -> None:
+        """Before the first step, under --max_minutes: warn when the set-up (imports, data checks, the k-means
+        init, a compile) has already taken more than END_SHARE of the budget. The refit and the final eval are
+        passes over the codebooks of the same order as the k-means init, so such a budget leaves little or no
+        time to train, and the end work may overrun it; say what budget would fit."""
+        if self.deadline is None:
+            return
+        now = time.monotonic() if now is None else now
+        budget = 60 * self.optim.max_minutes
+        setup = now - (self.deadline - budget)
+        if setup > END_SHARE * budget:
+            log.warning("set-up took %.0f s, %.0f%% of --max_minutes %g, before the first step; the codebook refit "
+                        "and the final eval take time of the same order, so little is left to train and the run "
+                        "may end late: pass --max_minutes %d or more, or lower --kmeans_init_frames, "
+                        "--refit_frames and --eval_frames", setup, 100 * setup / budget, self.optim.max_minutes,
+                        math.ceil(setup / END_SHARE / 60) + 1)
+
     def describe(self) -> str:
         parts = []
         if self.steps is not None:
