@@ -2,6 +2,7 @@
 
     python -m tools.flags_doc > docs/flags.md      # after changing a flag, a preset or a launch variable
     python -m tools.flags_doc --check              # exit 1 when docs/flags.md differs from the code
+    python -m tools.flags_doc --presets            # the presets table, as the README shows it
 
 The trainer's flags come from its parser (training/config.py builds it from the config
 dataclasses), so the page says what `--help` says; the presets from training/presets.py;
@@ -51,6 +52,17 @@ def trainer_flags() -> list[str]:
     return lines
 
 
+def presets_table() -> list[str]:
+    """The presets as a markdown table: in docs/flags.md, and in the README (tests/test_help.py checks that its
+    copy is this, verbatim; `python -m tools.flags_doc --presets` prints it)."""
+    lines = ["| preset | what it is | trainer flags | NCCL workarounds it sets |", "|---|---|---|---|"]
+    for name, preset in PRESETS.items():
+        flags = code(" ".join(preset.flags)) if preset.flags else "none"
+        workarounds = " ".join(code(f"{k}={v}") for k, v in preset.workarounds.items()) or "none"
+        lines.append(f"| {code(name)} | {cell(preset.about)} | {flags} | {workarounds} |")
+    return lines
+
+
 def render() -> str:
     lines = [
         "# Flags, presets and the launcher's environment",
@@ -69,13 +81,8 @@ def render() -> str:
         "",
         "`bash run_nccl_optimized.sh PRESET [trainer flags...]`: the preset's flags come first, so yours win.",
         "",
-        "| preset | what it is | trainer flags | NCCL workarounds it sets |",
-        "|---|---|---|---|",
+        *presets_table(),
     ]
-    for name, preset in PRESETS.items():
-        flags = code(" ".join(preset.flags)) if preset.flags else "none"
-        workarounds = " ".join(code(f"{k}={v}") for k, v in preset.workarounds.items()) or "none"
-        lines.append(f"| {code(name)} | {cell(preset.about)} | {flags} | {workarounds} |")
     lines += [
         "",
         "## The launcher's environment",
@@ -105,7 +112,11 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true",
                    help=f"compare {PAGE.parent.name}/{PAGE.name} with the code instead of printing it; exit 1 "
                         "when they differ")
+    p.add_argument("--presets", action="store_true", help="print only the presets table (the README's copy)")
     args = p.parse_args(argv)
+    if args.presets:
+        sys.stdout.write("\n".join(presets_table()) + "\n")
+        return 0
     page = render()
     if not args.check:
         sys.stdout.write(page)
