@@ -37,7 +37,7 @@ def test_launchers_with_multi_length_and_uneven_shards(tmp_path, launcher):
 @pytest.mark.parametrize("valid,codes", [([20, 24, 30], [2, 2]), ([100, 24], [0, 0])])
 def test_held_out_windows_on_no_rank_end_every_rank_at_start_and_on_one_rank_are_evaluated(tmp_path, valid, codes):
     """Windows of 32 frames: held-out utterances [20, 24, 30] give none on any rank, [100, 24] three on rank 0
-    and none on rank 1, whose eval adds nothing to the sums."""
+    and none on rank 1, whose eval adds nothing to the sums; the final eval scores both utterances whole."""
     import numpy as np
 
     from tests.helpers import Ranks, write_fairseq
@@ -57,5 +57,6 @@ def test_held_out_windows_on_no_rank_end_every_rank_at_start_and_on_one_rank_are
             assert "no held-out window to evaluate" in job.output(rank) and "has 30 frames" in job.output(rank)
         assert not out.exists()
     else:
-        assert [(e["step"], e["frames"]) for e in events(out, "eval")] == [(2, 96), (4, 96)]
+        assert [(e["step"], e["frames"], e["scored"]) for e in events(out, "eval")] == [
+            (2, 96, "32-frame windows"), (4, 124, "whole utterances")]
         assert not events(out, "eval_failed")

@@ -243,7 +243,7 @@ def test_encode_bad_input_exits_2_and_writes_nothing(pipeline, tmp_path, caplog)
     cases = [
         (["--checkpoint", tmp_path / "nope.pt", "--data_dir", p.feats], "does not exist"),
         (["--checkpoint", p.run, "--data_dir", p.feats, "--num_quantizers", 3], "levels 1 to 2"),
-        (["--checkpoint", p.run, "--data_dir", p.feats, "--split", "valid"], "no split 'valid'"),
+        (["--checkpoint", p.run, "--data_dir", p.feats, "--split", "test"], "no split 'test'"),
         (["--checkpoint", p.run, "--data_dir", p.audio], "no split 'train'"),
     ]
     for args, message in cases:

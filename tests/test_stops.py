@@ -108,6 +108,7 @@ def test_sigterm_during_the_refit_saves_the_trained_weights_and_a_resume_does_th
     r = run_trainer(flags(data, out, "--max_steps", 6), timeout=120, extra_env=ONE_THREAD)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stderr and "at step 6" in r.stderr
+    assert "codebooks: refit of" in r.stderr and "final eval at step 6: " in r.stderr  # each says so as it starts
     assert [e["step"] for e in events(out, "refit")] == [6]
     assert events(out, "eval")[-1]["beam_size"] == 4 and events(out, "stop")[-1]["reason"] == "max_steps"
     a, b = newest(straight), newest(out)
@@ -130,6 +131,7 @@ def test_sigint_during_the_kmeans_init_stops_within_seconds_with_nothing_trained
         run.kill()
     print(f"SIGINT in the k-means init: exit {took:.1f} s after the signal")
     assert code == 0 and took < 10, run.text()[-3000:]
+    assert "codebooks: k-means init of 2 levels x 32 codes" in run.text()  # it says so when it starts
     assert "stopped during the k-means init, before the first step: nothing trained, no checkpoint" in run.text()
     assert events(out, "stop") == [{**events(out, "stop")[0], "step": 0,
                                     "reason": "signal SIGINT during the k-means init"}]
