@@ -288,7 +288,7 @@ class Trainer:
         outcome = guarded_step(self.scaler, self.optimizer, grad_norm)
         if outcome is StepOutcome.APPLIED:
             p.bad_in_a_row = 0
-            self.model.maybe_expire_dead_codes(p.step + 1, x, out.codes, keep)  # every --dead_code_every steps
+            self.model.maybe_expire_dead_codes(p.step + 1, out)  # every --dead_code_every steps
         else:  # skipped: the quantizer's updates in this step's forward are undone too
             self.model.restore_codebook_state(self.codebooks_before)
         if outcome is StepOutcome.BAD:

@@ -80,6 +80,7 @@ class CodecOutput(NamedTuple):
     recon_loss: torch.Tensor  # MSE, standardised, each dim weighted by its variance when recon_space="feature"
     commit_loss: torch.Tensor  # summed over levels
     loss: torch.Tensor
+    latent: torch.Tensor  # [B, T / downsample, latent_dim]: the quantizer's input, detached (expire_dead_codes)
 
 
 class Conv1d(nn.Conv1d):
@@ -253,7 +254,7 @@ class RVQCodec(nn.Module):
         commit_loss = commit.float().sum()
         loss = recon_loss + self.config.commitment_weight * commit_loss
         reconstruction = recon_std * self.feature_std + self.feature_mean
-        return CodecOutput(reconstruction, codes, recon_loss, commit_loss, loss)
+        return CodecOutput(reconstruction, codes, recon_loss, commit_loss, loss, latent.detach())
 
     @torch.no_grad()
     def codebook_state(self, into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
@@ -345,11 +346,11 @@ class RVQCodec(nn.Module):
         return self._compiled_forward is not None
 
     @torch.no_grad()
-    def expire_dead_codes(self, features: torch.Tensor, codes: torch.Tensor, keep: torch.Tensor | None = None) -> int:
+    def expire_dead_codes(self, latent: torch.Tensor, codes: torch.Tensor) -> int:
         """The library's dead-code expiry (its `expire_codes_`) on every level that has a dead code: each code
         whose EMA cluster size is below the threshold is re-seeded from this batch's residuals at that level.
-        features, keep: the step's batch, as given to `forward`; codes: the codes that forward returned (the
-        residual at a level is the latent less the codes of the levels before, as in the training forward).
+        latent, codes: the `latent` and `codes` of the step's training forward (the residual at a level is the
+        latent less the codes of the levels before, as in that forward; no encoder runs again here).
         A training-mode call that every rank makes at the same step: the library samples the new codes across
         ranks, and the EMA sizes it reads are alike on every rank. One host read finds the levels with dead
         codes (none: nothing else runs); the library reads each such level twice more. Returns their number."""
@@ -365,7 +366,6 @@ class RVQCodec(nn.Module):
         dead = [bool(packed >> level & 1) for level in range(len(levels))]
         if not any(dead):
             return 0
-        latent = self._encode_latent(self._drop_crops(features, keep))
         residual = self.rvq.project_in(latent.float()).flatten(0, 1)  # [frames, codebook_dim]
         codes = codes.flatten(0, 1)  # [frames, levels]; -1 where dropped out
         for level in range(max(i for i, has_dead in enumerate(dead) if has_dead) + 1):
@@ -383,12 +383,12 @@ class RVQCodec(nn.Module):
             residual = residual - quantized
         return sum(dead)
 
-    def maybe_expire_dead_codes(self, step: int, features: torch.Tensor, codes: torch.Tensor,
-                                keep: torch.Tensor | None = None) -> int:
-        """`expire_dead_codes` after every `dead_code_every`-th step (`step` counts steps done, from 1)."""
+    def maybe_expire_dead_codes(self, step: int, out: CodecOutput) -> int:
+        """`expire_dead_codes` of a training forward's output after every `dead_code_every`-th step (`step`
+        counts steps done, from 1)."""
         if self.config.dead_code_threshold <= 0 or step % self.config.dead_code_every:
             return 0
-        return self.expire_dead_codes(features, codes, keep)
+        return self.expire_dead_codes(out.latent, out.codes)
 
     @torch.no_grad()
     def scale_codebook_(self, level: int, factor: float) -> None:

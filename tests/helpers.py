@@ -1,6 +1,7 @@
 """Shared helpers: run the trainer as a user would, and make small feature stores."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -32,6 +33,45 @@ EXIT_PROBE = {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "ex
 def run_trainer(args, *, timeout=240, extra_env=None, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(TRAINER), *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=env(**(extra_env or {})), cwd=cwd or REPO)
+
+
+def trainer_in_process(args, *, extra_env=None, cwd=None) -> subprocess.CompletedProcess:
+    """The trainer's `main()` run in this process, for runs that end before a step (bad flags, bad data, --help):
+    the code the command runs, without a second interpreter's 2-3 s start-up. Returns what run_trainer returns;
+    the process's environment, folder, signal handlers and logging are as they were after it."""
+    import contextlib
+    import io
+    import logging
+
+    import rvq_seamless_gpu_cache_nccl as trainer
+
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    root = logging.getLogger()
+    saved_logging = (root.handlers[:], root.level)
+    stdout, stderr = io.StringIO(), io.StringIO()
+    try:
+        os.environ.pop("RVQ_FAULT", None)
+        os.environ.update({k: str(v) for k, v in (extra_env or {}).items()})
+        os.chdir(cwd or REPO)
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                code = trainer.main([str(a) for a in args])
+            except SystemExit as e:  # argparse: --help, a bad flag
+                code = e.code if isinstance(e.code, int) else 2
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        root.handlers[:], root.level = saved_logging
+    return subprocess.CompletedProcess(["main", *map(str, args)], code, stdout.getvalue(), stderr.getvalue())
+
+
+@functools.cache
+def help_output(*command: str) -> subprocess.CompletedProcess:
+    """`python COMMAND --help` (the trainer's script, or -m MODULE [WORD]), run once per test process: the help
+    tests and the docs tests read the same answers."""
+    return subprocess.run([sys.executable, *command, "--help"], capture_output=True, text=True, timeout=120,
+                          env=env(), cwd=REPO)
 
 
 def run_torchrun(args, *, nproc=2, timeout=240, extra_env=None, launcher="torch.distributed.run"):

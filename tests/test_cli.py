@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import TINY, events, run_trainer, write_fairseq
+from tests.helpers import TINY, events, run_trainer, trainer_in_process, write_fairseq
 
 
 def bad_data(tmp_path, case):
@@ -35,7 +35,7 @@ def bad_data(tmp_path, case):
 def test_bad_data_exits_2_names_it_and_writes_nothing(tmp_path, case):
     data, message = bad_data(tmp_path, case)
     out = tmp_path / "run"
-    r = run_trainer(["--data_dir", data, "--output_dir", out, *TINY, "--max_steps", "3"], timeout=120)
+    r = trainer_in_process(["--data_dir", data, "--output_dir", out, *TINY, "--max_steps", "3"])
     assert r.returncode == 2, r.stderr[-2000:]
     assert message in r.stderr
     assert not out.exists()
@@ -63,7 +63,7 @@ def short_held_out(tmp_path, case):
 def test_a_held_out_split_with_no_eval_window_exits_2_at_start_and_writes_nothing(tmp_path, case):
     data, flags, message = short_held_out(tmp_path, case)
     out = tmp_path / "run"
-    r = run_trainer(["--data_dir", data, "--output_dir", out, *flags, "--max_steps", "3"], timeout=120)
+    r = trainer_in_process(["--data_dir", data, "--output_dir", out, *flags, "--max_steps", "3"])
     assert r.returncode == 2, r.stderr[-3000:]
     assert "no held-out window to evaluate" in r.stderr and "Traceback" not in r.stderr
     for part in message:
@@ -100,7 +100,7 @@ def test_a_split_not_in_a_fairseq_dump_exits_2_naming_the_splits_there(tmp_path,
         write_fairseq(d, split, [100, 120, 140, 160])
     before = sorted(p.name for p in d.iterdir())
     out = tmp_path / "run"
-    r = run_trainer(["--data_dir", d, "--output_dir", out, *TINY, "--max_steps", "2", *argv], timeout=120)
+    r = trainer_in_process(["--data_dir", d, "--output_dir", out, *TINY, "--max_steps", "2", *argv])
     assert r.returncode == 2, r.stderr[-3000:]
     there = ", ".join(repr(s) for s in splits)
     assert f"no split '{missing}' in {d}, which holds the split(s) {there}: give one of them to {flag}" in r.stderr
@@ -123,13 +123,20 @@ def test_a_split_not_in_a_fairseq_dump_exits_2_naming_the_splits_there(tmp_path,
     (["--seed", "-5"], "argument --seed: expected a whole number from 0 to 4294967295, got -5"),
 ])
 def test_bad_flags_exit_2(tmp_path, argv, message):
-    r = run_trainer([*argv, "--output_dir", tmp_path / "run"], timeout=60)
+    r = trainer_in_process([*argv, "--output_dir", tmp_path / "run"])
     assert r.returncode == 2 and message in r.stderr
     assert not (tmp_path / "run").exists()
 
 
+def test_a_bad_flag_ends_the_command_with_exit_2(tmp_path):
+    """The tests above run the trainer's main() in the test's process; this one runs the command."""
+    r = run_trainer(["--batch_size", "0", "--output_dir", tmp_path / "run"], timeout=60)
+    assert r.returncode == 2 and "argument --batch_size: expected a positive number" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
 def test_an_empty_output_dir_exits_2_and_writes_nothing_in_the_current_folder(tmp_path):
-    r = run_trainer(["--output_dir", ""], timeout=60, cwd=tmp_path)
+    r = trainer_in_process(["--output_dir", ""], cwd=tmp_path)
     assert r.returncode == 2 and "argument --output_dir: expected a folder, got an empty name" in r.stderr
     assert not list(tmp_path.iterdir())
 
@@ -148,7 +155,7 @@ def test_a_float_flag_that_is_not_finite_is_refused(argv, capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: --device cuda is no bad flag here")
 def test_device_cuda_without_a_gpu_exits_2(tmp_path):
-    r = run_trainer(["--device", "cuda", "--output_dir", tmp_path / "run"], timeout=60)
+    r = trainer_in_process(["--device", "cuda", "--output_dir", tmp_path / "run"])
     assert r.returncode == 2 and "--device cuda was asked for, but no GPU is visible" in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and not (tmp_path / "run").exists()
 
@@ -164,7 +171,7 @@ def test_help_lists_every_flag():
 
 
 def test_bad_fault_spec_exits_2(tmp_path):
-    r = run_trainer(["--output_dir", tmp_path / "run", *TINY], extra_env={"RVQ_FAULT": "explode:rank=0"})
+    r = trainer_in_process(["--output_dir", tmp_path / "run", *TINY], extra_env={"RVQ_FAULT": "explode:rank=0"})
     assert r.returncode == 2 and "unknown fault 'explode'" in r.stderr
 
 

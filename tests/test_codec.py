@@ -19,7 +19,8 @@ def test_forward_encode_decode_agree(downsample):
     out = model(x)  # training forward: k-means init
     assert out.reconstruction.shape == x.shape
     assert out.codes.shape == (3, 32 // downsample, 3)
-    assert set(out._fields) == {"reconstruction", "codes", "recon_loss", "commit_loss", "loss"}
+    assert set(out._fields) == {"reconstruction", "codes", "recon_loss", "commit_loss", "loss", "latent"}
+    assert out.latent.shape == (3, 32 // downsample, 16) and not out.latent.requires_grad  # the expiry's input
     model.eval()
     codes = model.encode(x)  # the codec's beam search (beam_size 4 by default)
     torch.testing.assert_close(model.decode(codes), model(x, beam_size=4).reconstruction)

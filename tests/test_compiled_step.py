@@ -92,7 +92,7 @@ def run_steps(compiled: bool, steps: int = 7, nan_at: int = 4) -> list[dict]:
         outcome = guarded_step(scaler, optimizer, torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
         expired = 0
         if outcome is StepOutcome.APPLIED:
-            expired = model.maybe_expire_dead_codes(step, x, out.codes, keep)
+            expired = model.maybe_expire_dead_codes(step, out)
         else:
             model.restore_codebook_state(before)
         optimizer.zero_grad(set_to_none=True)
@@ -139,9 +139,9 @@ def test_no_host_sync_from_the_quantizer_between_expiries():
             assert report["syncs_step"] == 1 and all(
                 "step_guard" in where or "gumbel_sample" in where for where in report["syncs_by_caller"])
             assert report["profiler"]["syncs"] == report["syncs_model"] + 1
-        codes = model(x).codes
+        out = model(x)
         with count_host_syncs() as expiry:
-            levels = model.expire_dead_codes(x, codes)
+            levels = model.expire_dead_codes(out.latent, out.codes)
         assert levels > 0 and expiry.total == 1 + 2 * levels, expiry.by_caller
 
 

@@ -1,14 +1,11 @@
 """The README and the manual in docs/ say what the code defines: every command they show names a module that
 exists and flags that command takes, and the README's presets table is the one generated from the presets."""
-import functools
 import re
 import shlex
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import REPO, env
+from tests.helpers import REPO, help_output
 from tools import flags_doc
 from training.presets import PRESETS
 
@@ -56,11 +53,9 @@ def invocations(line: str) -> list[tuple[str, list[str]]]:
     return found
 
 
-@functools.cache
 def help_text(command: str) -> str:
     args = {"trainer": [TRAINER]}.get(command) or ["-m", *command.split()]
-    r = subprocess.run([sys.executable, *args, "--help"], capture_output=True, text=True, timeout=120, env=env(),
-                       cwd=REPO)
+    r = help_output(*map(str, args))
     assert r.returncode == 0, f"{command} --help failed: {r.stderr[-2000:]}"
     return r.stdout
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, env
+from tests.helpers import REPO, help_output
 from tests.test_launcher import launch_env
 from tools import flags_doc
 from tools.launch import EXAMPLES
@@ -106,8 +106,7 @@ def test_the_check_reads_every_trainer_flag():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("command", commands(), ids=" ".join)
 def test_every_command_answers_help_with_each_options_default(command):
-    r = subprocess.run([sys.executable, *command, "--help"], capture_output=True, text=True, timeout=90, cwd=REPO,
-                       env=env())
+    r = help_output(*map(str, command))
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.startswith("usage:"), r.stdout[:500]
     assert default_problems(r.stdout) == []

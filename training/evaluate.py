@@ -76,7 +76,7 @@ def score_utterances(model: RVQCodec, windows: EvalWindows, device: torch.device
             utterances = [u for u in utterances if len(u) and np.isfinite(u).all()]
             for features, codes in zip(utterances, encode_batch(model, utterances, beam_size=beam_size)):
                 reconstruction = decode_utterance(model, codes, len(features))
-                sums.add(torch.from_numpy(features).to(device), torch.from_numpy(reconstruction).to(device),
+                sums.add(torch.tensor(features, device=device), torch.from_numpy(reconstruction).to(device),
                          torch.from_numpy(codes).to(device))
     finally:
         model.train()
