@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import subprocess
@@ -82,11 +83,37 @@ def run_torchrun(args, *, nproc=2, timeout=240, extra_env=None, launcher="torch.
 
 
 def free_port() -> int:
+    """A port for a rendezvous on 127.0.0.1 that no other test takes before the launcher binds it: below the ports
+    the OS gives outgoing connections (gloo opens many; ip_local_port_range), in a band of its own for each
+    pytest-xdist worker, taken in turn and each checked free. A port the OS picks (bind to 0) can be handed to
+    another process's connection before the launcher binds it."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for port in _PORTS:
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in this worker's band")
+
+
+def _port_band():
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    low = 20000 if ephemeral > 22000 else 10000
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").lstrip("gw") or 0) % workers
+    size = (ephemeral - low) // workers
+    first = low + worker * size
+    start = os.getpid() % size
+    return itertools.cycle([first + (start + i) % size for i in range(size)])
+
+
+_PORTS = _port_band()
 
 
 def run_gloo_ranks(script: str, world_size: int = 2, timeout: int = 120) -> list[str]:
