@@ -151,6 +151,23 @@ def write_windows(pipeline: FeatureWindows, writer: ShardWriter, write: Callable
         windows.close()
 
 
+def written_lengths(log: logging.Logger, writer: ShardWriter, share: AudioShare, lengths: str,
+                    skipped: str) -> tuple[list[int], list[list[str]]] | None:
+    """What the shard holds once every window is written: the length of each utterance (the `lengths` file, one
+    a line) and the (file, reason) of each skipped one (`skipped`, each logged as a warning). None, with the
+    partial shard discarded and the reason logged, when every file was skipped."""
+    written = [int(n) for n in writer.text(lengths).split()]
+    skips = [line.split("\t", 1) for line in writer.text(skipped).splitlines()]
+    for rel, reason in skips:
+        log.warning("skipped %s: %s", rel, reason)
+    if not written:
+        writer.discard()
+        log.error("nothing written: all %d file(s) of shard %d/%d were skipped (reasons above)",
+                  len(share.relpaths), share.rank, share.nshard)
+        return None
+    return written, skips
+
+
 def log_input_wait(log: logging.Logger, pipeline: FeatureWindows, seconds: float, model: str) -> None:
     """The model's input wait, as the trainer logs its data wait."""
     log.info("read %.1f s of audio in %.2f s: %.1f audio seconds per second; %s waited %.2f s (%.0f%%) for decoded "

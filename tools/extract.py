@@ -55,7 +55,8 @@ from data.feature_settings import model_fingerprint  # noqa: E402
 from data.resumable_shard import FEATURE_DUMP, ShardWriter, claim_shard  # noqa: E402
 from errors import EXIT_FAILURE, EXIT_OK, BadInputError  # noqa: E402
 from tools.audio_shard import (AudioShare, add_input_args, audio_share, batch_seconds, check_input_args,  # noqa: E402
-                               log_input_wait, model_device, progress_bar, w2v_passes, write_windows)
+                               log_input_wait, model_device, progress_bar, w2v_passes, write_windows,
+                               written_lengths)
 from tools.cli import bad_input_exits_2, run  # noqa: E402
 from training.device import compute_dtype  # noqa: E402
 from training.faults import FaultInjector  # noqa: E402
@@ -176,15 +177,10 @@ def extract_into(args, share: AudioShare, name: str, fbank: SeamlessFbank, encod
 
         write_windows(pipeline, writer, write, FaultInjector(share.rank), bar)
     seconds = time.perf_counter() - began
-    lengths = [int(n) for n in writer.text(".len").split()]
-    skipped = [line.split("\t", 1) for line in writer.text(".skipped").splitlines()]
-    for rel, reason in skipped:
-        log.warning("skipped %s: %s", rel, reason)
-    if not lengths:
-        writer.discard()
-        log.error("nothing written: all %d file(s) of shard %d/%d were skipped (reasons above)",
-                  len(share.relpaths), share.rank, share.nshard)
+    written = written_lengths(log, writer, share, ".len", ".skipped")
+    if written is None:
         return EXIT_FAILURE
+    lengths, skipped = written
     meta = {**settings, "source": str(args.source), "utterances": len(lengths), "frames": sum(lengths),
             "skipped": len(skipped)}
     array = writer.finish({FEATURE_DUMP.meta: json.dumps(meta, indent=1) + "\n"})

@@ -49,7 +49,8 @@ from data.resumable_shard import CODES, ShardWriter, claim_shard  # noqa: E402
 from errors import EXIT_FAILURE, EXIT_OK, BadInputError  # noqa: E402
 from models.codes import TAIL_PADDING, code_frames, encode_in_batches, km_lines  # noqa: E402
 from tools.audio_shard import (AudioShare, add_input_args, audio_share, batch_seconds, check_input_args,  # noqa: E402
-                               log_input_wait, model_device, progress_bar, w2v_passes, write_windows)
+                               log_input_wait, model_device, progress_bar, w2v_passes, write_windows,
+                               written_lengths)
 from tools.cli import bad_input_exits_2, run  # noqa: E402
 from tools.trained_codec import (CodesSpec, add_codes_args, check_codes_args, codes_spec,  # noqa: E402
                                  describe_codes, load_codec)
@@ -192,15 +193,10 @@ def tokenize_into(args, share: AudioShare, name: str, fbank: SeamlessFbank, enco
 
         write_windows(pipeline, writer, write, FaultInjector(share.rank), bar)
     seconds = time.perf_counter() - began
-    frames = [int(n) for n in writer.text(".codes.frames").split()]
-    skipped = [line.split("\t", 1) for line in writer.text(".codes.skipped").splitlines()]
-    for rel, reason in skipped:
-        log.warning("skipped %s: %s", rel, reason)
-    if not frames:
-        writer.discard()
-        log.error("nothing written: all %d file(s) of shard %d/%d were skipped (reasons above)",
-                  len(share.relpaths), share.rank, share.nshard)
+    written = written_lengths(log, writer, share, ".codes.frames", ".codes.skipped")
+    if written is None:
         return EXIT_FAILURE
+    frames, skipped = written
     meta = {**settings, "source": str(args.source), "utterances": len(frames), "frames": sum(frames),
             "code_frames": writer.rows, "skipped": len(skipped),
             "padding": TAIL_PADDING, "feature_frames": frames}
