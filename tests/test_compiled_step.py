@@ -1,6 +1,7 @@
 """The training step under torch.compile (--compile): one graph with no break, the same numbers as eager, exact
 resume, the same codebooks on every rank, and the quantizer's bookkeeping outside the step."""
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,16 +35,25 @@ def test_the_training_forward_is_one_graph_with_no_break():
 
 def test_under_quantize_dropout_the_only_breaks_are_the_librarys_depth_branch():
     """The library draws the depth with Python's random.Random(seed), which torch.compile feeds to the graph as
-    an input, so its `if quantizer_index > depth:` splits the graph once per level (no device read, no
-    collective); any other break fails here."""
+    an input, so its comparisons with the depth at the head of its loop over levels (`is_last_step = ... ==
+    depth`, `if quantizer_index > depth:`) split the graph (no device read, no collective): torch 2.13 breaks
+    at the `if`, torch 2.11 at the comparison before it and the loop's own line; any other break fails here."""
+    import vector_quantize_pytorch.residual_vq as library
+
+    source = Path(library.__file__).read_text().splitlines()
+    loop = next(i for i, line in enumerate(source, 1) if "for quantizer_index, (vq," in line)
+    branch = next(i for i, line in enumerate(source, 1)
+                  if i > loop and "quantizer_index > rand_quantize_dropout_index" in line)
     model = small_codec(quantize_dropout=True)
     x = torch.randn(4, 16, 12)
     model.init_codebooks(torch.randn(8, 16, 12), batch_frames=64)
     for seed in model.dropout_variants():
         explained = torch._dynamo.explain(model._forward)(x, None, 1, seed)
-        where = {f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"
-                 for reason in explained.break_reasons for frame in reason.user_stack[-1:]}
-        assert where == {"residual_vq.py:479"}, explained.break_reasons
+        where = [(Path(reason.user_stack[-1].filename).name, reason.user_stack[-1].lineno)
+                 for reason in explained.break_reasons]
+        assert where, "no break at all: the library no longer branches on the depth (update this test)"
+        assert all(name == "residual_vq.py" and loop <= line <= branch for name, line in where), \
+            (where, (loop, branch), explained.break_reasons)
 
 
 def test_before_the_init_the_forward_reads_the_flag_and_after_it_never():
