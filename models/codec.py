@@ -344,9 +344,9 @@ class RVQCodec(nn.Module):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, needed)
         torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
                                                                needed)
-        # torch.compile takes a mode or options, not both; "default" with options is the same mode
-        settings = {"options": COMPILE_OPTIONS[self.feature_mean.device.type]} if (
-            mode == "default" and self.feature_mean.device.type in COMPILE_OPTIONS) else {"mode": mode}
+        options = COMPILE_OPTIONS.get(self.feature_mean.device.type) if mode == "default" else None
+        # torch.compile takes a mode or options, not both: options alone compile in the default mode
+        settings = {"options": options} if options else {"mode": mode}
         self._compiled_forward = torch.compile(self._forward, dynamic=False, **settings)
         self._cuda_graphs = mode == "reduce-overhead"
 
