@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from data.bad_crops import finite_crops
 from errors import BadInputError
 from models.codec import CodecConfig, RVQCodec
 from tests.helpers import TINY, events, run_gloo_ranks, run_torchrun, run_trainer, write_fairseq
@@ -93,7 +94,10 @@ def run_steps(compiled: bool, steps: int = 7, nan_at: int = 4) -> list[dict]:
     torch.manual_seed(2)  # the expiry samples its new codes
     record, before = [], None
     for step in range(1, steps + 1):
-        x, keep = torch.randn(4, 16, 12, generator=generator), torch.tensor([True, True, step != 3, True])
+        x = torch.randn(4, 16, 12, generator=generator)
+        if step == 3:
+            x[2, 5, 1] = float("nan")  # a NaN in the data: its crop is dropped on the device, the step trains
+        keep = finite_crops(x)  # as the trainer marks each batch's crops (data/bad_crops.py)
         before = model.codebook_state(into=before)
         out = model(x, keep)
         loss = out.loss * float("nan") if step == nan_at else out.loss
@@ -117,6 +121,7 @@ def run_steps(compiled: bool, steps: int = 7, nan_at: int = 4) -> list[dict]:
 def test_compiled_equals_eager_through_expiry_and_a_skipped_step():
     eager, compiled = run_steps(compiled=False), run_steps(compiled=True)
     assert [r["outcome"] for r in eager] == [r["outcome"] for r in compiled]
+    assert eager[2]["outcome"] is StepOutcome.APPLIED and torch.isfinite(eager[2]["loss"])  # NaN data, dropped
     assert eager[3]["outcome"] is StepOutcome.BAD  # the NaN step, skipped
     torch.testing.assert_close(eager[3]["buffers"], eager[2]["buffers"], rtol=0, atol=0)  # and undone
     assert [r["expired"] for r in eager] == [r["expired"] for r in compiled]
