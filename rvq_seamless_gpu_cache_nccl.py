@@ -280,6 +280,8 @@ class Trainer:
                     out = self.forward_backward(x, keep, p.step * accum + micro, micro_batches=accum)
                 p.samples_seen += len(batch.utterances)
                 self.timer.add_frames(batch.frames * ctx.world_size)
+        with p.phase_of("data"):  # the next step's batch, started before this step's one host sync (the guard's)
+            self.batches.prepare((p.step + 1) * accum)
         p.enter("optimizer")
         self.scaler.unscale_(self.optimizer)
         # The gradients are all-reduced, so this norm is the same on every rank: a NaN on any

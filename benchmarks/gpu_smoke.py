@@ -38,9 +38,12 @@ LOSS_RTOL = {"prefetch": 1e-5, "cache": 1e-5}
 # comparable; the last logged loss is, within this relative tolerance
 RESUME_LOSS_RTOL = 0.05
 DRILL_KERNEL_S = 30  # one GPU: the kernel the drill's collective waits behind
-# compiled (--compile on, cudagraphs) against eager: fp32 losses of the first steps under --deterministic, relative
-# (the compiler fuses and reorders float sums; tests/test_compiled_step.py holds a CPU run to the same tolerance)
-COMPILED_LOSS_RTOL = 1e-3
+# compiled (--compile on, cudagraphs) against eager: fp32 losses of the first steps under --deterministic, relative.
+# The first step is the same arithmetic with sums reordered (an H100 run: 1e-7); later steps train on what the
+# earlier left, and a code picked differently on a near tie grows the gap step by step (4e-3 by step 20 on an H100
+# for --compile on; benchmarks/README.md). A codebook update applied twice shows at the first step (1e-4).
+COMPILED_FIRST_LOSS_RTOL = 1e-5
+COMPILED_LOSS_RTOL = 1e-2
 COMPILED_LOSS_STEPS = 20
 LARGE_BATCH = 512  # crops a step: README "Measured" reasons that twice the plain loop needs some 600-700
 W2V_MIN_COSINE = 0.99  # bf16 against fp32 features of a random w2v-BERT, per frame
@@ -271,7 +274,7 @@ def step_compiled_step(args):
     """The training step compiled (--compile on) and with CUDA graphs (--compile cudagraphs) against eager
     (--compile off), at the default codec and GPU batch: frames/s of each at the default precision, with its
     compile time; and the fp32 losses of the first COMPILED_LOSS_STEPS steps under --deterministic, which must
-    agree with eager's within COMPILED_LOSS_RTOL (relative), as a CPU run does in tests/test_compiled_step.py."""
+    agree with eager's: the first within COMPILED_FIRST_LOSS_RTOL, all within COMPILED_LOSS_RTOL (relative)."""
     needs_cuda()
     flags = ("off", "on", "cudagraphs")
     steps = max(args.steps, 30)
@@ -287,15 +290,19 @@ def step_compiled_step(args):
     details = {"speed": speed, "losses": losses, "loss_rtol": COMPILED_LOSS_RTOL, **stderr}
     if failed:
         return False, "; ".join(failed), details
-    gaps = {flag: relative_gap(losses[flag], losses["off"]) for flag in ("on", "cudagraphs")}
-    details["loss_gap"] = gaps
+    compiled = ("on", "cudagraphs")
+    first = {flag: relative_gap(losses[flag][:1], losses["off"][:1]) for flag in compiled}
+    gaps = {flag: relative_gap(losses[flag], losses["off"]) for flag in compiled}
+    details.update(first_loss_gap=first, loss_gap=gaps)
     eager = speed["off"]["frames_per_sec"]
     figure = ", ".join(f"--compile {flag} {r['frames_per_sec']:,} frames/s"
                        + ("" if flag == "off" else f" ({r['frames_per_sec'] / eager:.2f}x, {compile_time(r)})")
                        for flag, r in speed.items())
-    figure += f"; fp32 losses of {COMPILED_LOSS_STEPS} steps against eager: " + ", ".join(
-        f"{flag} {gap:.1e}" for flag, gap in gaps.items()) + f" (tolerance {COMPILED_LOSS_RTOL})"
-    return all(gap <= COMPILED_LOSS_RTOL for gap in gaps.values()), figure, details
+    figure += f"; fp32 losses against eager, first step / {COMPILED_LOSS_STEPS} steps: " + ", ".join(
+        f"{flag} {first[flag]:.1e} / {gaps[flag]:.1e}" for flag in compiled) + \
+        f" (tolerances {COMPILED_FIRST_LOSS_RTOL} / {COMPILED_LOSS_RTOL})"
+    ok = all(first[flag] <= COMPILED_FIRST_LOSS_RTOL and gaps[flag] <= COMPILED_LOSS_RTOL for flag in compiled)
+    return ok, figure, details
 
 
 def step_batch_512(args):

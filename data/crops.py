@@ -85,5 +85,8 @@ class HostBatches:
             host = host.pin_memory()
         return batch, host.to(self.device, non_blocking=self.pin_memory)
 
+    def prepare(self, step: int) -> None:
+        """Nothing: the read is host work, done when the step asks for it (DeviceFeatureCache.prepare)."""
+
     def close(self) -> None:
         pass

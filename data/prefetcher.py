@@ -128,6 +128,9 @@ class Prefetcher:
         self._fill()
         return batch, x
 
+    def prepare(self, step: int) -> None:
+        """Nothing: the workers are ahead already (DeviceFeatureCache.prepare)."""
+
     def _restart_pool(self) -> None:
         old = self._pool
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="prefetch")

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from vector_quantize_pytorch import ResidualVQ
 
+from models.one_hot_products import OneHotProducts
 
 # Steps between dead-code expiries (benchmarks/README.md, "Dead-code expiry"): each expiry reads the codebooks on
 # the host, so a GPU step waits for it; between expiries the step runs without a host sync from the quantizer.
@@ -66,10 +67,17 @@ class CodecConfig:
 
 # Inductor's options for the compiled training step (compile_training), by device type. On a CPU its C++ wrapper
 # runs each compiled graph instead of the generated Python one: the same kernels, ~0.4 ms less host time per step
-# of the tiny codec (the Python wrapper's ~300 buffer views and checks a step), no longer to compile
-# (benchmarks/README.md, "The compiled step"). On CUDA the Python wrapper stays until a GPU run has measured the
-# C++ one there; --compile cudagraphs replays the graphs without either.
-COMPILE_OPTIONS = {"cpu": {"cpp_wrapper": True}}
+# of the tiny codec (the Python wrapper's ~300 buffer views and checks a step), no longer to compile; and the
+# quantizer's products with its one-hot code matrix become a gather and a scatter-add (models/one_hot_products.py),
+# a quarter of the default codec's step (benchmarks/README.md, "The compiled step"). On CUDA neither until a GPU
+# run has measured them there (the step is bound by the host, and a product is a tensor-core kernel);
+# --compile cudagraphs replays the graphs without a wrapper.
+COMPILE_OPTIONS = {"cpu": {"cpp_wrapper": True, "pre_grad_custom_pass": OneHotProducts()}}
+# --compile cudagraphs: each compiled graph (forward, backward) captured in a CUDA graph and replayed, its outputs
+# static buffers that the next replay overwrites. Not torch.compile's reduce-overhead mode, which is these options
+# with cudagraph trees: on an H100 (torch 2.11) the trees freed a step's forward outputs while its backward still
+# needed them and the run failed at its second step; without them it trained (benchmarks/README.md).
+CUDA_GRAPH_OPTIONS = {"triton.cudagraphs": True, "triton.cudagraph_trees": False}
 MIN_ENCODE_STEPS = 16  # code frames: the shortest pass RVQCodec.encode runs (shorter inputs are zero-padded)
 # The library's beam search scores a partial code sequence by the sum over its levels of each level's residual
 # error, weighted per level; weights that grow by this factor per level make the score the current residual's
@@ -162,7 +170,7 @@ class RVQCodec(nn.Module):
             codebook.has_dead_code_replacement = False
         self._init_settled = False  # set once every level's k-means init is done: forwards stop checking for it
         self._compiled_forward = None  # the training forward under torch.compile (compile_training)
-        self._cuda_graphs = False  # compiled with CUDA graphs (torch.compile's reduce-overhead mode)
+        self._cuda_graphs = False  # compiled with CUDA graphs (compile_training's "cudagraphs")
         self._compiled_variants = set()  # (input shape, dropout seed) the compiled forward has run with
         self._quantizer_buffers = None  # list(self.rvq.buffers()), listed once: walking the modules costs ~0.1 ms
 
@@ -235,11 +243,20 @@ class RVQCodec(nn.Module):
         self._settle_init()
         seed = self._dropout_seed(dropout_seed)
         if self.training and self._compiled_forward is not None and self._init_settled:
-            if self._cuda_graphs:  # the last replay's outputs are read by now: the next may overwrite them
-                torch.compiler.cudagraph_mark_step_begin()
-            self._compiled_variants.add((tuple(features.shape), seed))
+            variant = (tuple(features.shape), seed)
+            if self._cuda_graphs and variant not in self._compiled_variants:
+                self._capture(features, keep, seed)
+            self._compiled_variants.add(variant)
             return self._compiled_forward(features, keep, 1, seed)
         return self._forward(features, keep, beam_size, seed)
+
+    def _capture(self, features: torch.Tensor, keep: torch.Tensor | None, seed: int | None) -> None:
+        """The first call of a graph under CUDA graphs runs it twice, a warm-up and then the capture's replay, so
+        the library's codebook updates inside the graph would land twice in that step. That call is made here,
+        its outputs dropped and the quantizer put back as it was: the step's own call is then one replay."""
+        state = self.codebook_state()
+        self._compiled_forward(features, keep, 1, seed)
+        self.restore_codebook_state(state)
 
     def _forward(self, features: torch.Tensor, keep: torch.Tensor | None, beam_size: int = 1,
                  dropout_seed: int | None = None) -> CodecOutput:
@@ -338,17 +355,18 @@ class RVQCodec(nn.Module):
     def compile_training(self, mode: str = "default", variants: int = 1) -> None:
         """Run the training forward (and so its backward) under torch.compile, one graph per input shape
         (static shapes: one per segment length) and per quantize-dropout depth; `variants`: how many such
-        graphs the run may need. mode: torch.compile's ("default"; "reduce-overhead": CUDA graphs). The
-        eval-mode forward, encode and decode stay eager."""
+        graphs the run may need. mode: "default" (torch.compile's) or "cudagraphs" (CUDA_GRAPH_OPTIONS, on CUDA).
+        The eval-mode forward, encode and decode stay eager."""
         needed = variants * (self.rvq.num_quantizers if self.rvq.quantize_dropout else 1)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, needed)
         torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
                                                                needed)
-        options = COMPILE_OPTIONS.get(self.feature_mean.device.type) if mode == "default" else None
+        if mode not in ("default", "cudagraphs"):
+            raise ValueError(f"compile mode {mode!r}: default or cudagraphs")
+        self._cuda_graphs = mode == "cudagraphs"
+        options = CUDA_GRAPH_OPTIONS if self._cuda_graphs else COMPILE_OPTIONS.get(self.feature_mean.device.type)
         # torch.compile takes a mode or options, not both: options alone compile in the default mode
-        settings = {"options": options} if options else {"mode": mode}
-        self._compiled_forward = torch.compile(self._forward, dynamic=False, **settings)
-        self._cuda_graphs = mode == "reduce-overhead"
+        self._compiled_forward = torch.compile(self._forward, dynamic=False, **({"options": options} if options else {}))
 
     @property
     def compiled(self) -> bool:

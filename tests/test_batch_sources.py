@@ -179,3 +179,30 @@ def test_cache_get_sends_only_crop_positions_to_the_device(store_and_plan, monke
     batch, got = cache.get(3)
     torch.testing.assert_close(got, expected(store, plan, [3])[0].bfloat16().float(), rtol=0, atol=0)
     assert len(sent) == 1 and sent[0].dtype == np.int64 and sent[0].shape == (len(batch.utterances),)
+
+
+def test_a_prepared_batch_is_the_one_get_would_give(store_and_plan):
+    """prepare(step) gathers ahead (on CUDA, before the step's host sync); get(step) then hands that batch over
+    without gathering again, and a batch prepared for another step is dropped, not served. The bf16 cache takes
+    the device code path on a CPU; `ahead` is what a CUDA cache sets."""
+    store, plan = store_and_plan
+    cache = DeviceFeatureCache(store, plan, torch.device("cpu"), max_bytes=1e9, dtype=torch.bfloat16,
+                               show_progress=False)
+    assert not cache.ahead  # on a CPU a gather is host work: nothing to gain by starting it early
+    cache.prepare(1)
+    assert cache._ready is None
+    cache.ahead = True
+    want = [w.bfloat16().float() for w in expected(store, plan, range(4))]
+    cache.prepare(0)
+    prepared = cache._ready[1][1]
+    batch, got = cache.get(0)
+    assert got is prepared and batch.step == 0  # handed over, not gathered again
+    torch.testing.assert_close(got, want[0], rtol=0, atol=0)
+    cache.prepare(2)  # prepared, then another step asked for: the right batch, the prepared one dropped
+    torch.testing.assert_close(cache.get(1)[1], want[1], rtol=0, atol=0)
+    assert cache._ready is None
+    torch.testing.assert_close(cache.get(2)[1], want[2], rtol=0, atol=0)
+    cache.prepare(3)
+    torch.testing.assert_close(cache.get(3)[1], want[3], rtol=0, atol=0)
+    cache.close()
+

@@ -57,6 +57,40 @@ def test_under_quantize_dropout_the_only_breaks_are_the_librarys_depth_branch():
             (where, (loop, branch), explained.break_reasons)
 
 
+def test_on_a_cpu_the_quantizers_one_hot_products_become_a_gather_and_a_scatter_add(monkeypatch):
+    """The compiled step on a CPU rewrites the library's two products with the one-hot code matrix per level
+    (models/one_hot_products.py), from MIN_MULTIPLY_ADDS up: the same codes and quantized vectors, the EMA sums to
+    float rounding, and the same numbers run after run. A library version that writes them otherwise is left as
+    products (slower, not wrong) and fails here; a codec below the size is left as it is."""
+    import copy
+
+    import models.one_hot_products as one_hot_products
+    from models.codec import COMPILE_OPTIONS
+
+    model = small_codec()
+    x, keep = torch.randn(4, 16, 12), torch.tensor([True, False, True, True])
+    model.init_codebooks(torch.randn(8, 16, 12), batch_frames=64)
+    eager, again, small = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
+    rewrites = COMPILE_OPTIONS["cpu"]["pre_grad_custom_pass"]
+    before = rewrites.rewritten
+    small.compile_training()
+    small(x, keep)
+    assert rewrites.rewritten == before  # 64 frames x 16 codes x 16 dims: under the size, left as products
+    monkeypatch.setattr(one_hot_products, "MIN_MULTIPLY_ADDS", 0)
+    torch._dynamo.reset()  # the graph `small` compiled would serve the same code and shapes
+    model.compile_training()
+    again.compile_training()
+    for step in range(2):
+        got, want, repeat = model(x, keep), eager(x, keep), again(x, keep)
+        assert torch.equal(got.codes, want.codes), step
+        torch.testing.assert_close(got.reconstruction, want.reconstruction, rtol=STEP_RTOL, atol=STEP_ATOL)
+        torch.testing.assert_close(model.quantizer_buffers(), eager.quantizer_buffers(), rtol=STEP_RTOL,
+                                   atol=STEP_ATOL)
+        torch.testing.assert_close(model.quantizer_buffers(), again.quantizer_buffers(), rtol=0, atol=0)
+        torch.testing.assert_close(got.loss, repeat.loss, rtol=0, atol=0)
+    assert rewrites.rewritten - before == 2 * model.config.num_quantizers  # one graph serves both codecs
+
+
 def test_before_the_init_the_forward_reads_the_flag_and_after_it_never():
     model = small_codec()
     x = torch.randn(4, 16, 12)
@@ -118,8 +152,20 @@ def run_steps(compiled: bool, steps: int = 7, nan_at: int = 4) -> list[dict]:
 
 
 @pytest.mark.timeout(240)
-def test_compiled_equals_eager_through_expiry_and_a_skipped_step():
+@pytest.mark.parametrize("rewrite", [False, True], ids=["as the library writes it", "one-hot products rewritten"])
+def test_compiled_equals_eager_through_expiry_and_a_skipped_step(monkeypatch, rewrite):
+    """rewrite: the CPU's one-hot pass at any size (models/one_hot_products.py), as on the default codec."""
+    import models.one_hot_products as one_hot_products
+
+    from models.codec import COMPILE_OPTIONS
+
+    if rewrite:
+        monkeypatch.setattr(one_hot_products, "MIN_MULTIPLY_ADDS", 0)
+    torch._dynamo.reset()  # compiled here, not served from another test's graph
+    rewrites = COMPILE_OPTIONS["cpu"]["pre_grad_custom_pass"]
+    before = rewrites.rewritten
     eager, compiled = run_steps(compiled=False), run_steps(compiled=True)
+    assert rewrites.rewritten - before == (2 * 3 if rewrite else 0)  # 2 a level, 3 levels
     assert [r["outcome"] for r in eager] == [r["outcome"] for r in compiled]
     assert eager[2]["outcome"] is StepOutcome.APPLIED and torch.isfinite(eager[2]["loss"])  # NaN data, dropped
     assert eager[3]["outcome"] is StepOutcome.BAD  # the NaN step, skipped
@@ -185,7 +231,7 @@ def test_auto_compiles_on_a_gpu_and_on_a_cpu_only_for_a_long_run(monkeypatch):
     assert compile_mode("auto", cpu, minutes=1)[0] is None
     assert compile_mode("auto", cpu, steps=100000, minutes=0.05)[0] is None  # either bound short: eager
     assert compile_mode("off", cuda)[0] is None and compile_mode("on", cpu, steps=3)[0] == "default"
-    assert compile_mode("cudagraphs", cuda)[0] == "reduce-overhead"
+    assert compile_mode("cudagraphs", cuda)[0] == "cudagraphs"
     with pytest.raises(BadInputError, match="needs a GPU"):
         compile_mode("cudagraphs", cpu)
     monkeypatch.setenv("CXX", "no-such-compiler")
@@ -284,6 +330,34 @@ def test_the_compiled_trainer_on_two_ranks_passes_every_sync_check(tmp_path, sma
     assert r.returncode == 0, r.stderr[-3000:]
     assert "compile: the training step for segment length" in r.stderr
     assert events(out, "stop")[-1]["step"] == 6
+
+
+def test_under_cuda_graphs_a_graphs_first_call_updates_the_codebooks_once():
+    """Inductor's CUDA graphs run a graph twice at its first call (a warm-up, then the capture's replay), so the
+    library's EMA update inside the graph would land twice in that step. With a stand-in that does the same on a
+    CPU, every training forward leaves the quantizer and the loss as one eager forward does."""
+    import copy
+
+    model = small_codec()
+    x = torch.randn(4, 16, 12)
+    model.init_codebooks(torch.randn(8, 16, 12), batch_frames=64)
+    eager = copy.deepcopy(model)
+    calls = []
+
+    def first_call_runs_twice(*args):  # inductor's cudagraphify_impl: warm-up run, capture, replay
+        if not calls:
+            model._forward(*args)
+        calls.append(args)
+        return model._forward(*args)
+
+    model.compile_training("default")
+    model._compiled_forward, model._cuda_graphs = first_call_runs_twice, True
+    for step in range(3):
+        out, want = model(x), eager(x)
+        torch.testing.assert_close(out.loss, want.loss, rtol=0, atol=0, msg=f"step {step}")
+        torch.testing.assert_close(model.quantizer_buffers(), eager.quantizer_buffers(), rtol=0, atol=0,
+                                   msg=f"step {step}")
+    assert len(calls) == 4  # the first forward's graph was called twice, once to be captured
 
 
 def test_cudagraphs_on_a_cpu_exits_2_and_writes_nothing(tmp_path):

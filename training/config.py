@@ -131,7 +131,7 @@ class OptimConfig:
                                 "segment length, compiled before the first step: auto (on with a GPU; on a CPU, on for "
                                 f"a run of at least {CPU_COMPILE_MIN_STEPS} steps and {CPU_COMPILE_MIN_MINUTES:g} "
                                 "minutes under --max_minutes, where it pays back its compile time, else off), on, off, "
-                                "or cudagraphs (on, plus CUDA graphs: torch.compile's reduce-overhead mode)",
+                                "or cudagraphs (on, each graph captured and replayed as a CUDA graph)",
                         choices=COMPILE_CHOICES)
     deterministic: bool = flag(False, "deterministic kernels only (torch.use_deterministic_algorithms, cuBLAS "
                                       "workspace :4096:8), so that a resumed GPU run matches an unbroken one bit for bit; "

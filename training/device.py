@@ -97,10 +97,10 @@ def compute_dtype(precision: str, device: torch.device) -> torch.dtype | None:
 
 
 # --compile: torch.compile's mode for each choice (None: eager)
-COMPILE_MODES = {"on": "default", "cudagraphs": "reduce-overhead", "off": None}
+COMPILE_MODES = {"on": "default", "cudagraphs": "cudagraphs", "off": None}
 COMPILE_CHOICES = ("auto", *COMPILE_MODES)
 # --compile auto on a CPU compiles a run whose step budget (where given) and --max_minutes (where given) are at least
-# these: on 2 cores the default codec's step compiles in up to ~30 s and then runs 1.27x faster, which pays after
+# these: on 2 cores the default codec's step compiles in up to ~45 s and then runs 1.27x-1.51x faster, which pays after
 # some 800 steps or 2-3 minutes of training; a short run stays eager (benchmarks/README.md, "The compiled step")
 CPU_COMPILE_MIN_STEPS = 1000
 CPU_COMPILE_MIN_MINUTES = 5.0

@@ -7,9 +7,12 @@ window since the last report:
 - `frames_per_sec`: frames trained on all ranks per second of wall time.
 - `data_wait_frac`: the share of this rank's wall time spent inside `batches.get`.
   This is host time: the prefetcher waiting for a worker, or the device cache
-  enqueueing its gather. On CUDA the gather and a prefetched host-to-device copy
-  run on the device, asynchronously; their device time counts as step time, not
-  as data wait, and a copy that the step has to wait for shows as a slower step.
+  enqueueing its gather. On CUDA the device cache enqueues the next step's gather
+  before the step's host sync (`prepare`), while the device is busy, and that
+  time is not counted: in a host-bound step it shows as fewer frames/s instead.
+  On CUDA the gather and a prefetched host-to-device copy run on the device,
+  asynchronously; their device time counts as step time, not as data wait, and
+  a copy that the step has to wait for shows as a slower step.
 - `mfu`: model FLOPs per second over the peak of one device, per rank. The peak
   on CUDA comes from a table of dense 16-bit/fp32 figures keyed by the exact
   device name, at the run's precision (a timed GEMM when the name is not in the table); on CPU it is a timed
