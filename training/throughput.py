@@ -100,7 +100,9 @@ def training_flops_per_frame(model) -> float:
     (2 x codebook_dim x codebook_size) and the EMA update's one-hot einsum of the same size,
     plus the in/out projections when codebook_dim differs from the latent dim. Not counted:
     elementwise work (GELU, residual adds, losses, the optimizer), k-means init and dead-code
-    expiry. The quantizer is never run here: its training forward has collectives.
+    expiry. The quantizer is never run here: its training forward has collectives. The count is the
+    model's, whatever runs it: the compiled step on a CPU does the EMA einsum as a scatter-add
+    (models/one_hot_products.py), so there `mfu` counts work it does not do and reads high.
     """
     from torch.utils.flop_counter import FlopCounterMode
 
