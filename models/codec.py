@@ -68,8 +68,9 @@ class CodecConfig:
 # Inductor's options for the compiled training step (compile_training), by device type. On a CPU its C++ wrapper
 # runs each compiled graph instead of the generated Python one: the same kernels, ~0.4 ms less host time per step
 # of the tiny codec (the Python wrapper's ~300 buffer views and checks a step), no longer to compile; and the
-# quantizer's products with its one-hot code matrix become a gather and a scatter-add (models/one_hot_products.py),
-# a quarter of the default codec's step (benchmarks/README.md, "The compiled step"). On CUDA neither until a GPU
+# quantizer's products with its one-hot code matrix become a gather and a scatter-add (models/one_hot_products.py):
+# the default codec's compiled trainer 1.51x the eager one of before --compile, 1.27x without it (benchmarks/README.md,
+# "The compiled step"). On CUDA neither until a GPU
 # run has measured them there (the step is bound by the host, and a product is a tensor-core kernel);
 # --compile cudagraphs replays the graphs without a wrapper.
 COMPILE_OPTIONS = {"cpu": {"cpp_wrapper": True, "pre_grad_custom_pass": OneHotProducts()}}
@@ -366,7 +367,8 @@ class RVQCodec(nn.Module):
         self._cuda_graphs = mode == "cudagraphs"
         options = CUDA_GRAPH_OPTIONS if self._cuda_graphs else COMPILE_OPTIONS.get(self.feature_mean.device.type)
         # torch.compile takes a mode or options, not both: options alone compile in the default mode
-        self._compiled_forward = torch.compile(self._forward, dynamic=False, **({"options": options} if options else {}))
+        settings = {"options": options} if options else {}
+        self._compiled_forward = torch.compile(self._forward, dynamic=False, **settings)
 
     @property
     def compiled(self) -> bool:
