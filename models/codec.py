@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from vector_quantize_pytorch import ResidualVQ
 
+from models.conv_products import ConvProducts
+from models.graph_passes import GraphPasses
 from models.one_hot_products import OneHotProducts
 
 # Steps between dead-code expiries (benchmarks/README.md, "Dead-code expiry"): each expiry reads the codebooks on
@@ -65,15 +67,17 @@ class CodecConfig:
         return asdict(self)
 
 
+# The compiled CPU step's graph rewrites (inductor's pre-grad custom pass; the eager step is unchanged): the
+# quantizer's products with its one-hot code matrix become a gather and a scatter-add where large (the default
+# codec's compiled trainer 1.51x the eager one of before --compile, 1.27x without), and a small convolution one
+# matrix product (benchmarks/README.md, "The compiled step").
+ONE_HOT_PRODUCTS, CONV_PRODUCTS = OneHotProducts(), ConvProducts()
 # Inductor's options for the compiled training step (compile_training), by device type. On a CPU its C++ wrapper
 # runs each compiled graph instead of the generated Python one: the same kernels, ~0.4 ms less host time per step
 # of the tiny codec (the Python wrapper's ~300 buffer views and checks a step), no longer to compile; and the
-# quantizer's products with its one-hot code matrix become a gather and a scatter-add (models/one_hot_products.py):
-# the default codec's compiled trainer 1.51x the eager one of before --compile, 1.27x without it (benchmarks/README.md,
-# "The compiled step"). On CUDA neither until a GPU
-# run has measured them there (the step is bound by the host, and a product is a tensor-core kernel);
-# --compile cudagraphs replays the graphs without a wrapper.
-COMPILE_OPTIONS = {"cpu": {"cpp_wrapper": True, "pre_grad_custom_pass": OneHotProducts()}}
+# rewrites above. On CUDA neither until a GPU run has measured them there (the step is bound by the host, and a
+# product is a tensor-core kernel); --compile cudagraphs replays the graphs without a wrapper.
+COMPILE_OPTIONS = {"cpu": {"cpp_wrapper": True, "pre_grad_custom_pass": GraphPasses(ONE_HOT_PRODUCTS, CONV_PRODUCTS)}}
 # --compile cudagraphs: each compiled graph (forward, backward) captured in a CUDA graph and replayed, its outputs
 # static buffers that the next replay overwrites. Not torch.compile's reduce-overhead mode, which is these options
 # with cudagraph trees: on an H100 (torch 2.11) the trees freed a step's forward outputs while its backward still

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from models.graph_passes import replace_with_call, traced_value
+
 # the library's einsums, whitespace normalised: the quantized vectors and the EMA sums
 PICK_ROWS = "h b n ... c, h c d -> h b n ... d"  # one-hot [h, b, n, c] x codebook [h, c, d]
 SUM_ROWS = "h n d, h n c -> h c d"  # input [h, n, d] x one-hot [h, n, c]
@@ -96,15 +98,9 @@ def _unpacks_rows(node) -> bool:
     return last.isidentifier()
 
 
-def _example(node) -> torch.Tensor | None:
-    """The tensor dynamo traced for a graph node (its fake value), or None."""
-    value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
-
-
 def _requires_grad(node) -> bool:
     """The codebook is trained by gradient (the library's learnable codebook): `kept` has no backward."""
-    value = _example(node)
+    value = traced_value(node)
     return value is None or value.requires_grad
 
 
@@ -115,12 +111,12 @@ def _slices_rows(index) -> bool:
 
 
 def _numel(node) -> int:
-    value = _example(node)
+    value = traced_value(node)
     return 0 if value is None else value.numel()
 
 
 def _last_dim(node) -> int | None:
-    value = _example(node)
+    value = traced_value(node)
     return value.shape[-1] if value is not None and value.dim() else None
 
 
@@ -138,7 +134,7 @@ class OneHotProducts(CustomGraphPass):
             if len(node.args) != 3 or node.kwargs or not isinstance(node.args[0], str):
                 continue
             equation, a, b = " ".join(node.args[0].split()), node.args[1], node.args[2]
-            value = _example(node)
+            value = traced_value(node)
             if value is None:
                 continue
             if equation == PICK_ROWS and _is_one_hot(a) and not _requires_grad(b):
@@ -149,11 +145,7 @@ class OneHotProducts(CustomGraphPass):
                 continue
             if _numel(one_hot) * (_last_dim(other) or 0) < MIN_MULTIPLY_ADDS:
                 continue
-            with graph.inserting_before(node):
-                new = graph.call_function(target, args)
-            new.meta.update(node.meta)
-            node.replace_all_uses_with(new)
-            graph.erase_node(node)
+            replace_with_call(graph, node, target, args)
             self.rewritten += 1
 
     def uuid(self) -> str:

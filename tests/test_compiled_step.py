@@ -65,13 +65,13 @@ def test_on_a_cpu_the_quantizers_one_hot_products_become_a_gather_and_a_scatter_
     import copy
 
     import models.one_hot_products as one_hot_products
-    from models.codec import COMPILE_OPTIONS
+    from models.codec import ONE_HOT_PRODUCTS
 
     model = small_codec()
     x, keep = torch.randn(4, 16, 12), torch.tensor([True, False, True, True])
     model.init_codebooks(torch.randn(8, 16, 12), batch_frames=64)
     eager, again, small = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
-    rewrites = COMPILE_OPTIONS["cpu"]["pre_grad_custom_pass"]
+    rewrites = ONE_HOT_PRODUCTS
     before = rewrites.rewritten
     small.compile_training()
     small(x, keep)
@@ -89,6 +89,59 @@ def test_on_a_cpu_the_quantizers_one_hot_products_become_a_gather_and_a_scatter_
         torch.testing.assert_close(model.quantizer_buffers(), again.quantizer_buffers(), rtol=0, atol=0)
         torch.testing.assert_close(got.loss, repeat.loss, rtol=0, atol=0)
     assert rewrites.rewritten - before == 2 * model.config.num_quantizers  # one graph serves both codecs
+
+
+@pytest.mark.parametrize("kernel,padding", [(1, 0), (2, 0), (3, 1), (3, 0), (4, 2), (5, 2)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_convolution_as_a_matrix_product_gives_the_convolutions_numbers(kernel, padding, bias):
+    """models/conv_products.py's product against torch.conv1d, forward and backward (eager: the same function the
+    compiled graph runs)."""
+    from models.conv_products import conv1d_products
+
+    generator = torch.Generator().manual_seed(kernel * 10 + padding)
+    x = torch.randn(3, 5, 11, generator=generator, requires_grad=True)
+    weight = torch.randn(7, 5, kernel, generator=generator, requires_grad=True)
+    b = torch.randn(7, generator=generator, requires_grad=True) if bias else None
+    grad = torch.randn(3, 7, 11 + 2 * padding - kernel + 1, generator=generator)
+    want = torch.conv1d(x, weight, b, padding=padding)
+    got = conv1d_products(x, weight, b, padding)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    inputs = [x, weight] + ([b] if bias else [])
+    torch.testing.assert_close(torch.autograd.grad(got, inputs, grad), torch.autograd.grad(want, inputs, grad),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_on_a_cpu_small_convolutions_become_matrix_products_and_large_ones_stay(monkeypatch):
+    """The pass rewrites each stride-1 convolution under MAX_MULTIPLY_ADDS (here all 12 of the codec's) and leaves
+    the rest; the compiled step's gradients are eager's (float rounding)."""
+    import copy
+
+    import models.conv_products as conv_products
+    from models.codec import CONV_PRODUCTS
+
+    model = small_codec()
+    x, keep = torch.randn(4, 16, 12), torch.tensor([True, False, True, True])
+    model.init_codebooks(torch.randn(8, 16, 12), batch_frames=64)
+    eager, large = copy.deepcopy(model), copy.deepcopy(model)
+    torch._dynamo.reset()
+    before = CONV_PRODUCTS.rewritten
+    model.compile_training()
+    got, want = model(x, keep), eager(x, keep)
+    assert CONV_PRODUCTS.rewritten - before == 12
+    got.loss.backward()
+    want.loss.backward()
+    torch.testing.assert_close(got.loss, want.loss, rtol=STEP_RTOL, atol=STEP_ATOL)
+    torch.testing.assert_close([p.grad for p in model.parameters()], [p.grad for p in eager.parameters()],
+                               rtol=STEP_RTOL, atol=STEP_ATOL)
+    # 64 frames x 16 in x 16 out x 3 = 49,152 multiply-adds for the five 16 -> 16 convolutions of kernel 3 (a
+    # residual block's first, and the decoder's input), 16,384 or 36,864 for the seven others: a bound between
+    # leaves those five as convolutions
+    monkeypatch.setattr(conv_products, "MAX_MULTIPLY_ADDS", 40_000)
+    torch._dynamo.reset()
+    before = CONV_PRODUCTS.rewritten
+    large.compile_training()
+    large(x, keep)
+    assert CONV_PRODUCTS.rewritten - before == 7
 
 
 def test_before_the_init_the_forward_reads_the_flag_and_after_it_never():
@@ -152,20 +205,25 @@ def run_steps(compiled: bool, steps: int = 7, nan_at: int = 4) -> list[dict]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("rewrite", [False, True], ids=["as the library writes it", "one-hot products rewritten"])
-def test_compiled_equals_eager_through_expiry_and_a_skipped_step(monkeypatch, rewrite):
-    """rewrite: the CPU's one-hot pass at any size (models/one_hot_products.py), as on the default codec."""
+@pytest.mark.parametrize("rewrites", ["none", "convolutions", "both"], ids=[
+    "as written", "small convolutions as products (this size's default)", "one-hot products rewritten too"])
+def test_compiled_equals_eager_through_expiry_and_a_skipped_step(monkeypatch, rewrites):
+    """The CPU's graph rewrites: none; the convolutions (models/conv_products.py), as at this codec's size; and
+    the one-hot products as well (models/one_hot_products.py), at any size, as on the default codec."""
+    import models.conv_products as conv_products
     import models.one_hot_products as one_hot_products
+    from models.codec import CONV_PRODUCTS, ONE_HOT_PRODUCTS
 
-    from models.codec import COMPILE_OPTIONS
-
-    if rewrite:
+    if rewrites == "none":
+        monkeypatch.setattr(conv_products, "MAX_MULTIPLY_ADDS", 0)
+    if rewrites == "both":
         monkeypatch.setattr(one_hot_products, "MIN_MULTIPLY_ADDS", 0)
     torch._dynamo.reset()  # compiled here, not served from another test's graph
-    rewrites = COMPILE_OPTIONS["cpu"]["pre_grad_custom_pass"]
-    before = rewrites.rewritten
+    before = ONE_HOT_PRODUCTS.rewritten, CONV_PRODUCTS.rewritten
     eager, compiled = run_steps(compiled=False), run_steps(compiled=True)
-    assert rewrites.rewritten - before == (2 * 3 if rewrite else 0)  # 2 a level, 3 levels
+    convs = 12  # 1 + 2 x 2 + 1 in the encoder, as many in the decoder
+    assert (ONE_HOT_PRODUCTS.rewritten - before[0], CONV_PRODUCTS.rewritten - before[1]) == {
+        "none": (0, 0), "convolutions": (0, convs), "both": (2 * 3, convs)}[rewrites]  # 2 a level, 3 levels
     assert [r["outcome"] for r in eager] == [r["outcome"] for r in compiled]
     assert eager[2]["outcome"] is StepOutcome.APPLIED and torch.isfinite(eager[2]["loss"])  # NaN data, dropped
     assert eager[3]["outcome"] is StepOutcome.BAD  # the NaN step, skipped
