@@ -21,6 +21,7 @@ import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -29,7 +30,6 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from data.bad_crops import BadCrops
-from data.feature_settings import dump_feature_settings
 from data.training_data import TrainingData, batch_source, open_training_data
 from errors import EXIT_FAILURE, EXIT_OK, BadInputError, DistributedFailure, RanksDiverged, TransientFault
 from models.codec import CodecConfig, RVQCodec, codebook_tensors
@@ -39,17 +39,17 @@ from training.config import TrainConfig, parse_args, save_config
 from training.device import (cache_dtype, check_compile, compile_mode, compute_dtype, make_deterministic,
                              select_device)
 from training.distributed import (DistContext, all_reduce_sum, destroy, detect_launch, dump_flight_recorder,
-                                  final_barrier, free_destroyed_groups, init_distributed, is_distributed_error,
+                                  final_barrier, free_destroyed_groups, init_distributed,
                                   make_flight_recorder_dir, phase_timeout, wrap_ddp)
 from training.evaluate import evaluate
 from training.faults import FaultInjector
 from training.log_stream import log_to_stderr
 from training.metrics_log import MetricsLog, require_tensorboard
 from training.output_dir import OutputDirLock
-from training.progress import END_OF_SCHEDULE, FAILED, Progress
+from training.progress import END_OF_SCHEDULE, FAILED, STOPPED, Progress
 from training.resume import agree_on_resume
 from training.schedule import REFIT_SHARE, Schedule
-from training.signals import Stopped, StopRequest, stop_reason
+from training.signals import CompileInterrupted, Stopped, StopRequest, stop_reason
 from training.step_guard import StepOutcome, guarded_step
 from training.sync_check import sync_check
 from training.throughput import start_step_timer
@@ -86,7 +86,8 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
     try:
         output.agree(ctx)
         with phase_timeout(ctx, cfg.dist.slow_phase_s):  # each side waits while the other reads a checkpoint
-            resume = agree_on_resume(ctx, cfg.run.resume, Path(cfg.run.output_dir) / "checkpoints", codec)
+            resume = agree_on_resume(ctx, cfg.run.resume, Path(cfg.run.output_dir) / "checkpoints", codec,
+                                     data=data.identity, finetune=cfg.run.finetune)
     except (BadInputError, TransientFault):  # every rank raises it together: the groups go down here, not in the
         output.abandon()  # interpreter's exit
         destroy()
@@ -112,9 +113,11 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
         raise  # a clean run, and main() frees them (free_destroyed_groups)
     except Exception as e:
         trainer.failed = True
-        if not is_distributed_error(e):
+        judged = ctx.is_distributed and not isinstance(e, (BadInputError, TransientFault))  # those are every rank's
+        lost = trainer.lost_peer(e) if judged else None
+        if lost is None:  # this rank's own error: exit 1 with its traceback (2 for bad input)
             raise
-        raise trainer.lost_peer(e) from e
+        raise lost from e
     finally:
         trainer.close()
 
@@ -131,22 +134,23 @@ class Trainer:
         self.progress = Progress()
         self.steps_per_epoch = max(1, data.plan.steps_per_epoch // cfg.optim.grad_accum)
         # the checkpoint says what features the codec learns (tools.extract's notes): tools.tokenize makes them again
-        features = dump_feature_settings(cfg.data.data_dir, cfg.data.train_split)
+        features = data.identity["features"]
         self.checkpointer = Checkpointer(self.out_dir / "checkpoints", keep=cfg.run.keep_checkpoints, ctx=ctx,
                                          codec=codec, config={**cfg.to_dict(), "features": features},
-                                         steps_per_epoch=self.steps_per_epoch)
+                                         steps_per_epoch=self.steps_per_epoch, data=data.identity)
         self.amp_dtype = compute_dtype(cfg.optim.precision, ctx.device)
         self.metrics = MetricsLog(None)  # rank 0's writes to the output dir, once build() opens it
         self.batches = None
         self.codebooks_before = None  # the quantizer's buffers before the step (Trainer.train_step)
-        self.failed = False  # a collective failed: the process groups are left to the process exit
+        self.failed = False  # the run raised: the process groups are left to the process exit (a peer may be gone)
         self.exit_code = EXIT_OK
         self.saved = None  # (step, end-of-schedule work done) of the last checkpoint written or resumed from
         self.write_failed = False  # a checkpoint write failed: the run stops, the one before stays the newest
         self.progress.on_enter.append(faults.on_phase)
         self.watchdog = (PeerWatchdog(ctx.rank, ctx.world_size, timeout_s=cfg.dist.sync_timeout,
                                       slow_timeout_s=cfg.dist.slow_phase_s, progress=self.progress,
-                                      on_verdict=lambda: dump_flight_recorder(ctx, self.out_dir)).start()
+                                      on_verdict=lambda: dump_flight_recorder(ctx, self.out_dir),
+                                      on_peer_stopped=self.record_stop).start()
                          if ctx.is_distributed else None)
 
     def slow_phase(self):
@@ -172,6 +176,8 @@ class Trainer:
         torch.manual_seed(cfg.optim.seed + ctx.rank)
         if resume is not None:
             self.checkpointer.restore(resume, self.model, self.optimizer, self.scaler, p)
+            if resume.new_data:  # --finetune: the codec standardises the features it now trains on by their own
+                self.model.set_feature_stats(*(t.to(ctx.device) for t in feature_stats(self.data.train)))
             self.saved = (p.step, tuple(p.end_done))
         self.schedule = Schedule(cfg.optim, steps_per_epoch=self.steps_per_epoch, world_size=ctx.world_size,
                                  frames_per_step=cfg.data.frames_per_step * cfg.optim.grad_accum,
@@ -229,12 +235,22 @@ class Trainer:
         seed = self.cfg.optim.seed * 1_000_003 + step  # quantize dropout's depth: alike on every rank, no collective
         compiling = self.model.compiles(x, seed)
         start = time.monotonic()
-        with self.slow_phase() if compiling else contextlib.nullcontext():
-            with p.phase_of("compile" if compiling else "forward"), torch.autocast(
-                    self.ctx.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-                out = self.ddp_model(x, keep, dropout_seed=seed)
-            with p.phase_of("compile" if compiling else "backward"):  # the gradient all-reduce
-                self.scaler.scale(self.faults.loss(p.step, out.loss) / micro_batches).backward()
+        if compiling:
+            log.info("compile: compiling the training step for segment length %d (forward and backward)", x.shape[1])
+            # one process may leave the step for a stop, and so may every rank when there is nothing to save; else
+            # the ranks' stop stays agreed at a step boundary, after the compile
+            self.stop.interrupt = not self.ctx.is_distributed or self.nothing_to_save()
+            if self.stop.interrupt and self.stop:  # a signal came before it: nothing is compiled
+                raise CompileInterrupted(self.stop.reason)
+        try:
+            with self.slow_phase() if compiling else contextlib.nullcontext():
+                with p.phase_of("compile" if compiling else "forward"), torch.autocast(
+                        self.ctx.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                    out = self.ddp_model(x, keep, dropout_seed=seed)
+                with p.phase_of("compile" if compiling else "backward"):  # the gradient all-reduce
+                    self.scaler.scale(self.faults.loss(p.step, out.loss) / micro_batches).backward()
+        finally:
+            self.stop.interrupt = False
         if compiling:
             log.info("compile: the training step for segment length %d compiled (forward and backward) in %.1f s",
                      x.shape[1], time.monotonic() - start)
@@ -269,17 +285,23 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         # the forward updates them; a skipped step puts them back (copied into the same tensors every step)
         self.codebooks_before = self.model.codebook_state(into=self.codebooks_before)
-        # the first step may run the k-means init across ranks: it gets the slow-phase timeout
-        with self.slow_phase() if p.step == 0 else contextlib.nullcontext():
-            for micro in range(accum):
-                with self.timer.waiting_for_data(), p.phase_of("data"):
-                    batch, x = self.batches.get(p.step * accum + micro)
-                keep = self.bad_crops.check(batch, x)  # crops with a NaN or Inf frame are dropped on the device
-                # gradients are all-reduced once per step, on the last micro-batch
-                with self.ddp_model.no_sync() if ctx.is_distributed and micro < accum - 1 else contextlib.nullcontext():
-                    out = self.forward_backward(x, keep, p.step * accum + micro, micro_batches=accum)
-                p.samples_seen += len(batch.utterances)
-                self.timer.add_frames(batch.frames * ctx.world_size)
+        seen = p.samples_seen
+        try:  # the first step may run the k-means init across ranks: it gets the slow-phase timeout
+            with self.slow_phase() if p.step == 0 else contextlib.nullcontext():
+                for micro in range(accum):
+                    with self.timer.waiting_for_data(), p.phase_of("data"):
+                        batch, x = self.batches.get(p.step * accum + micro)
+                    keep = self.bad_crops.check(batch, x)  # crops with a NaN or Inf frame are dropped on the device
+                    # gradients are all-reduced once per step, on the last micro-batch
+                    with (self.ddp_model.no_sync() if ctx.is_distributed and micro < accum - 1
+                          else contextlib.nullcontext()):
+                        out = self.forward_backward(x, keep, p.step * accum + micro, micro_batches=accum)
+                    p.samples_seen += len(batch.utterances)
+                    self.timer.add_frames(batch.frames * ctx.world_size)
+        except CompileInterrupted as interrupted:
+            p.samples_seen = seen
+            self.abandon_step(f"signal {interrupted}" + (f" on rank {ctx.rank}" if ctx.is_distributed else ""))
+            return
         with p.phase_of("data"):  # the next step's batch, started before this step's one host sync (the guard's)
             self.batches.prepare((p.step + 1) * accum)
         p.enter("optimizer")
@@ -305,9 +327,51 @@ class Trainer:
         self.bar.update(1)
         self.last = (out, batch)
 
+    def nothing_to_save(self) -> bool:
+        """No step trained since the last checkpoint written or resumed from (or none at all), nor anything done
+        after the schedule's end: alike on every rank."""
+        p = self.progress
+        return self.saved == (p.step, tuple(p.end_done)) if self.saved is not None else p.step == 0
+
+    def abandon_step(self, reason: str) -> None:
+        """A stop during a compile: the step is not taken (its forward's codebook updates are put back), and the
+        loop ends; the last trained state is saved first, if not saved already. On several ranks, with nothing to
+        save, this rank leaves at once (Trainer.leave)."""
+        p = self.progress
+        self.model.restore_codebook_state(self.codebooks_before)
+        self.optimizer.zero_grad(set_to_none=True)
+        p.phase, p.stop_reason, self.last = "train", f"{reason} during the compile", None
+        if not self.nothing_to_save():
+            log.warning("stopped during the compile of step %d: the compile is abandoned and the step not taken; "
+                        "the trained weights of step %d are saved first", p.step + 1, p.step)
+            return
+        log.warning("stopped during the compile of step %d: nothing trained since the last checkpoint, so nothing "
+                    "to save; the compile is abandoned", p.step + 1)
+        if self.ctx.is_distributed:
+            self.leave()
+
+    def leave(self) -> None:
+        """On several ranks, a stop with nothing to save: this rank records it, tells its peers through the
+        watchdog (they stop too, exit 0, rather than report it lost), and exits 0 at once, without the collectives
+        of an agreed stop (a peer may be inside a compile or a compiled step)."""
+        self.record_stop(self.progress.stop_reason)
+        self.progress.phase = STOPPED
+        self.watchdog.leave()
+        log.warning("rank %d stopped at step %d: %s; exit code 0", self.ctx.rank, self.progress.step,
+                    self.progress.stop_reason)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_OK)  # the process groups are left to the exit: their teardown would wait for the peers
+
+    def record_stop(self, reason: str) -> None:
+        """Rank 0 writes the stop event of a run that ends with nothing to save (also from the watchdog's thread)."""
+        self.metrics.write("stop", self.progress.step, reason=reason)
+        self.metrics.close()
+
     def log_step(self) -> None:
         p = self.progress
-        if p.step % self.cfg.run.log_every:
+        if p.step % self.cfg.run.log_every or self.last is None:  # None: a step abandoned (abandon_step)
             return
         out, batch = self.last
         speed = self.timer.report()  # frames_per_sec, data_wait_frac, mfu
@@ -405,16 +469,18 @@ class Trainer:
         p = self.progress
         try:
             with self.slow_phase(), p.phase_of("eval"):
-                evaluate(self.model, self.data.eval, self.ctx, amp_dtype=self.amp_dtype,
-                         batch_frames=self.cfg.data.frames_per_step, step=p.step, metrics=self.metrics,
-                         faults=self.faults, stop=self.stop, beam_size=self.codec.beam_size if final else 1,
-                         final=final)
+                result = evaluate(self.model, self.data.eval, self.ctx, amp_dtype=self.amp_dtype,
+                                  batch_frames=self.cfg.data.frames_per_step, step=p.step, metrics=self.metrics,
+                                  faults=self.faults, stop=self.stop,
+                                  beam_size=self.codec.beam_size if final else 1, final=final)
         except Stopped as stopped:
             p.stop_reason = f"{stopped} during the {'final ' if final else ''}eval"
             if final:
                 log.warning("stopped during the final eval: the checkpoint holds the refit codebooks; a run "
                             "resumed from it does the final eval")
             return
+        if result is not None:  # the checkpoints say how good the codec was: the tools that load it tell
+            self.checkpointer.last_eval = {"step": p.step, "rel_mse": result["rel_mse"], "final": final}
         if final:
             p.end_done.append("final eval")
 
@@ -464,13 +530,24 @@ class Trainer:
                       p.stop_reason, self.cfg.optim.max_bad_steps)
         return self.exit_code
 
-    def lost_peer(self, error: Exception) -> DistributedFailure:
-        """A collective failed: a peer is probably gone; the watchdog names it and exits the process."""
-        log.error("rank %d at step %d: a collective failed: %s", self.ctx.rank, self.progress.step, error)
-        self.progress.phase = FAILED
-        if self.watchdog is not None:
-            self.watchdog.await_verdict(self.cfg.dist.sync_timeout + 10)
-        return DistributedFailure(f"rank {self.ctx.rank} stopped at step {self.progress.step}: {error}")
+    def lost_peer(self, error: Exception) -> DistributedFailure | None:
+        """An exception on one of several ranks, judged by which peers are alive, not by its text (a collective in
+        a compiled step fails in the compiler's words): the watchdog names a lost peer and exits the process
+        (code 3); None when every peer is seen alive (the error is this rank's own); else a failure naming the
+        peers not seen alive in the watchdog's time."""
+        p = self.progress
+        log.error("rank %d at step %d (%s): %s: %s; asking the watchdog whether every peer is alive", self.ctx.rank,
+                  p.step, p.raised_in or p.phase, type(error).__name__, error)
+        p.phase = FAILED
+        silent = self.watchdog.lost_peers()
+        if not silent and isinstance(error, torch.distributed.DistError):  # a collective's own failure, by its type
+            return DistributedFailure(f"rank {self.ctx.rank} stopped at step {p.step}: a collective failed with every "
+                                      f"peer alive (a network fault or a timeout): {error}")
+        if not silent:
+            log.error("rank %d: every peer is alive: the error is this rank's own", self.ctx.rank)
+            return None
+        return DistributedFailure(f"rank {self.ctx.rank} stopped at step {p.step}: rank(s) {silent} not seen alive "
+                                  f"for {self.cfg.dist.sync_timeout}s after {type(error).__name__}: {error}")
 
     def close(self) -> None:
         self.progress.phase = "teardown"

@@ -3,6 +3,10 @@
 A manifest (or a folder of audio files) says what to extract; the extractor
 writes one beside each shard of a dump (`{split}_{rank}_{nshard}.tsv`, samples
 at 16 kHz), so that features and codes can be matched to their audio files.
+
+A manifest is read as UTF-8 (a leading byte-order mark ignored), bytes that are not UTF-8 kept as surrogate
+escapes, as Python names such files on disk. A written .tsv holds only UTF-8 lines: a file whose name is not
+UTF-8, or holds a line break or a tab, is skipped and listed (`name_problem`), its name escaped in the list.
 """
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ AUDIO_SUFFIXES = (".wav", ".flac", ".ogg")
 
 def read_manifest(path: Path) -> tuple[Path, list[str]]:
     """(root, relpaths) of a fairseq manifest: the root folder, then `relpath<TAB>num_samples` lines."""
-    lines = [line.rstrip("\n") for line in path.read_text().splitlines()]
+    # split on newlines only: splitlines() would also cut a name at a form feed or U+2028
+    lines = path.read_text(encoding="utf-8-sig", errors="surrogateescape").split("\n")
     if not lines or not lines[0].strip():
         raise BadInputError(f"manifest {path} is empty: its first line must be the root folder of the audio, "
                             "then one `relpath<TAB>num_samples` line per file")
@@ -29,6 +34,24 @@ def read_manifest(path: Path) -> tuple[Path, list[str]]:
     if not root.is_dir():
         raise BadInputError(f"manifest {path}: its root folder {root} (first line) does not exist")
     return root, entries
+
+
+def name_problem(rel: str) -> str | None:
+    """Why the output .tsv cannot hold this file's name (the reason it is skipped), or None."""
+    try:
+        rel.encode("utf-8")
+    except UnicodeEncodeError:
+        return ("its name is not UTF-8, which a .tsv of UTF-8 lines cannot hold: rename it (convmv -f latin1 "
+                "-t utf8, for example)")
+    if any(c in rel for c in "\n\r\t"):
+        return "its name holds a line break or a tab, which would split its .tsv line: rename it"
+    return None
+
+
+def shown_name(rel: str) -> str:
+    """The name as one UTF-8 line of a list can hold it: bytes that are not UTF-8 as \\xNN, \\n \\r \\t escaped."""
+    text = rel.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return text.translate({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
 
 
 def list_audio_folder(folder: Path) -> list[str]:
@@ -77,7 +100,7 @@ def share_manifest(data_dir: Path, split: str, utterances: int, start: int,
         tsv = shards[key].with_suffix(".tsv")
         if not tsv.is_file():
             return None
-        with open(tsv) as f:
+        with open(tsv, encoding="utf-8", errors="surrogateescape") as f:
             roots.add(f.readline().rstrip("\n"))
             rows = sum(1 for line in f if line.strip())
         with open(shards[key]) as f:
@@ -94,7 +117,7 @@ def _lines_between(tsvs: list[Path], start: int, end: int) -> Iterator[str]:
     """Entry lines start..end-1 of these manifests taken as one list (each file's root line skipped)."""
     index = 0
     for tsv in tsvs:
-        with open(tsv) as f:
+        with open(tsv, encoding="utf-8", errors="surrogateescape") as f:
             f.readline()
             for line in f:
                 if not line.strip():

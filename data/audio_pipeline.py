@@ -12,10 +12,18 @@ passes of a run never stopped (padding changes a layer's last bits: the same byt
 Features come out as a dump of `dtype` stores them (float16 rounds them); a file that cannot be read, or whose
 features are not finite in that dtype, is skipped with the reason. The time the model (the caller's thread)
 waits for decoded audio is measured: `input_wait`.
+
+The workers end with the process that started them (`end_with_parent`): a main process SIGKILLed (the OOM
+killer) leaves no worker blocked for good on a pipe no one reads, and none holds the shard's lock.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
+import multiprocessing
+import os
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +34,7 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
 from data.audio_features import SAMPLE_RATE, BadAudio, SeamlessFbank, W2vBertLayer, load_audio
+from data.audio_manifest import name_problem, shown_name
 
 WORKER_PREFETCH = 4  # files decoded ahead per worker; the window thread bounds the rest by files and seconds
 
@@ -40,6 +49,11 @@ class AudioFile:
     fbank: np.ndarray | None = field(default=None, repr=False)
     features: np.ndarray | None = field(default=None, repr=False)
     skipped: str | None = None
+
+    @property
+    def skip_line(self) -> str:
+        """Its line in a `.skipped` list: the name (escaped where a line cannot hold it), a tab, the reason."""
+        return f"{shown_name(self.rel)}\t{self.skipped}\n"
 
 
 @dataclass
@@ -63,6 +77,9 @@ class DecodedFiles(Dataset):
     def __getitem__(self, k: int) -> AudioFile:
         index = self.first + k
         item = AudioFile(index, self.relpaths[index])
+        item.skipped = name_problem(item.rel)
+        if item.skipped:
+            return item
         try:
             wave = load_audio(self.root / item.rel)
             item.samples, item.fbank = len(wave), self.fbank(wave)
@@ -73,6 +90,23 @@ class DecodedFiles(Dataset):
 
 def _as_is(item):
     return item
+
+
+PR_SET_PDEATHSIG = 1  # prctl(2)
+# forked, as end_with_parent assumes: Python 3.14's default, forkserver, makes them children of another process
+WORKER_START = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+
+
+def end_with_parent(parent: int, worker_id: int) -> None:
+    """A DataLoader worker's init: SIGKILL when the thread that forked it ends (the main thread of `parent`, so
+    the process), or at once when `parent` is already gone. Linux only; elsewhere torch's own check remains."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before prctl: no signal will come
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class FeatureWindows:
@@ -99,7 +133,9 @@ class FeatureWindows:
             return
         loader = DataLoader(DecodedFiles(self.root, self.relpaths, first, self.fbank), batch_size=None,
                             num_workers=self.num_workers, collate_fn=_as_is,
-                            prefetch_factor=WORKER_PREFETCH if self.num_workers else None)
+                            prefetch_factor=WORKER_PREFETCH if self.num_workers else None,
+                            worker_init_fn=functools.partial(end_with_parent, os.getpid()),
+                            multiprocessing_context=WORKER_START if self.num_workers else None)
         ahead = WindowThread(iter(loader), self._cut)  # the workers start here, on the caller's thread
         try:
             while True:

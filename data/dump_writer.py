@@ -73,7 +73,7 @@ def write_temporary(path: Path, text: str | Iterable[str]) -> Path:
     """`text` (a string, or pieces of one written as they come) written and fsynced to `path`.tmp; returns the
     temporary (the caller publishes it)."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
+    with open(tmp, "w", encoding="utf-8", errors="surrogateescape") as f:  # a name's non-UTF-8 bytes kept as they were
         if isinstance(text, str):
             f.write(text)
         else:

@@ -13,6 +13,8 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
+
 FEATURE_KEYS = ("feature", "dim", "frame_rate_hz", "sample_rate", "checkpoint", "model", "layer",
                 "max_chunk_seconds", "precision", "dtype")
 MODEL_FILES = ("config.json", "preprocessor_config.json")
@@ -66,23 +68,52 @@ def dump_feature_settings(data_dir: str | Path | None, split: str) -> dict:
 
 
 def describe(settings: dict) -> str:
-    """The features in words: `fbank (160-d, float32)`, `w2v-bert layer 17 of /models/w2v (1024-d, ...)`."""
+    """The features in words: `fbank (160-d, float32)`, `w2v-bert layer 17 of /models/w2v (1024-d, ...)`; a
+    setting the record lacks is left out, never shown as None."""
     kind = settings.get("feature", "unknown")
     if kind not in ("fbank", "w2v-bert"):
         return f"{kind} features ({settings.get('note', 'no tools.extract settings')})"
-    details = [f"{settings.get('dim')}-d"]
+    known = {k: v for k, v in settings.items() if v is not None}
+    details = [f"{known['dim']}-d"] if "dim" in known else []
     if kind == "w2v-bert":
-        details += [f"{settings.get('precision')}", f"chunks of at most {settings.get('max_chunk_seconds')} s",
-                    f"model {settings.get('model')}"]
-    details.append(f"stored as {settings.get('dtype')}")
-    where = f" layer {settings.get('layer')} of {settings.get('checkpoint')}" if kind == "w2v-bert" else ""
-    return f"{kind}{where} ({', '.join(details)})"
+        details += [known["precision"]] if "precision" in known else []
+        details += [f"chunks of at most {known['max_chunk_seconds']} s"] if "max_chunk_seconds" in known else []
+        details += [f"model {known['model']}"] if "model" in known else []
+    details += [f"stored as {known['dtype']}"] if "dtype" in known else []
+    where = f" layer {known['layer']}" if "layer" in known else ""
+    where += f" of {known['checkpoint']}" if kind == "w2v-bert" and "checkpoint" in known else ""
+    return f"{kind}{where}" + (f" ({', '.join(details)})" if details else "")
 
 
 def settings_differ(trained: dict, now: dict) -> str:
-    """`key: trained -> now` for each feature setting that differs ('' when none does). A model is known by its
-    fingerprint, wherever its folder is; by its folder where the record has no fingerprint (notes from before
-    there were any)."""
-    fingerprinted = "model" in trained
-    keys = [k for k in FEATURE_KEYS if k != ("checkpoint" if fingerprinted else "model")]
-    return ", ".join(f"{k}: {trained.get(k)!r} -> {now.get(k)!r}" for k in keys if trained.get(k) != now.get(k))
+    """`key: trained -> now` for each feature setting that differs ('' when none does); of other kinds of features,
+    the kind alone (their other settings differ as a matter of course). A model is known by its fingerprint,
+    wherever its folder is; by its folder where the record has no fingerprint (notes from before there were any).
+    A setting one side lacks reads `(absent)`."""
+    if trained.get("feature") != now.get("feature"):
+        keys = ["feature"]
+    else:
+        fingerprinted = "model" in trained
+        keys = [k for k in FEATURE_KEYS if k != ("checkpoint" if fingerprinted else "model")]
+    shown = lambda value: "(absent)" if value is None else repr(value)  # noqa: E731
+    return ", ".join(f"{k}: {shown(trained.get(k))} -> {shown(now.get(k))}" for k in keys
+                     if trained.get(k) != now.get(k))
+
+
+# Features plausibly the codec's: the mean over dimensions of KL(N(sample mean, sample std) || N(codec mean, codec
+# std)), in nats, at most this. Same-kind features stay far below it, features of another kind far above it
+# (tests/test_codec_identity.py measures both); tools.encode applies it where a dump has no tools.extract notes.
+PLAUSIBLE_SHIFT = 1.0
+STATS_FRAMES = 2048  # the first frames of a share that the statistics are taken over
+
+
+def feature_shift(frames: np.ndarray, mean: np.ndarray, std: np.ndarray) -> float:
+    """How far `frames` [N, D] are from features of per-dimension `mean` and `std`: the mean over dimensions of the
+    KL divergence of a Gaussian fitted to each dimension of `frames` from the codec's, in nats (0: the same)."""
+    frames = np.asarray(frames, dtype=np.float64)
+    frames = frames[np.isfinite(frames).all(1)]
+    if len(frames) < 2:
+        return 0.0  # nothing to judge by
+    ratio = np.maximum(frames.std(0), 1e-5) / np.maximum(std, 1e-5)
+    shift = (frames.mean(0) - mean) / np.maximum(std, 1e-5)
+    return float(np.mean(0.5 * (shift ** 2 + ratio ** 2 - 1) - np.log(ratio)))

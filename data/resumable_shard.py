@@ -16,13 +16,19 @@ input is in, `finish` writes the metadata files, renames the streams and then th
 names, the array last (data/dump_writer.py's publish): an array on disk is complete, its files beside it.
 `claim_shard` is how a tool starts a shard: the writer lock (data/writer_lock.py), then a finished shard
 is left as it is, a shard written with other settings or by another tool refused, `--overwrite` honoured.
+
+A full disk (or quota, or a file-size limit) while a ShardWriter writes ends the tool with one line naming
+the folder, the space free there and the space the shard still needs, exit 1 (TransientFault): what was
+committed stays, and the same command resumes from it once there is room.
 """
 from __future__ import annotations
 
+import errno
+import functools
 import json
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,9 +36,10 @@ import numpy as np
 
 from data.dump_writer import fsync_folder, npy_header, publish, write_temporary
 from data.writer_lock import WriterLock
-from errors import BadInputError
+from errors import BadInputError, TransientFault
 
 PARTIAL = ".partial"
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, over quota, past a file-size limit
 
 
 @dataclass(frozen=True)
@@ -121,17 +128,41 @@ def claim_shard(folder: Path, name: str, layout: ShardLayout, settings: dict, *,
     return None
 
 
+def _resumable_when_full(method: Callable) -> Callable:
+    """A ShardWriter method whose disk-full OSError (DISK_FULL) becomes a TransientFault saying so in one line."""
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except OSError as e:
+            if e.errno not in DISK_FULL:
+                raise
+            raise TransientFault(self.out_of_space(e)) from None
+    return guarded
+
+
+def _size(size: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size / 1e3:.1f} kB"
+
+
 class ShardWriter:
     """Rows appended to NAME{array}.partial and lines to the text streams; `commit` makes what was written durable.
 
     `done` (inputs), `rows` and `commits` are what is committed: after opening, what an earlier run with the
     same `settings` committed (0 when it starts anew); `dropped_bytes` what that run wrote past its last
-    commit. `streams`: extension -> the text a new stream begins with (a manifest's root line, or '')."""
+    commit. `streams`: extension -> the text a new stream begins with (a manifest's root line, or ''). `rows`
+    (the shard's rows) or `inputs` (its inputs), when known, size the space a full disk is told to free."""
 
+    @_resumable_when_full
     def __init__(self, folder: Path, name: str, layout: ShardLayout, settings: dict, *, width: int,
-                 dtype: np.dtype | str, streams: dict[str, str] | None = None, rows: int | None = None):
+                 dtype: np.dtype | str, streams: dict[str, str] | None = None, rows: int | None = None,
+                 inputs: int | None = None):
         self.folder, self.name, self.layout, self.settings = folder, name, layout, settings
-        self.width, self.total_rows = width, rows
+        self.width, self.total_rows, self.inputs = width, rows, inputs
+        self.done = self.rows = self.commits = 0
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self.partial = folder / (name + layout.array + PARTIAL)
         self.progress = folder / (name + layout.progress)
@@ -140,7 +171,8 @@ class ShardWriter:
         self.written = self.rows
         self.file = open(self.partial, "r+b")
         self.file.seek(self._offset(self.rows))
-        self.streams = {ext: open(path, "a", encoding="utf-8") for ext, path in self.stream_paths.items()}
+        self.streams = {ext: open(path, "a", encoding="utf-8", errors="surrogateescape")
+                        for ext, path in self.stream_paths.items()}
 
     def _offset(self, rows: int) -> int:
         return len(npy_header(0, self.width)) + rows * self.width * self.dtype.itemsize
@@ -171,9 +203,10 @@ class ShardWriter:
         with open(self.partial, "wb") as f:
             f.write(npy_header(self.total_rows or 0, self.width, dtype=self.dtype.name))
         for ext, path in self.stream_paths.items():
-            path.write_text(streams[ext], encoding="utf-8")
+            path.write_text(streams[ext], encoding="utf-8", errors="surrogateescape")
         return 0, 0, 0, 0
 
+    @_resumable_when_full
     def write(self, rows: np.ndarray) -> None:
         """Append [n, width] rows, handed to the OS (a killed process leaves them), not yet durable."""
         rows = np.ascontiguousarray(rows, dtype=self.dtype)
@@ -185,10 +218,12 @@ class ShardWriter:
         self.file.flush()
         self.written += len(rows)
 
+    @_resumable_when_full
     def append(self, ext: str, text: str) -> None:
         """Append text to stream `ext`, not yet durable."""
         self.streams[ext].write(text)
 
+    @_resumable_when_full
     def commit(self, done: int) -> None:
         """Make everything written so far durable: the rows and lines of the shard's first `done` inputs."""
         sizes = {}
@@ -204,8 +239,9 @@ class ShardWriter:
     def text(self, ext: str) -> str:
         """What stream `ext` holds."""
         self.streams[ext].flush()
-        return self.stream_paths[ext].read_text(encoding="utf-8")
+        return self.stream_paths[ext].read_text(encoding="utf-8", errors="surrogateescape")
 
+    @_resumable_when_full
     def finish(self, texts: dict[str, str | Iterable[str]]) -> Path:
         """Write the metadata files (extension -> text), publish the streams that are finished files and the
         array (its header now with the final row count), the array last; returns the array's path."""
@@ -236,9 +272,36 @@ class ShardWriter:
 
     def close(self) -> None:
         """Stop writing; what was committed stays for the next run to resume."""
-        for f in (self.file, *self.streams.values()):
-            if not f.closed:
-                f.close()
+        for f in (getattr(self, "file", None), *getattr(self, "streams", {}).values()):
+            if f is not None and not f.closed:
+                try:
+                    f.close()
+                except OSError as e:  # a full disk: what the buffer held was never committed, and is not needed
+                    if e.errno not in DISK_FULL:
+                        raise
+
+    def out_of_space(self, e: OSError) -> str:
+        """One line for a full disk (or quota, or file-size limit): the folder, what is free there, what the shard
+        still needs as far as it is known, and that the same command resumes."""
+        try:
+            st = os.statvfs(self.folder)
+            free = f"{_size(st.f_bavail * st.f_frsize)} free there"
+        except OSError:
+            free = "its free space unknown"
+        total = self.total_rows
+        if total is None and self.inputs and self.done:
+            total = round(self.rows / self.done * self.inputs)  # at the rate of the inputs committed
+        if total is None:
+            need = "what it needs in all is known after its first commit"
+        else:
+            about = "" if self.total_rows is not None else "about "
+            need = (f"its array needs {about}{_size(self._offset(total))} in all, "
+                    f"{_size(self._offset(self.rows))} of it committed")
+        limit = (" (a file-size limit: ulimit -f, or the file system's largest file)" if e.errno == errno.EFBIG
+                 else "")
+        return (f"{e.strerror or 'out of space'}{limit} writing shard {self.name} in {self.folder}: {free}; {need}. "
+                f"Free space there (or raise the limit) and run the same command again: it resumes at its last "
+                f"commit ({self.done} inputs done)")
 
 
 def _read_json(path: Path) -> dict | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import mmap
@@ -103,6 +104,19 @@ class FeatureStore:
                             [self.sources[int(s)] for s in used],
                             np.searchsorted(used, self.shard[start:end]).astype(np.int32),
                             self.first[start:end], self.number[start:end])
+
+
+IDENTITY_NAMES = 16  # a store of up to this many files is identified by their names, a larger one by a digest
+
+
+def store_identity(store: FeatureStore, split: str, utterances: int, frames: int) -> dict:
+    """What tells one store from another, from metadata alone (start-up must not grow with the corpus): the split,
+    its files' names (not their folder: a copy elsewhere is the same store), its utterances and frames (the
+    split's, `utterances` and `frames`, held-out ones included)."""
+    names = [Path(s.filename).name if isinstance(s, np.ndarray) else Path(s).name for s in store.sources]
+    digest = hashlib.sha1("\n".join(names).encode()).hexdigest()[:16]
+    files = names if len(names) <= IDENTITY_NAMES else f"{len(names)} files, sha1 {digest}"
+    return {"split": split, "files": files, "utterances": int(utterances), "frames": int(frames)}
 
 
 @functools.lru_cache(maxsize=8)
@@ -357,6 +371,30 @@ def find_split(data_dir: Path, split: str, loose_files: bool | None = None, pend
 
 
 HOLDOUT = 0.02  # the share of training utterances held out for evaluation when there is no valid split
+AUDIO_LOOK = 1000  # folder entries looked at for audio files in a --data_dir that holds no features: a hint only
+
+
+def _audio_hint(data_dir: Path, split: str) -> str:
+    """When `data_dir` (or its first sub-folders) holds audio files, the extractor's command that makes features
+    of them; '' otherwise. Looks at a bounded number of entries: a corpus folder can hold millions."""
+    from data.audio_manifest import AUDIO_SUFFIXES
+
+    seen, folders = 0, [data_dir]
+    while folders and seen < AUDIO_LOOK:
+        try:
+            entries = sorted(itertools.islice(os.scandir(folders.pop(0)), AUDIO_LOOK - seen), key=lambda e: e.name)
+        except OSError:
+            continue
+        seen += len(entries)
+        for entry in entries:
+            if os.path.splitext(entry.name)[1].lower() in AUDIO_SUFFIXES:
+                feats = data_dir.parent / f"{data_dir.name}_features"
+                found = Path(entry.path).relative_to(data_dir)
+                return (f". It holds audio ({found}): the trainer reads features; extract them first, e.g. "
+                        f"`python -m tools.extract {data_dir} {split} 1 0 {feats}`, then give --data_dir {feats}")
+            if entry.is_dir(follow_symlinks=False):
+                folders.append(Path(entry.path))
+    return ""
 
 
 def open_stores(data_dir: str | Path, train_split: str, valid_split: str, *, seed: int, holdout: float = HOLDOUT,
@@ -381,7 +419,7 @@ def open_stores(data_dir: str | Path, train_split: str, valid_split: str, *, see
         raise BadInputError(
             f"no training features found in {data_dir}: expected a fairseq dump "
             f"({train_split}_0_1.npy with {train_split}_0_1.len), a folder {train_split}/ of "
-            ".npy/.pt arrays [T, D], or such arrays directly in the folder"
+            ".npy/.pt arrays [T, D], or such arrays directly in the folder" + _audio_hint(data_dir, train_split)
         )
     if len(train) == 0:
         raise BadInputError(f"no training features found: {train.description} holds no utterances")

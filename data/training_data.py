@@ -23,8 +23,9 @@ from data.batch_plan import BatchPlan, eval_windows, pick_utterances, pick_windo
 from data.crops import CropReader, HostBatches
 from data.demo_corpus import ensure_demo_corpus
 from data.device_cache import DeviceFeatureCache
+from data.feature_settings import describe, dump_feature_settings, settings_differ
 from data.prefetcher import Prefetcher
-from data.stores import HOLDOUT, TRAIN_SPLIT, VALID_SPLIT, FeatureStore, open_stores, save_manifest
+from data.stores import HOLDOUT, TRAIN_SPLIT, VALID_SPLIT, FeatureStore, open_stores, save_manifest, store_identity
 from errors import BadInputError
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,7 @@ class TrainingData:
     shard: FeatureStore  # this rank's training utterances, in the plan's order
     plan: BatchPlan
     eval: EvalWindows
+    identity: dict = field(default_factory=dict)  # what these data are (data_identity): a checkpoint records it
     pending_manifests: list = field(default_factory=list)  # (path, lengths, dim, digest) not yet written
 
     def save_manifests(self) -> None:
@@ -200,10 +202,38 @@ def open_training_data(cfg: DataConfig, *, rank: int, world_size: int, seed: int
     whole = pick_utterances(valid_shard.lengths, cfg.eval_frames, seed=seed, rank=rank, world_size=world_size)
     eval_set = EvalWindows(valid_shard, utterances[picked], starts[picked], length, whole=whole,
                            resident=cfg.eval_frames > 0)
-    data = TrainingData(cfg, train, shard, plan, eval_set, pending)
+    held = (len(valid), valid.total_frames) if holdout_note else (0, 0)  # a holdout is part of the training split
+    identity = data_identity(cfg.data_dir, data_dir, store_identity(
+        train, cfg.train_split, len(train) + held[0], train.total_frames + held[1]), train.dim)
+    data = TrainingData(cfg, train, shard, plan, eval_set, identity, pending)
     if save_manifests:  # the data passed every check: the output dir may be written
         data.save_manifests()
     return data
+
+
+def data_identity(given: str | None, data_dir: str | Path, store: dict, dim: int) -> dict:
+    """What the training data are, as a checkpoint records them: the feature settings (tools.extract's notes, or
+    the demo corpus), the dimension, the store (data/stores.py store_identity), and the folder (for messages
+    only: a copy of the store elsewhere is the same data). The feature statistics are the codec's own."""
+    return {"features": dump_feature_settings(given, store["split"]), "dim": int(dim), "store": store,
+            "data_dir": str(Path(data_dir).resolve())}
+
+
+def data_differences(trained: dict, now: dict) -> list[str]:
+    """`what: trained -> now` for each part of two data identities that differs (none: the same data)."""
+    differ = []
+    was, new = trained.get("features", {}), now.get("features", {})
+    if was.get("feature") != new.get("feature"):
+        differ.append(f"features: {describe(was)} -> {describe(new)}")
+    elif settings_differ(was, new):
+        differ.append(f"features: {settings_differ(was, new)}")
+    if trained.get("dim") != now.get("dim"):
+        differ.append(f"dim: {trained.get('dim')} -> {now.get('dim')}")
+    was, new = trained.get("store", {}), now.get("store", {})
+    differ += [f"{key}: {was.get(key)!r} -> {new.get(key)!r}" if key == "split" else
+               f"{key}: {was.get(key)} -> {new.get(key)}" for key in ("split", "files", "utterances", "frames")
+               if was.get(key) != new.get(key)]
+    return differ
 
 
 def check_eval_windows(valid: FeatureStore, length: int, cfg: DataConfig, *, holdout: bool) -> None:

@@ -16,9 +16,27 @@ import os
 import socket
 import sys
 import time
+import weakref
 from pathlib import Path
 
 from errors import BadInputError
+
+
+_HELD: weakref.WeakSet[WriterLock] = weakref.WeakSet()  # the locks this process holds, for a forked child to drop
+
+
+def _drop_in_child() -> None:
+    """In a forked child: close its copies of the held locks' descriptors, so that it never holds a lock."""
+    for lock in list(_HELD):
+        fd, lock._fd = lock._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+os.register_at_fork(after_in_child=_drop_in_child)
 
 
 class OutputBusy(BadInputError):
@@ -54,9 +72,13 @@ class WriterLock:
             raise OutputBusy(f"{self.what} is being written by another process ({self.holder()}); two writers "
                              f"would mix their files: wait for it to end, or stop it, or write elsewhere"
                              + (f" ({self.hint})" if self.hint else "")) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, (json.dumps(holder_record()) + "\n").encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, (json.dumps(holder_record()) + "\n").encode())
+        except OSError:
+            pass  # the record only names the holder: a full disk must not stop the writer that holds the lock
         self._fd = fd
+        _HELD.add(self)
         return self
 
     def release(self) -> None:
@@ -64,6 +86,7 @@ class WriterLock:
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
+        _HELD.discard(self)
         os.close(fd)  # closing the only descriptor releases the flock
 
     def holder(self) -> str:

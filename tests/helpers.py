@@ -140,6 +140,15 @@ def events(run_dir: Path, kind: str | None = None) -> list[dict]:
     return [r for r in rows if kind is None or r["event"] == kind]
 
 
+def tree(folder: Path) -> dict:
+    """Every file under `folder` with its size, modification time and a digest of its bytes."""
+    import hashlib
+
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns,
+                                         hashlib.sha1(p.read_bytes()).hexdigest())
+            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
 def write_fairseq(folder: Path, split: str, lengths, dim=16, nshard=1, seed=0, dtype=np.float32) -> list[np.ndarray]:
     """A fairseq dump of random utterances; returns the utterances in order."""
     folder.mkdir(parents=True, exist_ok=True)

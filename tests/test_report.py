@@ -2,7 +2,9 @@
 import json
 import logging
 import math
+import re
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +13,7 @@ from training.metrics_log import MetricsLog
 
 pytestmark = pytest.mark.timeout(120)
 
+REPO = Path(__file__).resolve().parent.parent
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -125,11 +128,34 @@ def test_metrics_log_without_tensorboard_is_unchanged(tmp_path):
     assert record["code_usage"] == [0.5] and "time" in record
 
 
+def named_install_file(message: str, package: str) -> Path:
+    """The requirements file a missing-package message tells the user to install, checked to list `package`."""
+    match = re.search(r"pip install -r (\S+)", message)
+    assert match, message
+    path = REPO / match.group(1)
+    listed = [re.split(r"[<>=\s]", line)[0] for line in path.read_text().splitlines() if line and line[0].isalpha()]
+    assert package in listed, (path, listed)
+    return path
+
+
 def test_tensorboard_needs_its_package(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
-    with pytest.raises(BadInputError, match="pip install tensorboard"):
+    with pytest.raises(BadInputError, match="tensorboard package") as refused:
         MetricsLog(tmp_path / "m.jsonl", tensorboard_dir=tmp_path / "tb")
+    named_install_file(str(refused.value), "tensorboard")
     assert not (tmp_path / "m.jsonl").exists() and not (tmp_path / "tb").exists()
+
+
+def test_report_without_matplotlib_names_an_install_file_the_dev_install_includes(tmp_path, monkeypatch):
+    from tools import report
+
+    write_run(tmp_path / "run")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    with pytest.raises(BadInputError, match="needs matplotlib") as refused:
+        report.write_report(tmp_path / "run", tmp_path / "run" / "report")
+    path = named_install_file(str(refused.value), "matplotlib")
+    assert f"-r {path.name}" in (REPO / "requirements-dev.txt").read_text().splitlines()
+    assert not (tmp_path / "run" / "report").exists()
 
 
 def test_tensorboard_scalars_per_event_field_and_level(tmp_path):

@@ -185,3 +185,65 @@ def test_a_stop_requested_during_an_eval_leaves_it_between_two_batches(tmp_path,
     metrics.close()
     assert len(batches) == 1 and model.training  # of 4 batches, one ran; the model is back in training mode
     assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+COMPILED = ["--compile", "on", "--refit_iters", "0"]
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_during_a_compile_after_a_trained_step_saves_that_step_first_and_ends_at_once(tmp_path, data):
+    """The k-means init in the first forward: step 1 runs eager, step 2 is the first compiled. A SIGTERM in its
+    compile abandons it: the checkpoint holds step 1 as an eager run of one step leaves it, the codebooks' updates
+    of the forward that was compiling not applied."""
+    one_step = tmp_path / "one_step"
+    r = run_trainer(flags(data, one_step, "--max_steps", 1, "--kmeans_init_frames", 0, "--refit_iters", 0),
+                    timeout=120, extra_env=ONE_THREAD)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = tmp_path / "run"
+    run = Run(flags(data, out, "--max_steps", 6, "--kmeans_init_frames", 0, *COMPILED), tmp_path / "run.log")
+    try:
+        run.wait_for("compile: compiling the training step")
+        time.sleep(1)  # inside the compile, which takes far longer
+        sent = time.time()
+        run.proc.send_signal(signal.SIGTERM)
+        code = run.proc.wait(timeout=60)
+        ended = time.time()
+    finally:
+        run.kill()
+    saved = (out / "checkpoints" / "step_00000001.pt").stat().st_mtime - sent
+    print(f"SIGTERM in the compile: checkpoint {saved:.1f} s after the signal, exit after {ended - sent:.1f} s")
+    assert code == 0 and saved < 5 and ended - sent < 20, run.text()[-3000:]
+    assert ("stopped during the compile of step 2: the compile is abandoned and the step not taken; the trained "
+            "weights of step 1 are saved first") in run.text()
+    assert [e["step"] for e in events(out, "checkpoint")] == [1]
+    assert events(out, "stop")[-1] == {**events(out, "stop")[-1], "step": 1,
+                                       "reason": "signal SIGTERM during the compile"}
+    a, b = newest(one_step)["model"], newest(out)["model"]
+    for key in a:  # the quantizer's buffers (codebooks, EMA sums) among them
+        torch.testing.assert_close(b[key], a[key], rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_to_one_rank_in_the_first_compile_ends_every_rank_at_once_with_nothing_to_save(tmp_path, data):
+    """Nothing trained: the signalled rank leaves at once, and the other, finding it gone, stops too with exit 0
+    rather than report it lost."""
+    out = tmp_path / "run"
+    job = Ranks(flags(data, out, "--max_steps", 6, "--sync_timeout", 10, *COMPILED), log_dir=tmp_path / "logs")
+    try:
+        job.wait_for(0, "compile: compiling the training step", timeout=150)
+        time.sleep(1)
+        sent = time.monotonic()
+        job.procs[1].send_signal(signal.SIGTERM)
+        codes = job.wait(timeout=60)
+        took = max(job.ended.values()) - sent
+    finally:
+        job.close()
+    print(f"SIGTERM to rank 1 in the compile: both ranks ended {took:.1f} s after the signal")
+    assert codes == [0, 0] and took < 20, job.output(0) + job.output(1)
+    assert ("stopped during the compile of step 1: nothing trained since the last checkpoint, so nothing to save"
+            in job.output(1))
+    assert ("rank(s) [1] stopped on request at step 0, with nothing trained since the last checkpoint: this rank "
+            "stops too, with nothing to save. Exit code 0") in job.output(0)
+    stops = events(out, "stop")  # rank 0 records it
+    assert [e["step"] for e in stops] == [0] and stops[0]["reason"].startswith("rank(s) [1] stopped on request")
+    assert not events(out, "train") and not list((out / "checkpoints").iterdir())

@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from training.progress import FAILED, Progress
+from training.progress import FAILED, STOPPED, Progress
 from training.watchdog import PeerWatchdog, stuck_ranks
 
 TIMEOUT = 30  # the client's store timeout is a third of it: above a slow reverse lookup as it connects
@@ -110,3 +110,36 @@ def test_a_store_request_that_never_returns_ends_the_rank_after_the_timeout(stor
     wd._stop.set()  # the clock's loop ends; the blocked thread is a daemon
     assert failed and 2 <= time.monotonic() - start <= 6, failed
     assert failed[0].startswith(f"the rendezvous store at 127.0.0.1:{store.port}, hosted by rank 0, has not answered")
+
+
+@pytest.mark.timeout(30)
+def test_after_an_exception_the_peers_are_judged_by_their_beats(store):
+    """Not by the error's text: every peer beating on means the error is this rank's own; a peer whose beats
+    stopped is named (here before the watchdog's own timeout would end the process)."""
+    wds = {r: PeerWatchdog(r, 2, timeout_s=TIMEOUT, slow_timeout_s=6 * TIMEOUT, progress=Progress(),
+                           interval_s=0.3).start() for r in (0, 1)}
+    try:
+        wds[0].progress.phase = FAILED
+        start = time.monotonic()
+        assert wds[0].lost_peers(max_wait_s=10) == []
+        assert time.monotonic() - start < 5
+        wds[1].stop()
+        assert wds[0].lost_peers(max_wait_s=2) == [1]
+    finally:
+        for wd in wds.values():
+            wd.stop()
+
+
+@pytest.mark.parametrize("phase", [STOPPED, "compile"])
+def test_a_peer_gone_after_leaving_on_a_stop_ends_this_rank_with_0_else_3(store, monkeypatch, phase):
+    """Its state is read again when it is found gone: it may have left after this rank's round read it."""
+    wds = watchdogs(2)
+    for wd in wds.values():
+        wd.round(time.monotonic())
+    ended = []
+    monkeypatch.setattr(wds[0], "_peers_stopped", lambda ranks: ended.append((0, ranks)))
+    monkeypatch.setattr(wds[0], "_fail", lambda what: ended.append((3, what)))
+    wds[1].progress.phase = phase
+    wds[1].round(time.monotonic())  # rank 1 publishes, then goes
+    wds[0]._lost([1], "rank(s) [1] lost: the process is gone")
+    assert ended[0] == ((0, [1]) if phase == STOPPED else (3, "rank(s) [1] lost: the process is gone"))

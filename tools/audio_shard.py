@@ -52,7 +52,7 @@ class AudioShare:
     @property
     def settings(self) -> dict:
         """What a shard written from this share is checked against when it is resumed or found finished."""
-        listed = hashlib.sha256("\n".join(self.relpaths).encode()).hexdigest()[:16]
+        listed = hashlib.sha256("\n".join(self.relpaths).encode("utf-8", "surrogateescape")).hexdigest()[:16]
         return {"root": str(self.root), "nshard": self.nshard, "rank": self.rank, "first_file": self.start,
                 "files": len(self.relpaths), "file_list": f"sha256:{listed}"}
 
@@ -68,9 +68,10 @@ def add_input_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto",
                    help="auto or cuda (cuda:<rank %% visible GPUs>, or LOCAL_RANK's under torchrun, so that shards "
                         "run side by side), cpu, cuda:1 ...")
-    p.add_argument("--num_workers", type=int, default=4,
+    p.add_argument("--num_workers", type=int,
                    help="processes reading, resampling and turning audio into fbank ahead of the model (0: a "
-                        "thread of this process)")
+                        "thread of this process); default: the CPUs this process may use, shared among a "
+                        "launcher's processes on the node (LOCAL_WORLD_SIZE), less one for the model")
     p.add_argument("--batch_seconds", type=float,
                    help="w2v-bert: padded audio per forward pass (rows x the longest chunk; a longer chunk goes "
                         "alone); default: " + ", ".join(f"{s:g} on {d}" for d, s in BATCH_SECONDS.items()))
@@ -87,12 +88,21 @@ def check_input_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
     """argparse's exit 2 for values out of range."""
     if args.nshard < 1 or not 0 <= args.rank < args.nshard:
         p.error(f"need nshard >= 1 and 0 <= rank < nshard, got nshard {args.nshard}, rank {args.rank}")
+    if args.num_workers is None:
+        args.num_workers = default_workers()
     if args.num_workers < 0:
         p.error(f"--num_workers must be 0 or more, got {args.num_workers}")
     for name in ("batch_seconds", "max_chunk_seconds", "commit_files", "commit_seconds"):
         value = getattr(args, name, None)
         if value is not None and not value > 0:
             p.error(f"--{name} must be positive, got {value}")
+
+
+def default_workers() -> int:
+    """--num_workers by default: this process's share of the CPUs it may use, less one for the model (more
+    workers than CPUs only wait for one another, and torch warns about each)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(0, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) - 1)
 
 
 def launched_shard(nshard: int, rank: int) -> tuple[int, int, int]:
@@ -157,7 +167,7 @@ def written_lengths(log: logging.Logger, writer: ShardWriter, share: AudioShare,
     a line) and the (file, reason) of each skipped one (`skipped`, each logged as a warning). None, with the
     partial shard discarded and the reason logged, when every file was skipped."""
     written = [int(n) for n in writer.text(lengths).split()]
-    skips = [line.split("\t", 1) for line in writer.text(skipped).splitlines()]
+    skips = [line.split("\t", 1) for line in writer.text(skipped).split("\n") if line]
     for rel, reason in skips:
         log.warning("skipped %s: %s", rel, reason)
     if not written:

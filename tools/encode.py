@@ -10,8 +10,9 @@ in fairseq's simple_kmeans, and opens only the shards of the store that share re
 - `NAME.codes.npy`: [code frames, levels], every utterance's codes in order; int16 when every code fits
   (codebook_size <= 32768), else int32;
 - `NAME.codes.len`: code frames per utterance, one per line;
-- `NAME.codes.json`: the settings (checkpoint, step, levels, codebook size, downsample, dtype, the share,
-  frame counts) and each utterance's feature frame count (`feature_frames`);
+- `NAME.codes.json`: the settings (checkpoint, step, the digest of its weights, levels, codebook size,
+  downsample, dtype, the features as tools.extract noted them, the share, frame counts), how the features were
+  found to be the codec's (`feature_check`) and each utterance's feature frame count (`feature_frames`);
 - `NAME.codes.tsv`: when the store was written by tools.extract, the audio files of these utterances in
   order (a fairseq manifest);
 - `NAME.km` with `--km [LEVEL]`: fairseq's label file, one line of space-separated codes of one level per
@@ -25,9 +26,16 @@ committed (data/resumable_shard.py), so that the same command run again after a 
 commit and writes the same bytes as an uninterrupted run. A finished shard is not encoded again: the
 command says so and exits 0 (--overwrite starts it over); one written with other settings is refused. A
 second process on the same shard exits 2, naming the first. Decoding writes a fairseq dump (`NAME.npy/.len`)
-of the reconstructed features, cut back to each utterance's T frames when the .codes.json gives them; it
-refuses an output folder where NAME.npy or NAME.len exists (the features it would shadow) unless
---overwrite.
+of the reconstructed features, cut back to each utterance's T frames when the .codes.json gives them, with the
+codec that wrote them (another exits 2, naming both); it refuses an output folder where NAME.npy or NAME.len
+exists (the features it would shadow) unless --overwrite.
+
+The features must be those the codec was trained on, as tools.tokenize requires: where the dump has
+tools.extract's notes and the checkpoint records its features, their settings must agree (exit 2 naming those
+that differ); otherwise the statistics of the share's first frames must lie within PLAUSIBLE_SHIFT of those the
+codec was trained on (data/feature_settings.py). --allow_feature_mismatch encodes anyway, and the .codes.json
+says so. One output folder holds the codes of one codec: a shard from another checkpoint exits 2, naming both
+(tools/trained_codec.py).
 
 --device is resolved by training/device.py; encoding runs in eval mode and float32. Exit codes: 0 done (or
 already done), 2 bad arguments or data, or an output that is another's (nothing written), 1 anything else.
@@ -45,8 +53,11 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from data.audio_features import FEATURES
 from data.audio_manifest import manifest_lines, share_manifest
 from data.dump_writer import NpyRowWriter, len_text, publish, shard_range, write_temporary
+from data.feature_settings import (PLAUSIBLE_SHIFT, STATS_FRAMES, dump_feature_settings, feature_shift,
+                                   settings_differ)
 from data.resumable_shard import CODES, FEATURE_DUMP, ShardWriter, claim_shard
 from data.stores import FeatureStore, find_split, missing_split
 from data.writer_lock import WriterLock
@@ -54,8 +65,8 @@ from errors import EXIT_OK, BadInputError
 from models.codec import CodecConfig
 from models.codes import TAIL_PADDING, code_frames, decode_utterance, encode_in_batches, km_lines
 from tools.cli import bad_input_exits_2, run
-from tools.trained_codec import (CodesSpec, add_codes_args, check_codes_args, codes_spec, describe_codes,
-                                 load_codec)
+from tools.trained_codec import (CodesSpec, add_codes_args, check_codes_args, check_one_codec, codec_digest,
+                                 codes_spec, describe_codes, load_codec)
 from training.device import select_device
 from training.faults import FaultInjector
 from training.flag_help import FlagHelpFormatter
@@ -82,6 +93,43 @@ def open_share(args, config: CodecConfig, ckpt_path: Path) -> tuple[FeatureStore
     return split.share(start, end), start, end, len(split)
 
 
+def check_features(args, state: dict, model, store: FeatureStore, ckpt_path: Path) -> tuple[dict, str]:
+    """(the dump's features as the codes record them, how they were found to be the codec's). BadInputError when
+    they are not: tools.extract's settings that differ from the checkpoint's record, or else first frames whose
+    statistics are further than PLAUSIBLE_SHIFT from the codec's (--allow_feature_mismatch: warned, and encoded)."""
+    dump = dump_feature_settings(args.data_dir, args.split)
+    features = {k: v for k, v in dump.items() if k not in ("checkpoint", "note")}  # the model by its fingerprint
+    trained = (state.get("config") or {}).get("features") or {}
+    where = f"split '{args.split}' of {args.data_dir}"
+    if dump["feature"] == "mixed":
+        problem = dump["note"]
+    elif dump["feature"] in FEATURES and trained.get("feature") in (*FEATURES, "demo"):
+        differ = settings_differ(trained, dump)
+        if not differ:
+            return features, "tools.extract's settings are the codec's"
+        problem = f"the features of {where} are not those the codec in {ckpt_path} was trained on ({differ})"
+    else:  # no notes on one side: the features' statistics against those the codec normalises by
+        frames, n = [], 0
+        for i in range(len(store)):
+            if n >= STATS_FRAMES:
+                break
+            frames.append(np.asarray(store.utterance(i)[: STATS_FRAMES - n], dtype=np.float64))  # a memmap's slice
+            n += len(frames[-1])
+        shift = feature_shift(np.concatenate(frames), model.feature_mean.cpu().double().numpy(),
+                              model.feature_std.cpu().double().numpy())
+        check = f"the statistics of the first {n} frames, {shift:.3f} nats per dimension from the codec's"
+        if shift <= PLAUSIBLE_SHIFT:
+            return features, check + f" (at most {PLAUSIBLE_SHIFT})"
+        problem = (f"the first {n} frames of {where} are {shift:.2f} nats per dimension from the statistics of the "
+                   f"features the codec in {ckpt_path} was trained on (at most {PLAUSIBLE_SHIFT} for its own)")
+    if args.allow_feature_mismatch:
+        log.warning("%s; encoding anyway (--allow_feature_mismatch)", problem)
+        return features, f"not the codec's, encoded under --allow_feature_mismatch: {problem}"
+    raise BadInputError(f"{problem}: its codes of other features would be meaningless. Encode the features the codec "
+                        "was trained on (tools.extract with its settings), or pass --allow_feature_mismatch to encode "
+                        "these anyway")
+
+
 def commit_chunks(lengths: np.ndarray, commit_frames: int, done: int) -> list[tuple[int, int, int]]:
     """(number from 1, first, end) of the chunks of utterances still to encode after the first `done`. A chunk
     holds the utterances that begin within one span of `commit_frames` frames, so the chunks are the same
@@ -97,11 +145,13 @@ def encode_store(args) -> int:
     model, state, ckpt_path = load_codec(args.checkpoint, device)
     store, start, end, total = open_share(args, model.config, ckpt_path)
     spec = codes_spec(args, model, state, ckpt_path, device)
+    features, feature_check = check_features(args, state, model, store, ckpt_path)
     code_lengths = code_frames(store.lengths, model.config.downsample)
     name = f"{args.split}_{args.rank}_{args.nshard}"
-    settings = {**spec.settings, "split": args.split, "rank": args.rank, "nshard": args.nshard,
-                "first_utterance": start, "utterances": end - start, "frames": store.total_frames,
-                "code_frames": int(code_lengths.sum())}
+    settings = {**spec.settings, "features": features, "split": args.split, "rank": args.rank,
+                "nshard": args.nshard, "first_utterance": start, "utterances": end - start,
+                "frames": store.total_frames, "code_frames": int(code_lengths.sum())}
+    check_one_codec(args.output_dir, name, settings, overwrite=args.overwrite)
     lock = claim_shard(args.output_dir, name, CODES, settings, overwrite=args.overwrite, log=log,
                        redo="encode the shard again")
     if lock is None:
@@ -117,7 +167,7 @@ def encode_store(args) -> int:
                          "commit dropped)", writer.done, end - start, writer.rows, writer.dropped_bytes)
             encode_chunks(spec, store, writer, name=name, faults=FaultInjector(args.rank),
                           commit_frames=args.commit_frames)
-            meta = {**settings, "store": store.description, "padding": TAIL_PADDING,
+            meta = {**settings, "feature_check": feature_check, "store": store.description, "padding": TAIL_PADDING,
                     "feature_frames": store.lengths.tolist()}
             texts = {".codes.len": (f"{n}\n" for n in code_lengths), ".codes.json": json.dumps(meta) + "\n"}
             manifest = share_manifest(args.data_dir, args.split, total, start, end)
@@ -159,7 +209,7 @@ def encode_chunks(spec: CodesSpec, store: FeatureStore, writer: ShardWriter, *, 
 
 
 def decode_codes(args) -> int:
-    model, _, ckpt_path = load_codec(args.checkpoint, select_device(args.device))
+    model, state, ckpt_path = load_codec(args.checkpoint, select_device(args.device))
     name = f"{args.split}_{args.rank}_{args.nshard}"
     array, lens = args.codes_dir / f"{name}.codes.npy", args.codes_dir / f"{name}.codes.len"
     if not array.is_file() or not lens.is_file():
@@ -172,7 +222,12 @@ def decode_codes(args) -> int:
         raise BadInputError(f"{array.name} has {codes.shape[1]} levels; the codec in {ckpt_path} has "
                             f"{model.config.num_quantizers}")
     meta_path = args.codes_dir / f"{name}.codes.json"
-    frames = json.loads(meta_path.read_text()).get("feature_frames") if meta_path.is_file() else None
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    if meta.get("codec_digest") not in (None, codec_digest(state["model"])):  # another codec's codes: noise
+        raise BadInputError(f"{array} holds codes of the codec {meta.get('checkpoint')} (step {meta.get('step')}); "
+                            f"the codec in {ckpt_path} (step {state.get('step')}) is another: decode them with "
+                            f"--checkpoint {meta.get('checkpoint')}")
+    frames = meta.get("feature_frames")
     if frames is not None and len(frames) != len(counts):
         frames = None
     args.output_dir.mkdir(parents=True, exist_ok=True)
@@ -225,6 +280,9 @@ def build_parser(decoding: bool) -> argparse.ArgumentParser:
         p.add_argument("--data_dir", type=Path, required=True,
                        help="the feature store (as the trainer's --data_dir)")
         add_codes_args(p)
+        p.add_argument("--allow_feature_mismatch", action="store_true",
+                       help="encode features that do not look like the codec's (tools.extract's settings or the "
+                            "statistics differ), with a warning; their codes are seldom meaningful")
         p.add_argument("--commit_frames", type=int, default=1_000_000,
                        help="feature frames between commits (codes fsynced, progress recorded): what a killed run "
                             "encodes again at most")

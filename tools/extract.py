@@ -28,8 +28,10 @@ finished with other settings, or a dump this tool did not write, is refused (exi
 which starts the shard over. A second process on the same shard exits 2, naming the first.
 
 A file that cannot be read, is empty, too short, truncated or gives non-finite features is skipped, named
-and counted; the rest goes on. Exit codes: 0 done; 1 no file could be extracted (nothing written); 2 bad
-arguments, an empty or missing manifest/folder, or an output that is another's.
+and counted; so is one whose name NAME.tsv cannot hold (not UTF-8, or with a line break or a tab); the rest
+goes on. A full disk ends the run with one line naming the folder and the space needed, exit 1: the same
+command resumes once there is room. Exit codes: 0 done; 1 no file could be extracted (nothing written), or
+the disk is full; 2 bad arguments, an empty or missing manifest/folder, or an output that is another's.
 """
 from __future__ import annotations
 
@@ -142,7 +144,8 @@ def extract(args) -> int:
         return EXIT_OK
     try:
         writer = ShardWriter(args.out_dir, name, FEATURE_DUMP, settings, width=settings["dim"], dtype=args.dtype,
-                             streams={".len": "", ".tsv": f"{share.root}\n", ".skipped": ""})
+                             streams={".len": "", ".tsv": f"{share.root}\n", ".skipped": ""},
+                             inputs=len(share.relpaths))
         try:
             return extract_into(args, share, name, fbank, encoder, settings, writer)
         finally:
@@ -169,7 +172,7 @@ def extract_into(args, share: AudioShare, name: str, fbank: SeamlessFbank, encod
         def write(window: Window) -> None:
             for item in window.files:
                 if item.features is None:
-                    writer.append(".skipped", f"{item.rel}\t{item.skipped}\n")
+                    writer.append(".skipped", item.skip_line)
                 else:
                     writer.write(item.features)
                     writer.append(".len", f"{len(item.features)}\n")

@@ -17,7 +17,7 @@ wins. Lines that are not an event (not JSON, as a run killed mid-write leaves,
 or with no finite whole step) are counted and skipped; a field that is not a
 number where one is plotted counts as missing. A folder name that is not UTF-8
 is shown with its undecodable bytes replaced.
-Needs matplotlib (`pip install matplotlib`). Exit codes: 0 done, 2 no
+Needs matplotlib (`pip install -r requirements-report.txt`). Exit codes: 0 done, 2 no
 metrics.jsonl or nothing in it, or matplotlib missing.
 """
 from __future__ import annotations
@@ -287,7 +287,7 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     try:
         import matplotlib
     except ImportError:
-        raise BadInputError("the report needs matplotlib: pip install matplotlib") from None
+        raise BadInputError("the report needs matplotlib: pip install -r requirements-report.txt") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -52,8 +52,8 @@ from tools.audio_shard import (AudioShare, add_input_args, audio_share, batch_se
                                log_input_wait, model_device, progress_bar, w2v_passes, write_windows,
                                written_lengths)
 from tools.cli import bad_input_exits_2, run  # noqa: E402
-from tools.trained_codec import (CodesSpec, add_codes_args, check_codes_args, codes_spec,  # noqa: E402
-                                 describe_codes, load_codec)
+from tools.trained_codec import (CodesSpec, add_codes_args, check_codes_args, check_one_codec,  # noqa: E402
+                                 codes_spec, describe_codes, load_codec)
 from training.faults import FaultInjector  # noqa: E402
 from training.flag_help import FlagHelpFormatter  # noqa: E402
 
@@ -94,12 +94,15 @@ def trained_features(state: dict, ckpt_path: Path, args) -> dict:
         raise BadInputError(f"the codec in {ckpt_path} was trained on {describe(trained)}: tokenize computes only "
                             "features tools.extract wrote, as the checkpoint of a run on them records (trainers "
                             "before this one recorded none); encode such features with python -m tools.encode")
-    asked = {**trained, **{k: v for k, v in (("feature", args.feature), ("layer", args.layer),
-                                             ("precision", PRECISION_NAMES.get(args.precision))) if v is not None}}
-    differ = settings_differ(trained, asked)
-    if differ:
+    flags = {k: v for k, v in (("feature", args.feature), ("layer", args.layer),
+                               ("precision", PRECISION_NAMES.get(args.precision))) if v is not None}
+    differ = settings_differ(trained, {**trained, **flags})
+    if differ:  # the flags that differ, and the fix: the codec's own settings are the default
+        asked = (("feature", args.feature), ("layer", args.layer), ("precision", args.precision))
+        other = [f"--{k} {v}" for k, v in asked if v is not None and trained.get(k) != flags[k]]
         raise BadInputError(f"the codec in {ckpt_path} was trained on {describe(trained)}; the flags ask for "
-                            f"{describe(asked)} ({differ}): its codes of other features would be meaningless")
+                            f"{flags.get('feature', trained['feature'])} features ({differ}): its codes of other "
+                            f"features would be meaningless. Leave out {' '.join(other)}: the codec's are the default")
     return trained
 
 
@@ -137,6 +140,7 @@ def tokenize(args) -> int:
     if encoder is not None:  # the batches change a layer's last bits: a resumed shard keeps them
         settings.update(batch_seconds=batch_seconds(args, device), commit_files=args.commit_files,
                         commit_seconds=args.commit_seconds)
+    check_one_codec(args.out_dir, name, settings, overwrite=args.overwrite)
     lock = claim_shard(args.out_dir, name, CODES, settings, overwrite=args.overwrite, log=log,
                        redo="tokenize the shard again")
     if lock is None:
@@ -144,7 +148,7 @@ def tokenize(args) -> int:
     try:
         streams = {".codes.len": "", ".codes.tsv": f"{share.root}\n", ".codes.skipped": "", ".codes.frames": ""}
         writer = ShardWriter(args.out_dir, name, CODES, settings, width=spec.levels, dtype=spec.dtype,
-                             streams={**streams, **({".km": ""} if spec.km else {})})
+                             streams={**streams, **({".km": ""} if spec.km else {})}, inputs=len(share.relpaths))
         try:
             return tokenize_into(args, share, name, fbank, encoder, spec, settings, writer)
         finally:
@@ -174,7 +178,7 @@ def tokenize_into(args, share: AudioShare, name: str, fbank: SeamlessFbank, enco
             kept = [item for item in window.files if item.features is not None]
             for item in window.files:
                 if item.features is None:
-                    writer.append(".codes.skipped", f"{item.rel}\t{item.skipped}\n")
+                    writer.append(".codes.skipped", item.skip_line)
             bar.update(0.5 * (len(window.files) - len(kept)))
             if not kept:
                 return

@@ -1,28 +1,52 @@
 """A trained codec from a checkpoint file or a run's --output_dir, for the tools that use one (encode, tokenize,
-export); and what the two that write codes with it share: their flags and the settings a code shard records."""
+export), described in the log when loaded; and what the two that write codes with it share: their flags, the
+settings a code shard records, and the rule that one output folder holds the codes of one codec.
+
+A codec's identity is the digest of its weights (`codec_digest`), recorded with its checkpoint file and step by
+every code shard: the same weights give the same codes, wherever the file lies. `--checkpoint RUN` takes the
+newest checkpoint of a run that has ended; a run still training (its --output_dir lock held) is refused, since its
+newest checkpoint changes under the shards of one output; a checkpoint file of it is taken as given.
+"""
 from __future__ import annotations
 
 import argparse
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from data.resumable_shard import CODES
+from data.writer_lock import WriterLock
 from errors import BadInputError, TransientFault
 from models.codec import CodecConfig, RVQCodec
 from models.codes import code_dtype
 from training.checkpoint import load_checkpoint, load_latest, unreadable_reason
+from training.output_dir import LOCK_FILE
+
+log = logging.getLogger("codec")
 
 # --batch_frames by device: on a CPU the quantizer slows down once a pass's intermediates outgrow the caches
 # (benchmarks/bench_encode.py); on a GPU longer passes spread the kernel launches over more frames
 BATCH_FRAMES = {"cpu": 2048, "cuda": 32768}
+# A codec is trusted when its schedule ended with a final eval, after at least this many steps, with a rel_mse
+# below this: a shorter run (a --max_minutes budget spent on the k-means init) gives codes of little meaning
+TRUSTED_STEPS = 100
+TRUSTED_REL_MSE = 0.5
 
 
 def load_codec(path: str | Path, device: str | torch.device = "cpu") -> tuple[RVQCodec, dict, Path]:
-    """(model in eval mode, checkpoint dict, checkpoint file) from a checkpoint file or a run folder (its newest)."""
+    """(model in eval mode, checkpoint dict, checkpoint file) from a checkpoint file or a run folder (its newest, once
+    the run has ended); the codec's step and last eval are logged, and a schedule too short to trust warned about."""
     path = Path(path)
     if path.is_dir():
+        refuse_a_run_in_progress(path)
         found = load_latest(path / "checkpoints") or load_latest(path)
         if found is None:
             raise BadInputError(f"--checkpoint {path}: no readable step_*.pt in {path}/checkpoints or {path}")
@@ -41,7 +65,95 @@ def load_codec(path: str | Path, device: str | torch.device = "cpu") -> tuple[RV
                             "(no 'model' and 'codec' entries)")
     model = RVQCodec(CodecConfig(**state["codec"]))
     model.load_state_dict(state["model"])
+    log_codec(path, state)
     return model.to(device).eval(), state, path
+
+
+def refuse_a_run_in_progress(folder: Path) -> None:
+    """BadInputError when `folder` (a run's --output_dir, or its checkpoints/) belongs to a run still training: its
+    newest checkpoint is not its last. The lock is only tested (a shared flock, let go at once), never taken over."""
+    for run_dir in (folder, folder.parent) if folder.name == "checkpoints" else (folder,):
+        try:
+            fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue  # no lock file: no run ever held it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                continue
+            newest = next(iter(sorted((run_dir / "checkpoints").glob("step_*.pt"), reverse=True)), None)
+            raise BadInputError(
+                f"--checkpoint {folder}: the run is still training ({WriterLock(run_dir / LOCK_FILE, '').holder()}); "
+                "its newest checkpoint will change under the shards of one output. Wait for it to end, or give one "
+                "checkpoint file" + (f" (such as {newest})" if newest else "")) from None
+        finally:
+            os.close(fd)  # closing the descriptor lets go of the shared lock
+
+
+def codec_doubts(state: dict) -> list[str]:
+    """Why a codec's schedule was too short to trust its codes ([] when it was not): no final eval, fewer than
+    TRUSTED_STEPS steps, or a last rel_mse of TRUSTED_REL_MSE or more."""
+    doubts = []
+    if "final eval" not in (state.get("end_of_schedule") or []):
+        doubts.append("its checkpoint holds no final eval (its schedule had not ended)")
+    if state.get("step", 0) < TRUSTED_STEPS:
+        doubts.append(f"it was trained {state.get('step', 0)} steps (fewer than {TRUSTED_STEPS})")
+    rel_mse = (state.get("eval") or {}).get("rel_mse")
+    if rel_mse is not None and rel_mse >= TRUSTED_REL_MSE:
+        doubts.append(f"its rel_mse is {rel_mse:.3f} (at least {TRUSTED_REL_MSE}; 1 is a codec that outputs the mean)")
+    return doubts
+
+
+def log_codec(path: Path, state: dict) -> None:
+    """The codec's step and last eval in the log; a warning when codec_doubts has any."""
+    last = state.get("eval") or {}
+    scored = ("final eval" if last.get("final") else f"eval at step {last.get('step')}") if last else ""
+    log.info("codec %s: step %s, %s", path, state.get("step"),
+             f"{scored} rel_mse {last['rel_mse']:.4f}" if "rel_mse" in last else "no eval recorded in its checkpoint")
+    doubts = codec_doubts(state)
+    if doubts:
+        log.warning("the codec in %s may be too briefly trained to trust its codes: %s. Train it on (the same "
+                    "--output_dir with a larger --max_steps or --max_minutes) before using its codes",
+                    path, "; ".join(doubts))
+
+
+def codec_digest(weights: dict) -> str:
+    """A digest of a codec's weights (a model state dict): the same weights, the same digest, wherever the file."""
+    digest = hashlib.sha256()
+    for key in sorted(weights):
+        tensor = weights[key].detach().cpu().contiguous()
+        digest.update(f"{key}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return "sha256:" + digest.hexdigest()[:16]
+
+
+def check_one_codec(folder: Path, name: str, settings: dict, *, overwrite: bool) -> None:
+    """BadInputError when a code shard in `folder`, finished or in progress, came from another codec than
+    `settings` name (its digest; its checkpoint file and step for a shard from before digests): one output holds
+    the codes of one codec. Shard NAME's own files count unless `overwrite` is to delete them. Each shard was held
+    to this when it began, so the first record read decides (a folder of many shards is not read whole)."""
+    mine = (settings["checkpoint"], settings["step"], settings["codec_digest"])
+    for path in sorted(folder.glob(f"*{CODES.progress}")) + sorted(folder.glob(f"*{CODES.meta}")):
+        if overwrite and path.name in (name + CODES.meta, name + CODES.progress):
+            continue
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        record = record.get("settings", record) if isinstance(record, dict) else {}
+        if not isinstance(record, dict) or "checkpoint" not in record:
+            continue
+        theirs = (record.get("checkpoint"), record.get("step"), record.get("codec_digest"))
+        if (theirs[2] == mine[2]) if theirs[2] else (theirs[:2] == mine[:2]):
+            return
+        both = [f"{file} (step {step}{f', weights {digest}' if theirs[:2] == mine[:2] else ''})"
+                for file, step, digest in (theirs, mine)]
+        raise BadInputError(
+            f"{path} holds codes of the codec {both[0]}; this command's codec is {both[1]}: one output holds the "
+            "codes of one codec. Write into another folder"
+            + (f", or give --checkpoint {theirs[0]}" if Path(theirs[0]).is_file() else "")
+            + (" (the shard's own codes go with --overwrite)" if path.name.startswith(name + ".") else ""))
 
 
 def add_codes_args(p: argparse.ArgumentParser) -> None:
@@ -91,7 +203,8 @@ def codes_spec(args: argparse.Namespace, model: RVQCodec, state: dict, ckpt_path
     if args.km is not None and args.km > q:
         raise BadInputError(f"--km {args.km}: the codes have levels 1 to {q}")
     beam, dtype = args.beam_size or config.beam_size, code_dtype(config.codebook_size)
-    settings = {"checkpoint": str(ckpt_path.resolve()), "step": state.get("step"), "levels": q,
+    settings = {"checkpoint": str(ckpt_path.resolve()), "step": state.get("step"),
+                "codec_digest": codec_digest(state["model"]), "levels": q,
                 "codebook_size": config.codebook_size, "downsample": config.downsample, "dtype": dtype.name,
                 "feature_dim": config.feature_dim, "beam_size": beam, "km_level": args.km}
     batch_frames = args.batch_frames or BATCH_FRAMES.get(device.type, BATCH_FRAMES["cpu"])

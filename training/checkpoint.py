@@ -1,7 +1,8 @@
 """Checkpoints: what one holds, written atomically by rank 0, found again and restored on resume.
 
 A checkpoint is a plain dict: model, optimizer, grad scaler, step, samples seen,
-epoch, the codec's config, every flag, and every rank's RNG states. `Checkpointer`
+epoch, the codec's config, every flag, every rank's RNG states, and the training data's identity (`data`,
+with `data_history` once --finetune moved it to other data: a resume on other data is refused). `Checkpointer`
 is the one place that decides that content, both ways. A file is written to a
 temporary name, fsynced, then renamed into place, so the last good checkpoint is
 never overwritten in place, and a write that fails removes its temporary file.
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from data.training_data import data_differences
 from errors import BadInputError, TransientFault
 from models.codec import CodecConfig
 from training.distributed import DistContext
@@ -163,10 +165,13 @@ def unreadable_reason(path: Path, error: Exception) -> str:
 class Resume:
     path: Path
     state: dict
+    new_data: bool = False  # --finetune on other data than the checkpoint's: the feature statistics are redone
 
 
-def find_resume(resume: str, folder: Path, codec: CodecConfig) -> Resume | None:
-    """The checkpoint to continue from (--resume auto, none, or a path), trained with this run's codec.
+def find_resume(resume: str, folder: Path, codec: CodecConfig, data: dict | None = None,
+                finetune: bool = False) -> Resume | None:
+    """The checkpoint to continue from (--resume auto, none, or a path), trained with this run's codec on this
+    run's data (`data`: its identity, data/training_data.py; other data only with `finetune`).
     On several ranks, rank 0 alone calls it (it moves unreadable checkpoints aside) and the others load its
     choice (training/resume.py). A run that would start behind checkpoints already in `folder` (--resume none
     there, or an older --resume path) is refused: its own checkpoints would be the oldest, pruned first."""
@@ -189,26 +194,73 @@ def find_resume(resume: str, folder: Path, codec: CodecConfig) -> Resume | None:
     if found is None:
         return None
     path, state = found
-    check_codec(path, state, codec)
-    return Resume(path, state)
+    new_data = check_data(path, state, data, finetune, resume)
+    check_codec(path, state, codec, resume)
+    return Resume(path, state, new_data)
 
 
-def check_codec(path: Path, state: dict, codec: CodecConfig) -> None:
-    """A checkpoint resumes only into the codec it trained; a field it predates counts at its default."""
+def check_data(path: Path, state: dict, data: dict | None, finetune: bool, resume: str = "auto") -> bool:
+    """Whether the run goes on with other data than the checkpoint trained on: only under --finetune; without it
+    a BadInputError names what differs. A checkpoint from before the record (no "data") is not checked."""
+    trained = state.get("data")
+    if data is None or trained is None:
+        if data is not None:
+            log.warning("checkpoint %s predates the record of its training data: --data_dir is not checked", path)
+        return False
+    differ = data_differences(trained, data)
+    if not differ:
+        if finetune:
+            log.info("--finetune: these are the data checkpoint %s trained on; it resumes as it is", path)
+        return False
+    if finetune and trained.get("dim") == data.get("dim"):
+        log.warning("--finetune: checkpoint %s (step %d) goes on with other data (%s); the feature statistics are "
+                    "these data's", path, state["step"], "; ".join(differ))
+        return True
+    split = trained.get("store", {}).get("split")
+    again = ("no --data_dir (the demo corpus)" if trained.get("features", {}).get("feature") == "demo"
+             else f"--data_dir {trained.get('data_dir')}")
+    again += f" --train_split {split}" if split != data["store"]["split"] else ""
+    fresh = "another --output_dir" if resume == "auto" else "no --resume"
+    tune = ("to fine-tune it on these data, add --finetune" if trained.get("dim") == data.get("dim")
+            else f"a codec of {trained.get('dim')}-d features fine-tunes on no other width")
+    raise BadInputError(f"checkpoint {path} (step {state['step']}) was trained on other data than this run's "
+                        f"({'; '.join(differ)}). To continue it, give {again}; {tune}; to train afresh on them, "
+                        f"give {fresh}")
+
+
+def check_codec(path: Path, state: dict, codec: CodecConfig, resume: str = "auto") -> None:
+    """A checkpoint resumes only into the codec it trained; a field it predates counts at its default. The
+    refusal names the fields that differ and the flags that give the checkpoint's codec back."""
+    from training.config import command_line  # the config imports the data, which import nothing of training/
+
     saved = {f.name: f.default for f in dataclasses.fields(CodecConfig) if f.default is not dataclasses.MISSING}
     saved.update(state["codec"])
-    if saved != codec.to_dict():
-        raise BadInputError(f"checkpoint {path} was trained with codec {state['codec']}, which differs from this "
-                            f"run's flags {codec.to_dict()}; use another --output_dir or --resume none")
+    now = codec.to_dict()
+    differ = [key for key in now if saved.get(key) != now[key]]
+    if not differ:
+        return
+    flags = {f.name for f in dataclasses.fields(CodecConfig) if f.metadata.get("flag", True)} - {"feature_dim"}
+    given = command_line({key: saved[key] for key in differ if key in flags})  # the flags not at their default
+    left_out = [f"--{key}" for key in differ if key in flags and f"--{key}" not in given]
+    fix = " and ".join(([f"with {' '.join(given)}"] if given else [])
+                       + ([f"without {', '.join(left_out)}"] if left_out else []))
+    fresh = "give another --output_dir" if resume == "auto" else "give no --resume"
+    raise BadInputError(f"checkpoint {path} was trained with a codec that differs from this run's flags: "
+                        + ", ".join(f"{key} {saved.get(key)} (this run: {now[key]})" for key in differ)
+                        + (f". To continue it, run {fix}" if fix else "")
+                        + f"; to train this codec from scratch, {fresh}")
 
 
 class Checkpointer:
-    """Saves and restores a run: model, optimizer, scaler, progress and RNG states (every rank's)."""
+    """Saves and restores a run: model, optimizer, scaler, progress and RNG states (every rank's), and the data
+    it trains on (`data`: their identity, data/training_data.py; with the codec's feature statistics)."""
 
     def __init__(self, folder: Path, *, keep: int, ctx: DistContext, codec: CodecConfig, config: dict,
-                 steps_per_epoch: int):
+                 steps_per_epoch: int, data: dict | None = None):
         self.folder, self.keep, self.ctx = Path(folder), keep, ctx
-        self.codec, self.config, self.steps_per_epoch = codec, config, steps_per_epoch
+        self.codec, self.config, self.steps_per_epoch, self.data = codec, config, steps_per_epoch, data
+        self.data_history: list[dict] = []  # {"step", "data"}: what the run trained on before each --finetune
+        self.last_eval: dict | None = None  # {"step", "rel_mse", "final"} of the last eval: the tools describe it
 
     def save(self, model, optimizer, scaler, progress: Progress, before_write=None) -> Path | None:
         """Every rank calls it (the RNG states are gathered); rank 0 writes while the others wait for it on the
@@ -225,7 +277,9 @@ class Checkpointer:
                      "scaler": scaler.state_dict(), "step": progress.step, "samples_seen": progress.samples_seen,
                      "schedule_fraction": progress.schedule_fraction,
                      "epoch": progress.step // self.steps_per_epoch, "codec": self.codec.to_dict(),
-                     "config": self.config, "rng": rng, "end_of_schedule": list(progress.end_done)}
+                     "config": self.config, "rng": rng, "end_of_schedule": list(progress.end_done),
+                     "data": {**self.data, "stats": feature_stats_record(model)} if self.data else None,
+                     "data_history": self.data_history, "eval": self.last_eval}
             try:
                 path = save_checkpoint(self.folder, progress.step, state, keep=self.keep)
             except TransientFault as e:
@@ -248,7 +302,17 @@ class Checkpointer:
         # a checkpoint from before this entry was saved after the end-of-schedule work, if any was due
         progress.end_done = list(state.get("end_of_schedule", END_OF_SCHEDULE))
         restore_rng_states(state["rng"], self.ctx)
+        self.data_history = list(state.get("data_history") or [])
+        self.last_eval = None if resume.new_data else state.get("eval")  # an eval on other data says nothing now
+        if resume.new_data:  # --finetune: the record says on what, and from which step, it trained before
+            self.data_history.append({"step": state["step"], "data": state.get("data")})
         log.info("resumed from %s at step %d", resume.path, progress.step)
+
+
+def feature_stats_record(model) -> dict:
+    """The codec's feature statistics in brief (the mean over dimensions of its per-dimension mean and std; the
+    whole vectors are the model's feature_mean and feature_std)."""
+    return {"mean": float(model.feature_mean.float().mean()), "std": float(model.feature_std.float().mean())}
 
 
 def gather_rng_states(ctx: DistContext) -> list:

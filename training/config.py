@@ -18,6 +18,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from data.training_data import DataConfig
 from models.codec import CodecConfig
@@ -149,6 +150,10 @@ class RunConfig:
     log_every: int = flag(10, "steps between train lines in metrics.jsonl (loss, learning rate, speed)")
     resume: str = flag("auto", "auto (last checkpoint in rank 0's --output_dir; every rank loads it), none, "
                                "or a path")
+    finetune: bool = flag(False, "resume a checkpoint on other training data than it trained on (other features, "
+                                 "files, utterances or frames, of the same dim): the codec's feature statistics are "
+                                 "taken from these data, and the checkpoint's data_history records the change; "
+                                 "without it such a resume exits 2")
     tensorboard: bool = flag(False, "also write the metrics as TensorBoard scalars to OUTPUT_DIR/tensorboard "
                                     "(pip install tensorboard)")
     device: str = flag("auto", "auto, cpu, cuda, or cuda:N (single process)")
@@ -303,6 +308,16 @@ def command_line(values: dict) -> list[str]:
                 value = ",".join(map(str, value))
             argv += [action.option_strings[0], str(value)]
     return argv
+
+
+def written_by_trainer(path) -> bool:
+    """Whether `path` is a config.json this trainer wrote (save_config): a JSON object holding the run section's
+    flags, which every version has written. A folder holding another program's config.json is not a run."""
+    try:
+        values = json.loads(Path(path).read_text())
+    except (OSError, ValueError):  # UnicodeDecodeError is a ValueError
+        return False
+    return isinstance(values, dict) and {"output_dir", "resume", "save_every"} <= set(values)
 
 
 def save_config(config: TrainConfig, path) -> None:

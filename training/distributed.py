@@ -207,16 +207,6 @@ def phase_timeout(ctx: DistContext, seconds: int):
         setter(timedelta(seconds=ctx.timeouts[1]), ctx.control)
 
 
-def is_distributed_error(error: BaseException) -> bool:
-    """A failure of a collective or of the rendezvous (a peer lost, a timeout), as opposed to a bug."""
-    if isinstance(error, dist.DistError):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and any(
-        mark in text for mark in ("gloo", "Gloo", "NCCL", "Connection closed by peer", "Connection reset",
-                                  "timed out", "Timed out", "monitoredBarrier"))
-
-
 FR_ANALYSER = "python -m torch.distributed.flight_recorder.fr_trace"
 
 

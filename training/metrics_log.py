@@ -19,7 +19,8 @@ def require_tensorboard():
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise BadInputError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
+        raise BadInputError("--tensorboard needs the tensorboard package: "
+                            "pip install -r requirements-report.txt") from None
     return SummaryWriter
 
 

@@ -9,20 +9,58 @@ made or written) is not raised at once: rank 0 sends it to every rank over the
 control plane, and all exit 2 together, having written nothing. Two runs in one
 folder would each log checkpoints that hold the other's weights and interleave
 their metrics.jsonl. A run refused later at start (a --resume path that cannot be
-read, a checkpoint of another codec) takes away the lock file and folders it made
-(`abandon`): a refused run leaves the disk as it found it.
+read, a checkpoint of another codec or other data) takes away the lock file, marker and folders it made and
+puts back the lock file it found (`abandon`): a refused run leaves the disk as it found it.
+
+The trainer writes only into a folder that is absent, empty, or one of its runs: one holding its marker
+(MARKER, written when a run first claims the folder), or, for runs from before the marker, a config.json it
+wrote (training/config.py written_by_trainer) or nothing but the names a run writes. Anything else (a model
+folder given as --output_dir, another program's output) is refused before anything is written, naming what is
+there: a run would replace its config.json.
 """
 from __future__ import annotations
 
+import json
+import os
+import re
+import time
 from pathlib import Path
 
 import torch.distributed as dist
 
 from data.writer_lock import OutputBusy, WriterLock
 from errors import BadInputError
+from training.config import written_by_trainer
 from training.distributed import DistContext
+from training.nccl_env import FLIGHT_RECORDER_DIR
 
 LOCK_FILE = ".lock"  # in the output dir; it holds who has the lock (pid, host, command)
+MARKER = ".rvq_run"  # in the output dir: this trainer's run lives here
+CONFIG = "config.json"
+# what a run writes besides config.json: its marker and lock, metrics, checkpoints, TensorBoard, NCCL traces, and
+# read-only folder stores' lengths manifests (data/stores.py manifest_path, and their temporary names)
+RUN_NAMES = re.compile(rf"^({re.escape(LOCK_FILE)}|{re.escape(MARKER)}|metrics\.jsonl|checkpoints|tensorboard|"
+                       rf"{FLIGHT_RECORDER_DIR}|lengths_[0-9a-f]{{16}}\.npz(\..*\.tmp\.npz)?)$")
+SHOWN = 5  # names of foreign files a refusal lists
+
+
+def foreign_contents(folder: Path) -> str | None:
+    """What makes `folder` not a run of this trainer, in words; None when it is absent, empty or a run."""
+    if not folder.is_dir() or (folder / MARKER).exists():
+        return None
+    names = sorted(os.listdir(folder))
+    if CONFIG in names:
+        if written_by_trainer(folder / CONFIG):
+            return None  # a run from before the marker
+        others = [n for n in names if n != CONFIG]
+        return f"a {CONFIG} this trainer did not write" + (f", and {_listed(others)}" if others else "")
+    others = [n for n in names if not RUN_NAMES.match(n)]
+    return _listed(others) if others else None
+
+
+def _listed(names: list[str]) -> str:
+    more = f" and {len(names) - SHOWN} more" if len(names) > SHOWN else ""
+    return ", ".join(names[:SHOWN]) + more
 
 
 class OutputDirLock:
@@ -34,16 +72,27 @@ class OutputDirLock:
         self.busy = False  # the refusal is another run's lock, not a folder that cannot be written
         self._lock = WriterLock(self.folder / LOCK_FILE, f"--output_dir {self.folder}")
         self.made: list[Path] = []  # the folders this run made, deepest first
-        self.made_lock_file = False
+        self.made_lock_file = self.made_marker = False
+        self.lock_found: tuple[bytes, int, int] | None = None  # the lock file as found: content, atime, mtime
 
     def take(self) -> "OutputDirLock":
         if self.rank != 0:
             return self
         try:
+            foreign = foreign_contents(self.folder)
+            if foreign:
+                self.error = (f"--output_dir {self.folder} is not a run of this trainer: it holds {foreign}. Give "
+                              "an empty or new folder, or the --output_dir of one of this trainer's runs")
+                return self
             self.made = [p for p in (self.folder, *self.folder.parents) if not p.exists()]
-            self.made_lock_file = not (self.folder / LOCK_FILE).exists()
+            lock_file = self.folder / LOCK_FILE
+            self.made_lock_file = not lock_file.exists()
+            if not self.made_lock_file:
+                found = lock_file.stat()
+                self.lock_found = (lock_file.read_bytes(), found.st_atime_ns, found.st_mtime_ns)
             self.folder.mkdir(parents=True, exist_ok=True)
             self._lock.acquire()
+            self._mark()
         except FileExistsError:
             self.error = f"--output_dir {self.folder} is a file, not a folder: give a folder to write the run into"
         except OSError as e:
@@ -52,6 +101,14 @@ class OutputDirLock:
         except BadInputError as e:  # OutputBusy, or a lock file that cannot be made
             self.error, self.busy = str(e), isinstance(e, OutputBusy)
         return self
+
+    def _mark(self) -> None:
+        """The marker that makes the folder this trainer's run, written once, under the lock."""
+        marker = self.folder / MARKER
+        if not marker.exists():
+            self.made_marker = True
+            marker.write_text(json.dumps({"run_of": "rvq_seamless_gpu_cache_nccl.py",
+                                          "since": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
 
     def agree(self, ctx: DistContext) -> None:
         """Every rank learns rank 0's outcome; a refusal raises on every rank together (exit 2)."""
@@ -67,10 +124,17 @@ class OutputDirLock:
         self._lock.release()
 
     def abandon(self) -> None:
-        """Release after a start that failed: the lock file and the folders this run made go again (the lock file
-        while still held; a folder that holds anything else stays)."""
+        """Release after a start that failed: the marker, the lock file and the folders this run made go again, a
+        lock file it found is put back as it was (while still held; a folder that holds anything else stays)."""
+        lock_file = self.folder / LOCK_FILE
+        if self._lock.held and self.made_marker:
+            (self.folder / MARKER).unlink(missing_ok=True)
         if self._lock.held and self.made_lock_file:
-            (self.folder / LOCK_FILE).unlink(missing_ok=True)
+            lock_file.unlink(missing_ok=True)
+        elif self._lock.held and self.lock_found is not None:
+            content, atime, mtime = self.lock_found
+            lock_file.write_bytes(content)
+            os.utime(lock_file, ns=(atime, mtime))
         self.release()
         for folder in self.made:
             try:

@@ -16,7 +16,8 @@ SLOW_PHASES = ("setup", "k-means init", "compile", "eval", "refit", "checkpoint"
 IN_STEP = ("data", "forward", "backward", "optimizer")
 # ... then after the step's count went up.
 AFTER_STEP = ("train", "sync check", "refit", "eval", "checkpoint", "teardown")
-FAILED = "failed collective"  # the main thread saw a collective fail and waits for the watchdog's verdict
+FAILED = "failed"  # the main thread raised on one of several ranks and waits for the watchdog's verdict
+STOPPED = "stopped on request"  # the rank left at once on a stop with nothing to save: its peers stop too, exit 0
 END_OF_SCHEDULE = ("refit", "final eval")  # the work after the last step, in order
 
 
@@ -42,6 +43,7 @@ class Progress:
     stop_reason: str | None = None  # set when the loop is to end after this step
     since: float = field(default_factory=time.monotonic)  # when the main thread entered `phase`
     on_enter: list = field(default_factory=list)  # callables(step, phase) run as a phase starts (fault injection)
+    raised_in: str | None = None  # the innermost phase an exception left (a failure's report names it)
 
     def __setattr__(self, name, value):
         if name == "phase":  # every phase change restarts the phase's clock, however it is made
@@ -61,6 +63,9 @@ class Progress:
         self.enter(name)
         try:
             yield
+        except BaseException:
+            self.raised_in = self.raised_in or name
+            raise
         finally:
             self.phase = outer
 

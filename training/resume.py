@@ -5,7 +5,9 @@ Ranks that each picked their own newest file (two nodes with different
 steps and deadlock in mismatched collectives. So rank 0 alone chooses, as a
 single process does (`find_resume`: the newest readable checkpoint, a truncated
 one moved aside, or the `--resume` path), and broadcasts the path and step over
-the control plane; rank 0 alone renames files, before it sends its choice. Every
+the control plane; rank 0 alone renames files, and checks that the checkpoint
+trained on this run's data (or that --finetune moves it to other data: sent along
+as `new_data`), before it sends its choice. Every
 other rank reads that checkpoint where its own flags point (its `--output_dir`'s
 checkpoints/, or its `--resume` path) and checks its step;
 then one all-gather of each rank's outcome ends every rank at once, with exit 2
@@ -36,14 +38,17 @@ class Choice:
     step: int | None = None
     error: str | None = None
     transient: bool = False  # the error is a TransientFault (exit 1), not bad input (exit 2)
+    new_data: bool = False  # --finetune on other data than the checkpoint's
 
 
-def agree_on_resume(ctx: DistContext, resume: str, folder: Path, codec: CodecConfig) -> Resume | None:
-    """The checkpoint every rank continues from, chosen by rank 0 (--resume auto, none, or a path).
+def agree_on_resume(ctx: DistContext, resume: str, folder: Path, codec: CodecConfig, data: dict | None = None,
+                    finetune: bool = False) -> Resume | None:
+    """The checkpoint every rank continues from, chosen by rank 0 (--resume auto, none, or a path), trained on
+    `data` (their identity; other data only with `finetune`): rank 0 alone compares them.
     Raises BadInputError on every rank together when rank 0 could not choose or any rank cannot read the choice."""
     if not ctx.is_distributed:
-        return find_resume(resume, folder, codec)
-    mine, choice = _choose(ctx, resume, folder, codec)
+        return find_resume(resume, folder, codec, data, finetune)
+    mine, choice = _choose(ctx, resume, folder, codec, data, finetune)
     if choice.error:
         failure = TransientFault if choice.transient else BadInputError
         raise failure(choice.error if ctx.rank == 0 else f"rank 0: {choice.error}")
@@ -55,7 +60,7 @@ def agree_on_resume(ctx: DistContext, resume: str, folder: Path, codec: CodecCon
     if ctx.rank != 0:
         path = folder / Path(choice.path).name if resume == "auto" else Path(resume)
         try:
-            mine = _read_chosen(path, choice.step, codec)
+            mine = _read_chosen(path, choice.step, codec, choice.new_data)
         except TransientFault as e:
             error = (f"rank {ctx.rank}: {e}", True)
         except Exception as e:  # noqa: BLE001 - any failure must reach the all-gather, or the others would wait
@@ -71,27 +76,28 @@ def agree_on_resume(ctx: DistContext, resume: str, folder: Path, codec: CodecCon
     return mine
 
 
-def _choose(ctx: DistContext, resume: str, folder: Path, codec: CodecConfig) -> tuple[Resume | None, Choice]:
+def _choose(ctx: DistContext, resume: str, folder: Path, codec: CodecConfig, data: dict | None,
+            finetune: bool) -> tuple[Resume | None, Choice]:
     """Rank 0's choice, on every rank; rank 0 also returns the checkpoint it loaded to choose it."""
     mine, choice = None, Choice()
     if ctx.rank == 0:
         try:
-            mine = find_resume(resume, folder, codec)
+            mine = find_resume(resume, folder, codec, data, finetune)
         except (BadInputError, TransientFault) as e:
             choice = Choice(error=str(e), transient=isinstance(e, TransientFault))
         if mine is not None:
-            choice = Choice(path=str(mine.path.absolute()), step=mine.state["step"])
+            choice = Choice(path=str(mine.path.absolute()), step=mine.state["step"], new_data=mine.new_data)
     sent = [choice]
     dist.broadcast_object_list(sent, src=0, group=ctx.control)
     return mine, sent[0]
 
 
-def _read_chosen(path: Path, step: int, codec: CodecConfig) -> Resume:
+def _read_chosen(path: Path, step: int, codec: CodecConfig, new_data: bool) -> Resume:
     state = load_checkpoint(path, RESUME_KEYS)
     if state["step"] != step:
         raise ValueError(f"it holds step {state['step']}: another run's checkpoint")
     check_codec(path, state, codec)
-    return Resume(path, state)
+    return Resume(path, state, new_data)
 
 
 def _warn_of_ignored_checkpoints(rank: int, folder: Path) -> None:

@@ -9,6 +9,11 @@ raises `Stopped` at the same point. Once the run's outcome is saved (`settle`),
 a signal changes nothing, up to the process's exit (`restore(ignore=True)`), so
 a late SIGTERM cannot turn a clean exit into 143. A second SIGINT exits at once
 (with the settled exit code, once there is one).
+
+A compile of the training step can outlast a scheduler's grace period. While the
+trainer says a compile may be abandoned (`interrupt`), a stop signal raises
+`CompileInterrupted` where the main thread is, as Ctrl-C would, rather than wait
+for the compile's end.
 """
 from __future__ import annotations
 
@@ -29,10 +34,16 @@ class Stopped(Exception):
     """A stop agreed inside a slow phase: its work is abandoned on every rank alike. The text is the stop reason."""
 
 
+class CompileInterrupted(BaseException):
+    """A stop signal during a compile that may be abandoned (StopRequest.interrupt). Not an Exception, so that the
+    compiler's own handlers let it through, as they do KeyboardInterrupt. The text is the signal's name."""
+
+
 class StopRequest:
     def __init__(self):
         self.reason: str | None = None
         self.settled: int | None = None  # the exit code, once the run's outcome is saved
+        self.interrupt = False  # a stop signal now raises CompileInterrupted (set by the trainer around a compile)
         self._previous = {}
 
     def __bool__(self) -> bool:
@@ -65,6 +76,10 @@ class StopRequest:
         if signum == signal.SIGINT and second:
             log.error("second SIGINT: exiting now, without a checkpoint")
             os._exit(130)
+        if self.interrupt:
+            self.interrupt = False
+            log.warning("%s received during the compile: the compile is abandoned", name)
+            raise CompileInterrupted(name)
         log.warning("%s received: stopping at the next point all ranks agree on (a step boundary, or between two "
                     "chunks of the k-means init, the refit or an eval), with a checkpoint", name)
 

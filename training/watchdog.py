@@ -21,6 +21,12 @@ phase's allowance (--sync_timeout, or --slow_phase_timeout for a slow phase) the
 first rank to see it reads where every main thread is and writes a verdict to
 the store. Every rank then logs the same paragraph, the stuck rank writes all
 its threads' stacks to its log, and all exit 3.
+
+An exception in the main thread is judged here too, not by its text (a collective
+inside a compiled step fails with the compiler's own words): the peer lost is named
+and the rank exits 3, or every peer proves alive by beating on, and the error is the
+rank's own (`lost_peers`). A rank that leaves on a stop with nothing to save publishes
+so first (`leave`); its peers, finding it gone, stop too with exit 0.
 """
 from __future__ import annotations
 
@@ -37,8 +43,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from errors import EXIT_DISTRIBUTED
-from training.progress import FAILED, SLOW_PHASES, order
+from errors import EXIT_DISTRIBUTED, EXIT_OK
+from training.progress import FAILED, SLOW_PHASES, STOPPED, order
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +97,7 @@ def stuck_ranks(states: dict, allowance) -> tuple[list, bool]:
     the same step and phase, one waiting in a collective waits for one that is not: only the latter is
     behind. That needs where each main thread is (a state's "where"); without it, ranks at one point count
     alike."""
-    states = {r: s for r, s in states.items() if s["phase"] != FAILED}  # reported already; the watchdog judges
+    states = {r: s for r, s in states.items() if s["phase"] not in (FAILED, STOPPED)}  # reported already
     if not states:
         return [], False
     keys = {r: order(s["step"], s["phase"]) for r, s in states.items()}
@@ -106,12 +112,13 @@ def stuck_ranks(states: dict, allowance) -> tuple[list, bool]:
 
 class PeerWatchdog:
     def __init__(self, rank: int, world_size: int, *, timeout_s: float, slow_timeout_s: float, progress,
-                 interval_s: float | None = None, on_verdict=None, host: str | None = None):
+                 interval_s: float | None = None, on_verdict=None, on_peer_stopped=None, host: str | None = None):
         """progress: where the main loop is (its step and phase). on_verdict() runs before any exit and returns
-        text for the message (the flight-recorder dump on NCCL). host: the name peers compare with their own to
+        text for the message (the flight-recorder dump on NCCL). on_peer_stopped(text) runs before the exit 0 that
+        follows a peer's `leave` (rank 0 records the stop). host: the name peers compare with their own to
         check this rank's process directly (default: this machine's)."""
         self.rank, self.world_size, self.timeout_s, self.progress = rank, world_size, timeout_s, progress
-        self.slow_timeout_s, self.on_verdict = slow_timeout_s, on_verdict
+        self.slow_timeout_s, self.on_verdict, self.on_peer_stopped = slow_timeout_s, on_verdict, on_peer_stopped
         self.interval_s = interval_s or max(0.5, min(5.0, timeout_s / 6))
         store_host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         self.address = f"{store_host}:{port}"
@@ -127,6 +134,8 @@ class PeerWatchdog:
         self.host = host or socket.gethostname()
         self.main_id = threading.main_thread().ident
         self.beat = 0
+        self.published = 0  # the beat number of the last state the store took
+        self.states = {}  # every rank's state, as the last round read it
         self.moved = {r: (-1, time.monotonic()) for r in self.peers}  # each peer's beat number and when it last moved
         self.local_pids = None  # peers on this host, by rank: read with the first full read
         self.all_published = False  # until every rank's keys exist, multi_get would wait for the missing ones
@@ -139,6 +148,7 @@ class PeerWatchdog:
         self.answered = time.monotonic()  # when the store last answered a whole round
         self.round_started = None  # when the round in progress began (None between rounds)
         self._stop = threading.Event()
+        self._wake = threading.Event()  # starts the next round now (leave)
         self._verdict = threading.Event()
         self._ending = False  # a verdict or failure is being reported: the clock leaves it to finish
         self._thread = threading.Thread(target=self._run, name="peer-watchdog", daemon=True)
@@ -158,6 +168,7 @@ class PeerWatchdog:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         for thread in (self._thread, self._clock):
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(timeout=self.interval_s + 15)
@@ -169,6 +180,7 @@ class PeerWatchdog:
         state = {"beat": self.beat, "step": p.step, "phase": p.phase, "for": round(time.monotonic() - p.since, 1)}
         self.store.multi_set([self.state_keys[self.rank], self.where_keys[self.rank]],
                              [json.dumps(state), where(self.main_id)])
+        self.published = state["beat"]
 
     def round(self, now: float) -> tuple[str, list, list]:
         """One heartbeat: publish this rank's state, then read every rank's state and the verdict in one batched
@@ -181,7 +193,7 @@ class PeerWatchdog:
         if self.all_published:
             values = self.store.multi_get(keys)
             verdict = values[0].decode()
-            states = dict(enumerate(json.loads(b"[" + b",".join(values[1:1 + self.world_size]) + b"]")))  # one parse
+            states = self.states = dict(enumerate(json.loads(b"[" + b",".join(values[1:1 + self.world_size]) + b"]")))
             if self.local_pids is None:
                 whos = (v.decode().rsplit(" ", 1) for v in values[1 + self.world_size:])
                 self.local_pids = {r: int(pid) for r, (host, pid) in zip(self.peers, whos) if host == self.host}
@@ -210,14 +222,23 @@ class PeerWatchdog:
                                "states": {str(r): s for r, s in states.items()}})
         return self.store.compare_set(self.verdict_key, "", proposal).decode()
 
+    def _sleep(self) -> bool:
+        """Wait for the next round (an interval, or a wake-up); False once the watchdog is to stop."""
+        self._wake.wait(self.interval_s)
+        self._wake.clear()
+        return not self._stop.is_set()
+
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while self._sleep():
             now = time.monotonic()
             self.round_started = now
             try:
                 verdict, dead, silent = self.round(now)
                 self.answered = now
             except Exception as e:  # noqa: BLE001 - an unreachable store is itself the symptom
+                dead = [r for r, pid in (self.local_pids or {}).items() if _process_gone(pid)]
+                if dead:  # the store's host may be the one gone: the process table needs no store
+                    self._lost(dead, f"rank(s) {dead} lost: the process is gone", reread=False)
                 if now - self.answered > self.timeout_s:
                     self._fail(self._store_silent(now - self.answered, e))
                 continue
@@ -229,10 +250,21 @@ class PeerWatchdog:
             if verdict:
                 self._stuck(json.loads(verdict))
             if dead:
-                self._fail(f"rank(s) {dead} lost: the process is gone")
+                self._lost(dead + silent, f"rank(s) {dead} lost: the process is gone")
             if silent:
-                self._fail(f"rank(s) {silent} silent: no heartbeat for more than {self.timeout_s:.0f}s "
+                self._lost(silent, f"rank(s) {silent} silent: no heartbeat for more than {self.timeout_s:.0f}s "
                            "(stopped, hung or unreachable)")
+
+    def _lost(self, ranks: list, what: str, reread: bool = True) -> None:
+        """Peers gone: exit 0 when each left on a stop with nothing to save (its last state says so), else 3.
+        reread: their states are read again first (one may have left after this round read them)."""
+        if reread:
+            with contextlib.suppress(Exception):
+                for r, value in zip(ranks, self.store.multi_get([self.state_keys[r] for r in ranks])):
+                    self.states[r] = json.loads(value)
+        if all(self.states.get(r, {}).get("phase") == STOPPED for r in ranks):
+            self._peers_stopped(sorted(ranks))
+        self._fail(what)
 
     def _watch_store(self) -> None:
         """The clock: ends the rank when one round has waited on the store for longer than the timeout, seen so at
@@ -303,7 +335,47 @@ class PeerWatchdog:
         sys.stderr.flush()
         os._exit(EXIT_DISTRIBUTED)  # the main thread may be blocked in a collective: no clean unwinding
 
-    def await_verdict(self, max_wait_s: float) -> None:
-        """After a failed collective: give the watchdog time to name the lost rank (it then exits the process)."""
-        if self._thread.is_alive():
-            self._verdict.wait(max_wait_s)
+    def lost_peers(self, max_wait_s: float | None = None, beats: int = 3) -> list[int]:
+        """After an exception in the main thread (its progress's phase set to FAILED): [] once every peer has
+        published `beats` more beats than this rank had seen, the last of them after the exception (alive: the
+        error is this rank's own). A peer lost, silent or stuck is named by the watchdog, which exits the process
+        (code 3) meanwhile, or 0 after a peer's `leave`. Returns the peers not seen alive when `max_wait_s`
+        (default: past the watchdog's own timeout) is up, or at once when the watchdog is not running."""
+        seen = {r: self.moved[r][0] for r in self.peers}
+        deadline = time.monotonic() + (self.timeout_s + 4 * self.interval_s if max_wait_s is None else max_wait_s)
+        while True:
+            waiting = [r for r in self.peers if self.moved[r][0] < max(seen[r], 0) + beats]
+            if not waiting or not self._thread.is_alive() or time.monotonic() >= deadline:
+                return waiting
+            self._verdict.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+
+    def leave(self) -> None:
+        """This rank leaves at once on a stop with nothing to save (its progress's phase set to STOPPED): the store
+        takes that state before it goes, so that the peers, finding it gone, stop too rather than fail. Waits for
+        the round that publishes it (one now), for at most two intervals and a store timeout."""
+        beat = self.beat
+        self._wake.set()
+        deadline = time.monotonic() + 2 * self.interval_s + self.timeout_s / 3
+        while self.published <= beat and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.rank == 0 and self.store_host == "rank 0":  # the store goes with this process: each peer reads the
+            base = {r: self.moved[r][0] for r in self.peers}  # state first (a round of theirs after it, seen here)
+            deadline = time.monotonic() + 4 * self.interval_s + self.timeout_s / 3
+            while (any(self.moved[r][0] < base[r] + 3 for r in self.peers) and self._thread.is_alive()
+                   and time.monotonic() < deadline):
+                time.sleep(0.05)
+
+    def _peers_stopped(self, ranks: list) -> None:
+        """Every rank gone left on a stop with nothing to save: this rank ends as they did, exit 0."""
+        self._ending = True
+        text = (f"rank(s) {ranks} stopped on request at step {self.states[ranks[0]]['step']}, with nothing trained "
+                "since the last checkpoint: this rank stops too, with nothing to save")
+        if self.on_peer_stopped is not None:
+            with contextlib.suppress(Exception):
+                self.on_peer_stopped(text)
+        log.warning("rank %d: %s. Exit code 0; restart with --resume auto to continue from the last checkpoint",
+                    self.rank, text)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_OK)

@@ -1,0 +1,257 @@
+"""The audio tools under the faults of the field: the main process SIGKILLed with its decoding workers alive, file
+names a .tsv cannot hold, a manifest with a byte-order mark, a full file system, a file-size limit. Each ends in a
+listed skip or a resumable exit, never a traceback, an orphan or a held lock; each resume writes the bytes of a run
+never stopped."""
+import json
+import logging
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from tests.audio_helpers import CORPUS, write_corpus
+from tests.helpers import REPO, _state, env
+from tools import audio_shard, extract
+
+SHARD = "train_0_1"
+DUMP = (".npy", ".len", ".tsv", ".skipped", ".json")
+
+
+@pytest.fixture(autouse=True)
+def info_logs(caplog):
+    caplog.set_level(logging.INFO)
+
+
+@pytest.fixture(scope="module")
+def audio(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tool_faults") / "audio"
+    write_corpus(folder, CORPUS)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def unbroken(audio, tmp_path_factory) -> Path:
+    """The dump of a run never stopped."""
+    out = tmp_path_factory.mktemp("unbroken")
+    assert extract.main([audio, "train", 1, 0, out, "--commit_files", 2, "--num_workers", 0]) == 0
+    return out
+
+
+def dump_bytes(folder: Path) -> dict:
+    return {ext: (folder / (SHARD + ext)).read_bytes() for ext in DUMP}
+
+
+def tool(args, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tools.extract", *map(str, args)], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def gone(pid: int) -> bool:
+    return _state(pid) in ("", "Z")  # a zombie has ended: its parent (init here) has yet to reap it
+
+
+@pytest.mark.timeout(120)
+def test_a_sigkilled_main_process_leaves_no_worker_and_the_same_command_resumes(audio, unbroken, tmp_path):
+    """The OOM killer's SIGKILL on the main process alone, its 2 decoding workers busy: they end with it, hold no
+    lock, and the same command resumes to the bytes of a run never stopped."""
+    out = tmp_path / "feats"
+    args = [audio, "train", 1, 0, out, "--commit_files", 2, "--num_workers", 2]
+    main = tool(args, env=env(RVQ_FAULT="hang:step=2"))  # stopped before its second commit, workers decoding on
+    try:
+        deadline = time.monotonic() + 90
+        while _state(main.pid) != "T":
+            assert main.poll() is None and time.monotonic() < deadline, main.communicate()[1][-3000:]
+            time.sleep(0.1)
+        workers = children(main.pid)
+        assert len(workers) == 2 and not any(gone(w) for w in workers)
+        assert json.loads((out / f"{SHARD}.progress").read_text())["done"] == 2
+        main.kill()
+        main.wait(10)
+        deadline = time.monotonic() + 3  # a kernel signal: no worker waits for torch's own 5-s check
+        while not all(gone(w) for w in workers):
+            assert time.monotonic() < deadline, f"workers {workers} outlived their main process"
+            time.sleep(0.05)
+    finally:
+        for pid in [main.pid, *(w for w in locals().get("workers", []) if not gone(w))]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    again = tool(args, env=env())
+    _, err = again.communicate(timeout=90)
+    assert again.returncode == 0, err[-3000:]
+    assert "resuming at file 2 of 10" in err
+    assert dump_bytes(out) == dump_bytes(unbroken)
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_does_not_hold_its_parents_lock(tmp_path):
+    """A child forked while a lock is held (as a DataLoader forks its workers) outlives its SIGKILLed parent: the
+    lock is free all the same."""
+    from data.writer_lock import WriterLock
+
+    script = ("import os, signal, sys, time\nfrom data.writer_lock import WriterLock\n"
+              "lock = WriterLock(sys.argv[1], 'the shard').acquire()\n"
+              "child = os.fork()\n"
+              "if child == 0:\n    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)\n    os.dup2(1, 2)\n"
+              "    time.sleep(60)\n    os._exit(0)\n"
+              "print(child, flush=True)\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    parent = subprocess.run([sys.executable, "-c", script, str(tmp_path / ".lock")], cwd=REPO, env=env(),
+                            capture_output=True, text=True, timeout=30)
+    assert parent.returncode == -signal.SIGKILL, parent.stderr
+    child = int(parent.stdout.split()[0])
+    try:
+        assert not gone(child)
+        with WriterLock(tmp_path / ".lock", "the shard") as lock:
+            assert lock.held
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
+NAMES = {  # name on disk -> the reason it is skipped (None: kept)
+    b"caf\xe9.wav": "is not UTF-8",
+    b"two\nlines.wav": "a line break or a tab",
+    b"tab\tbed.wav": "a line break or a tab",
+    "form\x0cfeed \u2028sep.wav".encode(): None,  # str.splitlines() would cut these; a .tsv line holds them
+    b"plain.wav": None,
+}
+
+
+def named_corpus(folder: Path) -> None:
+    import soundfile as sf
+
+    from tests.audio_helpers import voice_like
+
+    folder.mkdir(parents=True)
+    for k, name in enumerate(NAMES):
+        sf.write(os.fsencode(folder) + b"/" + name, voice_like(1.0, 16000, k), 16000, subtype="PCM_16")
+    assert len(os.listdir(os.fsencode(folder))) == len(NAMES)  # every name made it onto the disk
+
+
+def shown(name: bytes) -> str:
+    return name.decode("utf-8", "backslashreplace").replace("\n", "\\n").replace("\t", "\\t")
+
+
+@pytest.mark.timeout(60)
+def test_names_a_tsv_cannot_hold_are_skipped_and_listed(tmp_path, caplog):
+    """A folder holding a non-UTF-8 name, a newline and a tab: those three skipped, each listed on one line with
+    its reason; every other file kept, its .tsv line by line as the audio."""
+    folder = tmp_path / "audio"
+    named_corpus(folder)
+    out = tmp_path / "feats"
+    assert extract.main([folder, "train", 1, 0, out, "--num_workers", 0]) == 0
+    skipped = dict(line.split("\t") for line in (out / f"{SHARD}.skipped").read_text("utf-8").split("\n") if line)
+    expected = {shown(name): why for name, why in NAMES.items() if why}
+    assert set(skipped) == set(expected)
+    assert all(why in skipped[name] for name, why in expected.items()), skipped
+    kept = [n.decode() for n, why in NAMES.items() if why is None]
+    tsv = (out / f"{SHARD}.tsv").read_text("utf-8").split("\n")
+    assert [line.split("\t")[0] for line in tsv[1:] if line] == sorted(kept)
+    assert len((out / f"{SHARD}.len").read_text().split()) == len(kept)
+    assert "skipped caf\\xe9.wav: its name is not UTF-8" in caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_a_manifest_with_a_bom_and_a_non_utf8_name_is_read(tmp_path, caplog):
+    folder = tmp_path / "audio"
+    named_corpus(folder)
+    manifest = tmp_path / "train.tsv"
+    lines = [b"plain.wav\t16000", b"caf\xe9.wav\t16000"]
+    manifest.write_bytes("\ufeff".encode() + os.fsencode(folder) + b"\n" + b"\n".join(lines) + b"\n")
+    out = tmp_path / "feats"
+    assert extract.main([manifest, "train", 1, 0, out, "--num_workers", 0]) == 0
+    assert (out / f"{SHARD}.tsv").read_text("utf-8") == f"{folder}\nplain.wav\t16000\n"
+    assert (out / f"{SHARD}.skipped").read_text("utf-8").startswith("caf\\xe9.wav\tits name is not UTF-8")
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real file system of its own, mounted on a folder (root only), that the test can grow."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(folder)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (not root); the file-size limit case covers a full disk")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+def resize(folder: Path, size: int) -> None:
+    subprocess.run(["mount", "-o", f"remount,size={size}", str(folder)], check=True, capture_output=True)
+
+
+def limited(size: int):
+    def preexec():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+    return preexec
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("limit", ["full file system", "file-size limit"])
+def test_a_full_disk_ends_in_one_line_exit_1_and_the_same_command_resumes(limit, audio, unbroken, request,
+                                                                          tmp_path, caplog):
+    size = (unbroken / f"{SHARD}.npy").stat().st_size // 2 // 4096 * 4096  # room for some commits, not all
+    args = [audio, "train", 1, 0, None, "--commit_files", 2, "--num_workers", 0]
+    if limit == "full file system":
+        out = request.getfixturevalue("small_tmpfs")
+        resize(out, size)
+        args[4] = out
+        assert extract.main(args) == 1
+        lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    else:
+        out = args[4] = tmp_path / "feats"
+        proc = tool(args, env=env(), preexec_fn=limited(size))
+        _, err = proc.communicate(timeout=90)
+        assert proc.returncode == 1, err[-3000:]
+        assert "Traceback" not in err
+        lines = [line for line in err.splitlines() if "ERROR" in line]
+    assert len(lines) == 1, lines
+    assert f"writing shard {SHARD} in {out}" in lines[0] and " free there;" in lines[0]
+    assert "its array needs about" in lines[0] and "run the same command again" in lines[0]
+    assert ("ulimit -f" in lines[0]) == (limit == "file-size limit")
+    committed = json.loads((out / f"{SHARD}.progress").read_text())["done"]
+    assert 2 <= committed < len(CORPUS) and not (out / f"{SHARD}.npy").exists()
+    if limit == "full file system":
+        resize(out, 16 * size)  # space freed
+    caplog.clear()
+    assert extract.main(args) == 0
+    assert f"resuming at file {committed} of 10" in caplog.text
+    assert dump_bytes(out) == dump_bytes(unbroken)
+
+
+def test_num_workers_defaults_to_the_cpus_this_process_may_use(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert audio_shard.default_workers() == 1  # one left for the model
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's 4 processes on this node share them
+    assert audio_shard.default_workers() == 3
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert audio_shard.default_workers() == 0
+    assert extract.parse_args(["x", "train", 1, 0, "o"]).num_workers == 0
+    assert extract.parse_args(["x", "train", 1, 0, "o", "--num_workers", 2]).num_workers == 2
+
+
+@pytest.mark.timeout(60)
+def test_the_default_workers_draw_no_warning_from_torch(audio, tmp_path, caplog):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert extract.main([audio, "train", 2, 0, tmp_path / "feats"]) == 0
+    assert not [w for w in caught if "worker" in str(w.message)], [str(w.message) for w in caught]
+    assert f"(--num_workers {audio_shard.default_workers()})" in caplog.text
