@@ -155,7 +155,7 @@ class RunConfig:
                                  "taken from these data, and the checkpoint's data_history records the change; "
                                  "without it such a resume exits 2")
     tensorboard: bool = flag(False, "also write the metrics as TensorBoard scalars to OUTPUT_DIR/tensorboard "
-                                    "(pip install tensorboard)")
+                                    "(pip install -r requirements-report.txt)")
     device: str = flag("auto", "auto, cpu, cuda, or cuda:N (single process)")
 
 
