@@ -200,11 +200,23 @@ class ShardWriter:
                 dropped += size - keep
             return committed["done"], committed["rows"], committed.get("commits", 0), dropped
         self.progress.unlink(missing_ok=True)
-        with open(self.partial, "wb") as f:
-            f.write(npy_header(self.total_rows or 0, self.width, dtype=self.dtype.name))
-        for ext, path in self.stream_paths.items():
-            path.write_text(streams[ext], encoding="utf-8", errors="surrogateescape")
+        sizes = {}
+        for ext, path, text in [(self.layout.array, self.partial, None),
+                                *((ext, path, streams[ext]) for ext, path in self.stream_paths.items())]:
+            with open(path, "wb") as f:
+                f.write(npy_header(self.total_rows or 0, self.width, dtype=self.dtype.name) if text is None
+                        else text.encode("utf-8", "surrogateescape"))
+                f.flush()
+                os.fsync(f.fileno())
+                sizes[ext] = f.tell()
+        self._record(0, 0, 0, sizes)  # the shard's settings are on disk from its start: another writer sees them
         return 0, 0, 0, 0
+
+    def _record(self, done: int, rows: int, commits: int, sizes: dict) -> None:
+        """Replace the progress file atomically with what is committed."""
+        record = {"done": done, "rows": rows, "commits": commits, "sizes": sizes, "settings": self.settings}
+        os.replace(write_temporary(self.progress, json.dumps(record) + "\n"), self.progress)
+        fsync_folder(self.folder)
 
     @_resumable_when_full
     def write(self, rows: np.ndarray) -> None:
@@ -232,9 +244,7 @@ class ShardWriter:
             os.fsync(f.fileno())
             sizes[ext] = os.fstat(f.fileno()).st_size
         self.done, self.rows, self.commits = done, self.written, self.commits + 1
-        record = {"done": done, "rows": self.rows, "commits": self.commits, "sizes": sizes, "settings": self.settings}
-        os.replace(write_temporary(self.progress, json.dumps(record) + "\n"), self.progress)
-        fsync_folder(self.folder)
+        self._record(done, self.rows, self.commits, sizes)
 
     def text(self, ext: str) -> str:
         """What stream `ext` holds."""

@@ -17,7 +17,7 @@ from data.demo_corpus import default_demo_dir
 from data.feature_settings import describe, dump_feature_settings, settings_differ
 from models.codec import CodecConfig, RVQCodec
 from tests.audio_helpers import CORPUS, write_corpus
-from tests.helpers import REPO, TRAINER, TINY, env, events, run_trainer
+from tests.helpers import REPO, TRAINER, TINY, _state, env, events, run_trainer
 from tools import encode, extract, tokenize
 from tools.trained_codec import TRUSTED_STEPS, codec_doubts
 
@@ -123,6 +123,32 @@ def test_tokenize_refuses_a_second_codec_in_one_output_and_flags_that_differ_wit
                           "--layer", 17]) == 2
     assert "None" not in caplog.text and "feature: 'fbank' -> 'w2v-bert'" in caplog.text
     assert "Leave out --feature w2v-bert --layer 17" in caplog.text
+
+
+@pytest.mark.timeout(90)
+def test_a_second_codec_started_before_the_first_shard_commits_anything_exits_2(demo, tmp_path, caplog):
+    """Two commands into one output with two codecs, the second started while the first has committed nothing yet
+    (stopped before its first commit): the first's shard names its codec from its start."""
+    d, out = demo, tmp_path / "codes"
+    a, b = fbank_codec(tmp_path / "a.pt", d.fbank, 0), fbank_codec(tmp_path / "b.pt", d.fbank, 1)
+    first = subprocess.Popen([sys.executable, "-m", "tools.tokenize", str(d.audio), "train", "2", "0", str(out),
+                              "--num_workers", "0", "--commit_files", "1", "--checkpoint", str(a)],
+                             cwd=REPO, env=env(RVQ_FAULT="hang:step=1"), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while _state(first.pid) != "T":  # SIGSTOPped before its first commit
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-3000:]
+            time.sleep(0.1)
+        assert json.loads((out / "train_0_2.codes.progress").read_text())["done"] == 0
+        assert tokenize.main([d.audio, "train", 2, 1, out, "--num_workers", 0, "--checkpoint", b]) == 2
+        assert f"codec {a.resolve()} (step 0); this command's codec is {b.resolve()} (step 0)" in caplog.text
+        assert not list(out.glob("train_1_2.*"))
+    finally:
+        first.kill()
+        first.wait(timeout=30)
+    assert tokenize.main([d.audio, "train", 2, 0, out, "--num_workers", 0, "--commit_files", 1,
+                          "--checkpoint", a]) == 0  # the first resumes from its start, and finishes
 
 
 @pytest.mark.timeout(60)

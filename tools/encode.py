@@ -58,14 +58,14 @@ from data.audio_manifest import manifest_lines, share_manifest
 from data.dump_writer import NpyRowWriter, len_text, publish, shard_range, write_temporary
 from data.feature_settings import (PLAUSIBLE_SHIFT, STATS_FRAMES, dump_feature_settings, feature_shift,
                                    settings_differ)
-from data.resumable_shard import CODES, FEATURE_DUMP, ShardWriter, claim_shard
+from data.resumable_shard import FEATURE_DUMP, ShardWriter
 from data.stores import FeatureStore, find_split, missing_split
 from data.writer_lock import WriterLock
 from errors import EXIT_OK, BadInputError
 from models.codec import CodecConfig
 from models.codes import TAIL_PADDING, code_frames, decode_utterance, encode_in_batches, km_lines
 from tools.cli import bad_input_exits_2, run
-from tools.trained_codec import (CodesSpec, add_codes_args, check_codes_args, check_one_codec, codec_digest,
+from tools.trained_codec import (CodesSpec, add_codes_args, begin_code_shard, check_codes_args, codec_digest,
                                  codes_spec, describe_codes, load_codec)
 from training.device import select_device
 from training.faults import FaultInjector
@@ -151,14 +151,13 @@ def encode_store(args) -> int:
     settings = {**spec.settings, "features": features, "split": args.split, "rank": args.rank,
                 "nshard": args.nshard, "first_utterance": start, "utterances": end - start,
                 "frames": store.total_frames, "code_frames": int(code_lengths.sum())}
-    check_one_codec(args.output_dir, name, settings, overwrite=args.overwrite)
-    lock = claim_shard(args.output_dir, name, CODES, settings, overwrite=args.overwrite, log=log,
-                       redo="encode the shard again")
-    if lock is None:
-        return EXIT_OK
-    try:
-        writer = ShardWriter(args.output_dir, name, CODES, settings, width=spec.levels, dtype=spec.dtype,
+    begun = begin_code_shard(args.output_dir, name, settings, overwrite=args.overwrite, log=log,
+                             redo="encode the shard again", width=spec.levels, dtype=spec.dtype,
                              rows=int(code_lengths.sum()), streams={".km": ""} if spec.km else {})
+    if begun is None:
+        return EXIT_OK
+    lock, writer = begun
+    try:
         try:
             log.info("%s: utterances %d-%d of %d in %s -> %s/%s.codes.npy, %s", name, start, end - 1, total,
                      args.data_dir, args.output_dir, name, describe_codes(spec))

@@ -45,14 +45,14 @@ import torch  # noqa: E402
 from data.audio_features import FEATURES, SeamlessFbank, W2vBertLayer  # noqa: E402
 from data.audio_pipeline import FeatureWindows, Window  # noqa: E402
 from data.feature_settings import describe, model_fingerprint, settings_differ  # noqa: E402
-from data.resumable_shard import CODES, ShardWriter, claim_shard  # noqa: E402
+from data.resumable_shard import CODES, ShardWriter  # noqa: E402
 from errors import EXIT_FAILURE, EXIT_OK, BadInputError  # noqa: E402
 from models.codes import TAIL_PADDING, code_frames, encode_in_batches, km_lines  # noqa: E402
 from tools.audio_shard import (AudioShare, add_input_args, audio_share, batch_seconds, check_input_args,  # noqa: E402
                                log_input_wait, model_device, progress_bar, w2v_passes, write_windows,
                                written_lengths)
 from tools.cli import bad_input_exits_2, run  # noqa: E402
-from tools.trained_codec import (CodesSpec, add_codes_args, check_codes_args, check_one_codec,  # noqa: E402
+from tools.trained_codec import (CodesSpec, add_codes_args, begin_code_shard, check_codes_args,  # noqa: E402
                                  codes_spec, describe_codes, load_codec)
 from training.faults import FaultInjector  # noqa: E402
 from training.flag_help import FlagHelpFormatter  # noqa: E402
@@ -140,15 +140,14 @@ def tokenize(args) -> int:
     if encoder is not None:  # the batches change a layer's last bits: a resumed shard keeps them
         settings.update(batch_seconds=batch_seconds(args, device), commit_files=args.commit_files,
                         commit_seconds=args.commit_seconds)
-    check_one_codec(args.out_dir, name, settings, overwrite=args.overwrite)
-    lock = claim_shard(args.out_dir, name, CODES, settings, overwrite=args.overwrite, log=log,
-                       redo="tokenize the shard again")
-    if lock is None:
-        return EXIT_OK
-    try:
-        streams = {".codes.len": "", ".codes.tsv": f"{share.root}\n", ".codes.skipped": "", ".codes.frames": ""}
-        writer = ShardWriter(args.out_dir, name, CODES, settings, width=spec.levels, dtype=spec.dtype,
+    streams = {".codes.len": "", ".codes.tsv": f"{share.root}\n", ".codes.skipped": "", ".codes.frames": ""}
+    begun = begin_code_shard(args.out_dir, name, settings, overwrite=args.overwrite, log=log,
+                             redo="tokenize the shard again", width=spec.levels, dtype=spec.dtype,
                              streams={**streams, **({".km": ""} if spec.km else {})}, inputs=len(share.relpaths))
+    if begun is None:
+        return EXIT_OK
+    lock, writer = begun
+    try:
         try:
             return tokenize_into(args, share, name, fbank, encoder, spec, settings, writer)
         finally:

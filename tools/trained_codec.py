@@ -3,9 +3,10 @@ export), described in the log when loaded; and what the two that write codes wit
 settings a code shard records, and the rule that one output folder holds the codes of one codec.
 
 A codec's identity is the digest of its weights (`codec_digest`), recorded with its checkpoint file and step by
-every code shard: the same weights give the same codes, wherever the file lies. `--checkpoint RUN` takes the
-newest checkpoint of a run that has ended; a run still training (its --output_dir lock held) is refused, since its
-newest checkpoint changes under the shards of one output; a checkpoint file of it is taken as given.
+every code shard from its start (begin_code_shard): the same weights give the same codes, wherever the file lies.
+`--checkpoint RUN` takes the newest checkpoint of a run that has ended; a run still training (its --output_dir
+lock held) is refused, since its newest checkpoint changes under the shards of one output; a checkpoint file of
+it is taken as given.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.resumable_shard import CODES
+from data.resumable_shard import CODES, ShardWriter, claim_shard
 from data.writer_lock import WriterLock
 from errors import BadInputError, TransientFault
 from models.codec import CodecConfig, RVQCodec
@@ -37,6 +38,7 @@ log = logging.getLogger("codec")
 BATCH_FRAMES = {"cpu": 2048, "cuda": 32768}
 # A codec is trusted when its schedule ended with a final eval, after at least this many steps, with a rel_mse
 # below this: a shorter run (a --max_minutes budget spent on the k-means init) gives codes of little meaning
+CODEC_LOCK = ".codes.codec.lock"  # in a code output folder: held while a writer checks the codec and starts its shard
 TRUSTED_STEPS = 100
 TRUSTED_REL_MSE = 0.5
 
@@ -154,6 +156,33 @@ def check_one_codec(folder: Path, name: str, settings: dict, *, overwrite: bool)
             "codes of one codec. Write into another folder"
             + (f", or give --checkpoint {theirs[0]}" if Path(theirs[0]).is_file() else "")
             + (" (the shard's own codes go with --overwrite)" if path.name.startswith(name + ".") else ""))
+
+
+def begin_code_shard(folder: Path, name: str, settings: dict, *, overwrite: bool, log: logging.Logger, redo: str,
+                     **writer_args) -> tuple[WriterLock, ShardWriter] | None:
+    """Start (or resume) code shard NAME in `folder` with the codec `settings` name: its writer lock and its
+    ShardWriter (data/resumable_shard.py claim_shard, then ShardWriter(**writer_args)), or None when it is finished
+    already. The folder holds the codes of one codec (check_one_codec): the check and the shard's start are made
+    under a lock on the folder, and the shard's settings are on disk once it has started, so two writers started
+    at one instant with two codecs cannot both pass."""
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(folder / CODEC_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise BadInputError(f"cannot write into {folder} ({e.strerror}): give a folder this process can write") from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held for a check and a shard's start: seconds at most
+        check_one_codec(folder, name, settings, overwrite=overwrite)
+        lock = claim_shard(folder, name, CODES, settings, overwrite=overwrite, log=log, redo=redo)
+        if lock is None:
+            return None
+        try:
+            return lock, ShardWriter(folder, name, CODES, settings, **writer_args)
+        except BaseException:
+            lock.release()
+            raise
+    finally:
+        os.close(fd)  # closing the descriptor lets go of the folder's lock
 
 
 def add_codes_args(p: argparse.ArgumentParser) -> None:
