@@ -21,7 +21,6 @@ import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
-import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -43,7 +42,7 @@ from training.distributed import (DistContext, all_reduce_sum, destroy, detect_l
                                   make_flight_recorder_dir, phase_timeout, wrap_ddp)
 from training.evaluate import evaluate
 from training.faults import FaultInjector
-from training.log_stream import log_to_stderr
+from training.log_stream import exit_now, log_to_stderr
 from training.metrics_log import MetricsLog, require_tensorboard
 from training.output_dir import OutputDirLock
 from training.progress import END_OF_SCHEDULE, FAILED, STOPPED, Progress
@@ -359,10 +358,7 @@ class Trainer:
         self.watchdog.leave()
         log.warning("rank %d stopped at step %d: %s; exit code 0", self.ctx.rank, self.progress.step,
                     self.progress.stop_reason)
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        sys.stderr.flush()
-        os._exit(EXIT_OK)  # the process groups are left to the exit: their teardown would wait for the peers
+        exit_now(EXIT_OK)  # the process groups are left to the exit: their teardown would wait for the peers
 
     def record_stop(self, reason: str) -> None:
         """Rank 0 writes the stop event of a run that ends with nothing to save (also from the watchdog's thread)."""

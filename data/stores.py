@@ -281,8 +281,12 @@ def _scan_files(files: list[Path]) -> tuple[np.ndarray, int]:
     return np.asarray(lengths, dtype=np.int64), _one_dim(dims)
 
 
+# the name of a read-only folder's manifest in another directory, and of the temporary it is written through
+MANIFEST_ELSEWHERE = re.compile(r"lengths_[0-9a-f]{16}\.npz(\..*\.tmp\.npz)?")
+
+
 def manifest_path(folder: Path, elsewhere: Path) -> Path:
-    """Where a read-only folder's manifest goes in another directory (one name per folder)."""
+    """Where a read-only folder's manifest goes in another directory (one name per folder: MANIFEST_ELSEWHERE)."""
     return elsewhere / f"lengths_{hashlib.sha1(str(folder.resolve()).encode()).hexdigest()[:16]}.npz"
 
 

@@ -89,6 +89,20 @@ class WriterLock:
         _HELD.discard(self)
         os.close(fd)  # closing the only descriptor releases the flock
 
+    def taken(self) -> bool:
+        """Whether another process holds the lock now: only tested (a shared lock, let go at once), never taken."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return False  # no lock file: no writer ever held it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            return e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+        finally:
+            os.close(fd)  # closing the descriptor lets go of the shared lock
+        return False
+
     def holder(self) -> str:
         """Who holds the lock, as its file says, in words."""
         try:

@@ -94,12 +94,12 @@ def trained_features(state: dict, ckpt_path: Path, args) -> dict:
         raise BadInputError(f"the codec in {ckpt_path} was trained on {describe(trained)}: tokenize computes only "
                             "features tools.extract wrote, as the checkpoint of a run on them records (trainers "
                             "before this one recorded none); encode such features with python -m tools.encode")
-    flags = {k: v for k, v in (("feature", args.feature), ("layer", args.layer),
-                               ("precision", PRECISION_NAMES.get(args.precision))) if v is not None}
+    given = {k: v for k, v in (("feature", args.feature), ("layer", args.layer), ("precision", args.precision))
+             if v is not None}
+    flags = {k: PRECISION_NAMES.get(v) if k == "precision" else v for k, v in given.items()}  # as notes say them
     differ = settings_differ(trained, {**trained, **flags})
     if differ:  # the flags that differ, and the fix: the codec's own settings are the default
-        asked = (("feature", args.feature), ("layer", args.layer), ("precision", args.precision))
-        other = [f"--{k} {v}" for k, v in asked if v is not None and trained.get(k) != flags[k]]
+        other = [f"--{k} {given[k]}" for k in flags if trained.get(k) != flags[k]]
         raise BadInputError(f"the codec in {ckpt_path} was trained on {describe(trained)}; the flags ask for "
                             f"{flags.get('feature', trained['feature'])} features ({differ}): its codes of other "
                             f"features would be meaningless. Leave out {' '.join(other)}: the codec's are the default")

@@ -11,7 +11,6 @@ it is taken as given.
 from __future__ import annotations
 
 import argparse
-import errno
 import fcntl
 import hashlib
 import json
@@ -73,24 +72,15 @@ def load_codec(path: str | Path, device: str | torch.device = "cpu") -> tuple[RV
 
 def refuse_a_run_in_progress(folder: Path) -> None:
     """BadInputError when `folder` (a run's --output_dir, or its checkpoints/) belongs to a run still training: its
-    newest checkpoint is not its last. The lock is only tested (a shared flock, let go at once), never taken over."""
+    newest checkpoint is not its last."""
     for run_dir in (folder, folder.parent) if folder.name == "checkpoints" else (folder,):
-        try:
-            fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            continue  # no lock file: no run ever held it
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                continue
+        lock = WriterLock(run_dir / LOCK_FILE, f"--output_dir {run_dir}")
+        if lock.taken():
             newest = next(iter(sorted((run_dir / "checkpoints").glob("step_*.pt"), reverse=True)), None)
             raise BadInputError(
-                f"--checkpoint {folder}: the run is still training ({WriterLock(run_dir / LOCK_FILE, '').holder()}); "
-                "its newest checkpoint will change under the shards of one output. Wait for it to end, or give one "
-                "checkpoint file" + (f" (such as {newest})" if newest else "")) from None
-        finally:
-            os.close(fd)  # closing the descriptor lets go of the shared lock
+                f"--checkpoint {folder}: the run is still training ({lock.holder()}); its newest checkpoint will "
+                "change under the shards of one output. Wait for it to end, or give one checkpoint file"
+                + (f" (such as {newest})" if newest else ""))
 
 
 def codec_doubts(state: dict) -> list[str]:
@@ -166,7 +156,7 @@ def begin_code_shard(folder: Path, name: str, settings: dict, *, overwrite: bool
     under a lock on the folder, and the shard's settings are on disk once it has started, so two writers started
     at one instant with two codecs cannot both pass."""
     folder.mkdir(parents=True, exist_ok=True)
-    try:
+    try:  # not a WriterLock: a writer refused here must leave the folder's files as they were, this one included
         fd = os.open(folder / CODEC_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as e:
         raise BadInputError(f"cannot write into {folder} ({e.strerror}): give a folder this process can write") from e

@@ -4,6 +4,7 @@ glued to a bar's, on a terminal or in a file stderr is redirected to."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from tqdm import tqdm
@@ -23,3 +24,12 @@ def log_to_stderr(tag: str, level: int = logging.INFO) -> None:
     """Log lines as `HH:MM:SS [tag] LEVEL message` on stderr, beside any progress bar there."""
     logging.basicConfig(level=level, format=f"%(asctime)s [{tag}] %(levelname)s %(message)s", datefmt="%H:%M:%S",
                         handlers=[BarAwareHandler(sys.stderr)], force=True)
+
+
+def exit_now(code: int) -> None:
+    """End the process at once with `code` (os._exit: no unwinding, for a main thread that may be blocked in a
+    collective), every log line written first."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stderr.flush()
+    os._exit(code)

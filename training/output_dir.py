@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from data.stores import MANIFEST_ELSEWHERE
 from data.writer_lock import OutputBusy, WriterLock
 from errors import BadInputError
 from training.config import written_by_trainer
@@ -40,7 +41,7 @@ CONFIG = "config.json"
 # what a run writes besides config.json: its marker and lock, metrics, checkpoints, TensorBoard, NCCL traces, and
 # read-only folder stores' lengths manifests (data/stores.py manifest_path, and their temporary names)
 RUN_NAMES = re.compile(rf"^({re.escape(LOCK_FILE)}|{re.escape(MARKER)}|metrics\.jsonl|checkpoints|tensorboard|"
-                       rf"{FLIGHT_RECORDER_DIR}|lengths_[0-9a-f]{{16}}\.npz(\..*\.tmp\.npz)?)$")
+                       rf"{FLIGHT_RECORDER_DIR}|{MANIFEST_ELSEWHERE.pattern})$")
 SHOWN = 5  # names of foreign files a refusal lists
 
 

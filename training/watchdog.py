@@ -44,6 +44,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from errors import EXIT_DISTRIBUTED, EXIT_OK
+from training.log_stream import exit_now
 from training.progress import FAILED, SLOW_PHASES, STOPPED, order
 
 log = logging.getLogger(__name__)
@@ -330,10 +331,7 @@ class PeerWatchdog:
                 what += self.on_verdict()
         log.error("rank %d stopping at step %s: %s. Exit code 3; restart with --resume auto to continue from the "
                   "last checkpoint", self.rank, self.progress, what)
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        sys.stderr.flush()
-        os._exit(EXIT_DISTRIBUTED)  # the main thread may be blocked in a collective: no clean unwinding
+        exit_now(EXIT_DISTRIBUTED)  # the main thread may be blocked in a collective: no clean unwinding
 
     def lost_peers(self, max_wait_s: float | None = None, beats: int = 3) -> list[int]:
         """After an exception in the main thread (its progress's phase set to FAILED): [] once every peer has
@@ -375,7 +373,4 @@ class PeerWatchdog:
                 self.on_peer_stopped(text)
         log.warning("rank %d: %s. Exit code 0; restart with --resume auto to continue from the last checkpoint",
                     self.rank, text)
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        sys.stderr.flush()
-        os._exit(EXIT_OK)
+        exit_now(EXIT_OK)
