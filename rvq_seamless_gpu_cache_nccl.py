@@ -229,17 +229,16 @@ class Trainer:
     def forward_backward(self, x: torch.Tensor, keep: torch.Tensor, step: int, micro_batches: int = 1):
         """One micro-batch's forward and backward (the gradient all-reduce, under DDP); returns the forward's output.
         The first of each compiled variant (segment length, dropout depth) compiles: a slow phase, timed and logged;
-        compile time counts in --max_minutes like the rest."""
+        compile time counts in --max_minutes like the rest. A compile comes after a checkpoint (save_before_compile),
+        so that a stop during it, on any number of ranks, has nothing to save and may abandon it at once."""
         p = self.progress
-        seed = self.cfg.optim.seed * 1_000_003 + step  # quantize dropout's depth: alike on every rank, no collective
+        seed = self.dropout_seed(step)
         compiling = self.model.compiles(x, seed)
         start = time.monotonic()
         if compiling:
             log.info("compile: compiling the training step for segment length %d (forward and backward)", x.shape[1])
-            # one process may leave the step for a stop, and so may every rank when there is nothing to save; else
-            # the ranks' stop stays agreed at a step boundary, after the compile
-            self.stop.interrupt = not self.ctx.is_distributed or self.nothing_to_save()
-            if self.stop.interrupt and self.stop:  # a signal came before it: nothing is compiled
+            self.stop.interrupt = True
+            if self.stop:  # a signal came before it: nothing is compiled
                 raise CompileInterrupted(self.stop.reason)
         try:
             with self.slow_phase() if compiling else contextlib.nullcontext():
@@ -254,6 +253,25 @@ class Trainer:
             log.info("compile: the training step for segment length %d compiled (forward and backward) in %.1f s",
                      x.shape[1], time.monotonic() - start)
         return out
+
+    def dropout_seed(self, step: int) -> int:
+        """Quantize dropout's depth at this micro-step: alike on every rank, no collective."""
+        return self.cfg.optim.seed * 1_000_003 + step
+
+    def save_before_compile(self, samples_seen: int) -> None:
+        """The trained state, saved before a compile (every rank reaches it at the same micro-step: the compiled
+        variants follow the step): the state of the last step taken, with the codebooks and samples of the
+        micro-batches of this step put back while it is written."""
+        p = self.progress
+        log.info("compile: saving step %d first, so that a stop during the compile has nothing to save", p.step)
+        current, running = self.model.codebook_state(), p.samples_seen
+        self.model.restore_codebook_state(self.codebooks_before)
+        p.samples_seen = samples_seen
+        try:
+            self.save()
+        finally:
+            self.model.restore_codebook_state(current)
+            p.samples_seen = running
 
     def open_outputs(self) -> None:
         """Rank 0 alone writes: config.json, metrics.jsonl (and TensorBoard), checkpoints/."""
@@ -291,6 +309,12 @@ class Trainer:
                     with self.timer.waiting_for_data(), p.phase_of("data"):
                         batch, x = self.batches.get(p.step * accum + micro)
                     keep = self.bad_crops.check(batch, x)  # crops with a NaN or Inf frame are dropped on the device
+                    compiles = self.model.compiles(x, self.dropout_seed(p.step * accum + micro))
+                    if compiles and not self.nothing_to_save():
+                        self.save_before_compile(seen)
+                        if self.write_failed:  # on every rank alike (rank 0 sent the outcome): the run ends here
+                            self.untake_step(seen)
+                            return
                     # gradients are all-reduced once per step, on the last micro-batch
                     with (self.ddp_model.no_sync() if ctx.is_distributed and micro < accum - 1
                           else contextlib.nullcontext()):
@@ -298,7 +322,7 @@ class Trainer:
                     p.samples_seen += len(batch.utterances)
                     self.timer.add_frames(batch.frames * ctx.world_size)
         except CompileInterrupted as interrupted:
-            p.samples_seen = seen
+            self.untake_step(seen)
             self.abandon_step(f"signal {interrupted}" + (f" on rank {ctx.rank}" if ctx.is_distributed else ""))
             return
         with p.phase_of("data"):  # the next step's batch, started before this step's one host sync (the guard's)
@@ -332,20 +356,21 @@ class Trainer:
         p = self.progress
         return self.saved == (p.step, tuple(p.end_done)) if self.saved is not None else p.step == 0
 
-    def abandon_step(self, reason: str) -> None:
-        """A stop during a compile: the step is not taken (its forward's codebook updates are put back), and the
-        loop ends; the last trained state is saved first, if not saved already. On several ranks, with nothing to
-        save, this rank leaves at once (Trainer.leave)."""
+    def untake_step(self, samples_seen: int) -> None:
+        """The step is not taken: its forwards' codebook updates and gradients are dropped; the loop ends."""
         p = self.progress
         self.model.restore_codebook_state(self.codebooks_before)
         self.optimizer.zero_grad(set_to_none=True)
-        p.phase, p.stop_reason, self.last = "train", f"{reason} during the compile", None
-        if not self.nothing_to_save():
-            log.warning("stopped during the compile of step %d: the compile is abandoned and the step not taken; "
-                        "the trained weights of step %d are saved first", p.step + 1, p.step)
-            return
-        log.warning("stopped during the compile of step %d: nothing trained since the last checkpoint, so nothing "
-                    "to save; the compile is abandoned", p.step + 1)
+        p.samples_seen, p.phase, self.last = samples_seen, "train", None
+
+    def abandon_step(self, reason: str) -> None:
+        """A stop during a compile, the step not taken. The trained state was saved before the compile, so there
+        is nothing to save: on several ranks, this rank leaves at once (Trainer.leave)."""
+        p = self.progress
+        p.stop_reason = f"{reason} during the compile"
+        log.warning("stopped during the compile of step %d: nothing trained since the last checkpoint%s, so nothing "
+                    "to save; the compile is abandoned", p.step + 1,
+                    f" (step {p.step}, written before the compile)" if p.step else "")
         if self.ctx.is_distributed:
             self.leave()
 

@@ -136,3 +136,21 @@ def test_a_checkpoint_write_that_fails_removes_its_tmp_logs_a_stop_and_keeps_the
     stop = events(out, "stop")
     assert len(stop) == 1 and stop[0]["step"] == 8 and "No space left on device" in stop[0]["reason"]
     assert [e["step"] for e in events(out, "train")][-1] == 8  # no step after the failed write
+
+
+def test_a_failed_write_before_a_compile_ends_the_run_with_that_step_not_taken(tmp_path, data):
+    """Step 1 runs eager (the k-means init in its forward); step 2 compiles, after a checkpoint of step 1. That
+    write fails: exit 1 before any compile, step 2 not taken, no checkpoint."""
+    out = tmp_path / "run"
+    r = run_trainer(flags(data, out, "--max_steps", 4, "--kmeans_init_frames", 0, "--compile", "on",
+                          "--refit_iters", 0), timeout=120,
+                    extra_env={**patched(tmp_path, SAVE_FAILS.replace("len(calls) == 2", "len(calls) == 1")),
+                               **ONE_THREAD})
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    assert "compile: saving step 1 first" in r.stderr
+    assert "compile: compiling the training step" not in r.stderr
+    assert "step_00000001.pt failed: [Errno 28] No space left on device" in r.stderr
+    assert not list((out / "checkpoints").iterdir())
+    stop = events(out, "stop")
+    assert len(stop) == 1 and stop[0]["step"] == 1 and "No space left on device" in stop[0]["reason"]

@@ -191,10 +191,10 @@ COMPILED = ["--compile", "on", "--refit_iters", "0"]
 
 
 @pytest.mark.timeout(240)
-def test_sigterm_during_a_compile_after_a_trained_step_saves_that_step_first_and_ends_at_once(tmp_path, data):
-    """The k-means init in the first forward: step 1 runs eager, step 2 is the first compiled. A SIGTERM in its
-    compile abandons it: the checkpoint holds step 1 as an eager run of one step leaves it, the codebooks' updates
-    of the forward that was compiling not applied."""
+def test_a_compile_after_a_trained_step_saves_it_first_and_a_sigterm_in_it_ends_at_once(tmp_path, data):
+    """The k-means init in the first forward: step 1 runs eager, step 2 is the first compiled. Step 1 is saved
+    before that compile, as an eager run of one step leaves it; a SIGTERM in the compile then abandons it at
+    once with nothing to save, the codebooks' updates of the forward that was compiling not applied."""
     one_step = tmp_path / "one_step"
     r = run_trainer(flags(data, one_step, "--max_steps", 1, "--kmeans_init_frames", 0, "--refit_iters", 0),
                     timeout=120, extra_env=ONE_THREAD)
@@ -210,17 +210,47 @@ def test_sigterm_during_a_compile_after_a_trained_step_saves_that_step_first_and
         ended = time.time()
     finally:
         run.kill()
-    saved = (out / "checkpoints" / "step_00000001.pt").stat().st_mtime - sent
-    print(f"SIGTERM in the compile: checkpoint {saved:.1f} s after the signal, exit after {ended - sent:.1f} s")
-    assert code == 0 and saved < 5 and ended - sent < 20, run.text()[-3000:]
-    assert ("stopped during the compile of step 2: the compile is abandoned and the step not taken; the trained "
-            "weights of step 1 are saved first") in run.text()
+    print(f"SIGTERM in the compile: exit after {ended - sent:.1f} s")
+    assert code == 0 and ended - sent < 20, run.text()[-3000:]
+    text = run.text()
+    assert text.index("compile: saving step 1 first") < text.index("compile: compiling the training step")
+    assert ("stopped during the compile of step 2: nothing trained since the last checkpoint (step 1, written "
+            "before the compile), so nothing to save; the compile is abandoned") in text
     assert [e["step"] for e in events(out, "checkpoint")] == [1]
     assert events(out, "stop")[-1] == {**events(out, "stop")[-1], "step": 1,
                                        "reason": "signal SIGTERM during the compile"}
-    a, b = newest(one_step)["model"], newest(out)["model"]
-    for key in a:  # the quantizer's buffers (codebooks, EMA sums) among them
-        torch.testing.assert_close(b[key], a[key], rtol=0, atol=0, msg=key)
+    a, b = newest(one_step), newest(out)
+    assert b["samples_seen"] == a["samples_seen"]
+    for key in a["model"]:  # the quantizer's buffers (codebooks, EMA sums) among them
+        torch.testing.assert_close(b["model"][key], a["model"][key], rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_one_rank_in_a_compile_after_trained_steps_ends_every_rank_at_once_step_saved(tmp_path, data):
+    """Two ranks, step 1 eager, step 2 compiling: step 1 was saved before the compile, so the signalled rank
+    leaves at once, and the other, in its compile or already waiting for its peer inside the compiled step's
+    all-reduce, stops too with exit 0. What an agreed stop would have saved is on disk: step 1."""
+    out = tmp_path / "run"
+    job = Ranks(flags(data, out, "--max_steps", 6, "--sync_timeout", 10, "--kmeans_init_frames", 0, *COMPILED),
+                log_dir=tmp_path / "logs")
+    try:
+        job.wait_for(0, "compile: compiling the training step", timeout=150)
+        time.sleep(1)
+        sent = time.monotonic()
+        job.procs[1].send_signal(signal.SIGTERM)
+        codes = job.wait(timeout=60)
+        took = max(job.ended.values()) - sent
+    finally:
+        job.close()
+    print(f"SIGTERM to rank 1 in the compile of step 2: both ranks ended {took:.1f} s after the signal")
+    assert codes == [0, 0] and took < 20, job.output(0) + job.output(1)
+    assert "compile: saving step 1 first" in job.output(0)
+    assert "stopped during the compile of step 2: nothing trained since the last checkpoint (step 1" in job.output(1)
+    assert ("rank(s) [1] stopped on request at step 1, with nothing trained since the last checkpoint: this rank "
+            "stops too, with nothing to save. Exit code 0") in job.output(0)
+    assert [e["step"] for e in events(out, "checkpoint")] == [1]
+    assert [e["step"] for e in events(out, "stop")] == [1]
+    assert newest(out)["step"] == 1 and len(newest(out)["rng"]) == 2
 
 
 @pytest.mark.timeout(240)
