@@ -520,8 +520,9 @@ def step_w2v_bert_bf16(args):
                                      f"relative MSE {rel_mse:.2e} on {device}", {"cosine": cosine, "rel_mse": rel_mse}
 
 
-AUDIO_FILES, AUDIO_SECONDS = 240, (4, 20)  # some 48 minutes of audio, 16-48 kHz, for the extraction steps
 W2V_LAYER = 17
+STEADY_SECONDS = 30  # steady-state work per run of the speed steps (benchmarks/bench_tokenize.py --work_seconds)
+AGREE_MINUTES = 4  # audio extracted, encoded and tokenized whole for the codes' agreement
 _audio_run: dict = {}  # what the extraction step leaves for the tokenize step
 
 
@@ -537,16 +538,6 @@ def audio_run_folder() -> Path:
     return _audio_run["folder"]
 
 
-def audio_throughput(stderr: str) -> dict:
-    """tools.extract's and tools.tokenize's closing figures: audio seconds per second and the model's input wait."""
-    m = re.search(r"read ([\d.]+) s of audio in ([\d.]+) s: ([\d.]+) audio seconds per second; .* waited ([\d.]+) s "
-                  r"\((\d+)%\)", stderr)
-    if m is None:
-        return {}
-    return {"audio_s": float(m.group(1)), "seconds": float(m.group(2)), "audio_s_per_s": float(m.group(3)),
-            "input_wait_s": float(m.group(4)), "input_wait_pct": int(m.group(5))}
-
-
 def needs_extract_packages() -> None:
     import importlib.util
 
@@ -555,69 +546,82 @@ def needs_extract_packages() -> None:
         raise Skip(f"needs requirements-extract.txt ({', '.join(missing)} missing): give gpu_smoke.sh its wheels")
 
 
+def speed_figure(row: dict) -> str:
+    """bench_tokenize's steady-state figures of one run in words."""
+    mfu = f" (MFU {row['mfu']:.1%})" if "mfu" in row else f" ({row['gflop_per_s']:,.0f} GFLOP/s)"
+    return f"{row['audio_s_per_s']:,.0f} audio seconds per second{mfu} over {row['steady_audio_s']:,.0f} s of " \
+           f"audio after {row['startup_s']:.0f} s of start-up, padding {row['padding']:.0%}"
+
+
 def step_extract_w2v_bert(args):
-    """tools.extract of ~48 minutes of audio with a w2v-BERT 2.0-sized model (random weights: the speed does
-    not depend on them), layer 17, bf16, on this GPU with 8 decoding workers: audio seconds per second and the
-    model's input wait."""
+    """tools.extract (and tools.tokenize, reported by the next step) of a 2-20 s mix with a w2v-BERT 2.0-sized
+    model (random weights: the speed does not depend on them), layer 17, bf16, in the steady state, and the model
+    alone on the same passes (benchmarks/bench_tokenize.py): audio seconds per second, MFU, the pipeline's share
+    of the model alone's speed."""
     needs_cuda()
     needs_extract_packages()
-    import numpy as np
-    import soundfile as sf
-    from transformers import Wav2Vec2BertConfig, Wav2Vec2BertModel
+    from benchmarks.bench_tokenize import run_benchmark
 
-    folder = audio_run_folder()
-    (folder / "audio").mkdir(exist_ok=True)
-    rng = np.random.default_rng(0)
-    for k in range(AUDIO_FILES):
-        rate = (16000, 44100, 48000)[k % 3]
-        t = np.arange(int(rng.uniform(*AUDIO_SECONDS) * rate)) / rate
-        wave = 0.3 * np.sin(2 * np.pi * (120 + 40 * np.sin(2 * np.pi * t)) * t) + 0.02 * rng.standard_normal(len(t))
-        sf.write(folder / "audio" / f"{k:04d}.flac", wave.astype(np.float32), rate)
-    torch.manual_seed(0)
-    Wav2Vec2BertModel(Wav2Vec2BertConfig()).save_pretrained(folder / "w2v_bert")  # w2v-BERT 2.0's sizes
-    job = run([sys.executable, "-m", "tools.extract", folder / "audio", "train", 1, 0, folder / "feats",
-               "--feature", "w2v-bert", "--checkpoint", folder / "w2v_bert", "--layer", W2V_LAYER, "--precision",
-               "bf16", "--device", "cuda", "--num_workers", 8], timeout=1800)
-    figures = audio_throughput(job.stderr)
-    if job.returncode or not figures:
-        return False, f"exit {job.returncode}", {"stderr": job.stderr[-3000:]}
-    _audio_run["extracted"] = True
-    return True, f"{figures['audio_s_per_s']:,.0f} audio seconds per second, the model waited " \
-                 f"{figures['input_wait_pct']}% of the time for decoded audio ({figures['audio_s']:.0f} s of audio, " \
-                 "8 workers)", figures
+    info = run_benchmark(device="cuda", model="w2v-bert-2.0", layer=W2V_LAYER, precision="bf16", mixes=("2-20s",),
+                         modes=("extract", "model", "tokenize"), audio_minutes=2400, base_minutes=10,
+                         work_seconds=STEADY_SECONDS, repeats=1, repos={"this tree": str(REPO)}, timeout=600,
+                         say=lambda line: None)
+    runs = info["runs"].get("this tree", {}).get("2-20s", {})
+    _audio_run["bench"] = info
+    row = runs.get("extract")
+    if not row or "error" in row:
+        return False, (row or {}).get("error", "no result")[-300:], info
+    model = row.get("model")
+    figure = f"extract: {speed_figure(row)}"
+    if model:
+        figure += f"; the model alone {model['audio_s_per_s']:,.0f} audio s/s, the pipeline at " \
+                  f"{model['pipeline_share']:.0%} of it"
+    return True, figure, info
 
 
 def step_tokenize_w2v_bert(args):
-    """tools.tokenize of the same audio with a default-sized codec (random, recording the extraction's features):
-    audio seconds per second and input wait; its codes against tools.encode of the extracted dump on the GPU."""
+    """tools.tokenize's steady-state speed as the extraction step measured it (a default-sized random codec
+    recording those features), and the codes of a few minutes of audio tokenized whole against tools.extract +
+    tools.encode of the same audio on the GPU."""
     needs_cuda()
-    if not _audio_run.get("extracted"):
-        raise Skip("needs the 'extract w2v-bert' step's output (run both)")
+    if "bench" not in _audio_run:
+        raise Skip("needs the 'extract w2v-bert' step's run (run both)")
     import numpy as np
 
+    from benchmarks.bench_tokenize import save_model, write_mix
     from data.feature_settings import dump_feature_settings
     from models.codec import CodecConfig, RVQCodec
 
+    row = _audio_run["bench"]["runs"].get("this tree", {}).get("2-20s", {}).get("tokenize")
+    if not row or "error" in row:
+        return False, f"tokenize: {(row or {}).get('error', 'no result')[-300:]}", _audio_run["bench"]
+    figures = {"tokenize": row}
     folder = audio_run_folder()
+    corpus = write_mix(folder / "audio", "2-20s", AGREE_MINUTES, AGREE_MINUTES)
+    save_model(folder / "w2v_bert", "w2v-bert-2.0")
+    job = run([sys.executable, "-m", "tools.extract", corpus["manifest"], "train", 1, 0, folder / "feats",
+               "--feature", "w2v-bert", "--checkpoint", folder / "w2v_bert", "--layer", W2V_LAYER, "--precision",
+               "bf16", "--device", "cuda"], timeout=900)
+    if job.returncode:
+        return False, f"extract: exit {job.returncode}", {"stderr": job.stderr[-3000:]}
     torch.manual_seed(0)
     codec = RVQCodec(CodecConfig(feature_dim=1024, kmeans_init=False))
     torch.save({"model": codec.state_dict(), "codec": codec.config.to_dict(), "step": 0,
                 "config": {"features": dump_feature_settings(folder / "feats", "train")}}, folder / "codec.pt")
-    job = run([sys.executable, "-m", "tools.tokenize", folder / "audio", "train", 1, 0, folder / "tokens",
-               "--checkpoint", folder / "codec.pt", "--device", "cuda", "--num_workers", 8], timeout=1800)
-    figures = audio_throughput(job.stderr)
-    if job.returncode or not figures:
+    job = run([sys.executable, "-m", "tools.tokenize", corpus["manifest"], "train", 1, 0, folder / "tokens",
+               "--checkpoint", folder / "codec.pt", "--device", "cuda"], timeout=900)
+    if job.returncode:
         return False, f"tokenize: exit {job.returncode}", {"stderr": job.stderr[-3000:]}
     encoded = run([sys.executable, "-m", "tools.encode", "--checkpoint", folder / "codec.pt", "--data_dir",
-                   folder / "feats", "--output_dir", folder / "codes", "--device", "cuda"], timeout=1800)
+                   folder / "feats", "--output_dir", folder / "codes", "--device", "cuda"], timeout=900)
     if encoded.returncode:
         return False, f"encode: exit {encoded.returncode}", {"stderr": encoded.stderr[-3000:]}
     tokens, codes = (np.load(folder / d / "train_0_1.codes.npy") for d in ("tokens", "codes"))
     agree = float((tokens == codes).mean()) if tokens.shape == codes.shape else 0.0
     figures["codes_agree_with_extract_encode"] = agree
-    return agree >= 0.99, f"{figures['audio_s_per_s']:,.0f} audio seconds per second, input wait " \
-                          f"{figures['input_wait_pct']}%; codes equal to extract + encode's at {agree:.2%} of " \
-                          "positions (>= 99%; on a GPU kernels chosen by shape may break near ties)", figures
+    return agree >= 0.99, f"tokenize: {speed_figure(row)}; codes of {AGREE_MINUTES} min tokenized whole equal to " \
+                          f"extract + encode's at {agree:.2%} of positions (>= 99%; on a GPU kernels chosen by " \
+                          "shape may break near ties)", figures
 
 
 # in order of what each proves per minute; True: the step can run on a CPU

@@ -2,8 +2,9 @@
 
 Audio is read with soundfile, averaged to mono and resampled to 16 kHz with soxr.
 Features, both at 50 frames per second:
-- `fbank`: the Seamless front-end, transformers' SeamlessM4TFeatureExtractor
-  (80 log-mel bins, normalised per utterance and mel bin, stride-2 stacked to 160-d);
+- `fbank`: the Seamless front-end, transformers' SeamlessM4TFeatureExtractor's fbank (80 log-mel bins,
+  normalised per utterance and mel bin, stride-2 stacked to 160-d), computed in torch (data/fbank.py) or by
+  the extractor itself;
 - `w2v-bert`: the hidden state after layer L of a Wav2Vec2BertModel
   (w2v-BERT 2.0: 1024-d, 24 layers; layer 0 is the feature projection) loaded
   from a local folder. Inputs longer than the chunk length go through the
@@ -20,6 +21,7 @@ import json
 import math
 import os
 import struct
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,6 +34,8 @@ SAMPLE_RATE = 16_000
 FRAME_RATE = 50  # features per second: 10 ms fbank hop, stacked by 2
 MIN_SAMPLES = 400 + 160  # two 25 ms fbank windows: the fewest samples that give one stacked frame
 FEATURES = ("fbank", "w2v-bert")
+FRONT_ENDS = ("torch", "transformers")  # the fbank's: data/fbank.py, or transformers' SeamlessM4TFeatureExtractor
+FRONT_END = "torch"  # the front-end of new dumps
 
 
 class BadAudio(Exception):
@@ -87,33 +91,81 @@ def load_audio(path: Path) -> np.ndarray:
 
 
 class SeamlessFbank:
-    """The Seamless front-end: [samples] at 16 kHz -> [frames, 160], exactly the valid frames."""
+    """The Seamless front-end: [samples] at 16 kHz -> [frames, 160], exactly the valid frames.
 
-    def __init__(self, preprocessor_dir: Path | None = None):
+    `front_end`: "torch" (data/fbank.py: the same fbank computed in torch, equal to the extractor's within 1e-4) or
+    "transformers" (transformers' SeamlessM4TFeatureExtractor itself, what every dump was made with before the
+    front-end was recorded). A model folder's preprocessor_config.json, when there is one, configures the
+    extractor; the torch front-end computes the extractor's defaults (those of w2v-BERT 2.0's preprocessor) and
+    refuses a folder whose preprocessor asks for another fbank. Called on a thread other than the main one (the
+    decoding of `--num_workers 0`), the torch front-end runs that thread's torch ops on one core, as a DataLoader
+    worker's (and torch's pin-memory thread) do: the decoders are the parallelism, and a second team of threads
+    beside the model's waits on busy cores."""
+
+    def __init__(self, preprocessor_dir: Path | None = None, front_end: str = FRONT_END):
+        if front_end not in FRONT_ENDS:
+            raise ValueError(f"front_end must be one of {FRONT_ENDS}, not {front_end!r}")
+        self.front_end = front_end
+        config = preprocessor_dir / "preprocessor_config.json" if preprocessor_dir is not None else None
+        if front_end == "torch":
+            from data.fbank import TorchFbank
+
+            if config is not None and config.is_file():
+                check_torch_preprocessor(config)
+            self.torch_fbank = TorchFbank(torch.device("cpu"))
+            self.dim = self.torch_fbank.dim
+            return
         from transformers import SeamlessM4TFeatureExtractor
 
-        if preprocessor_dir is not None and (preprocessor_dir / "preprocessor_config.json").is_file():
+        if config is not None and config.is_file():
             self.extractor = SeamlessM4TFeatureExtractor.from_pretrained(str(preprocessor_dir), local_files_only=True)
         else:
             self.extractor = SeamlessM4TFeatureExtractor()
         self.dim = self.extractor.feature_size * self.extractor.stride
 
     def __call__(self, wave: np.ndarray) -> np.ndarray:
+        if self.front_end == "torch":
+            if threading.current_thread() is not threading.main_thread() and torch.get_num_threads() != 1:
+                torch.set_num_threads(1)
+            return self.torch_fbank(wave).numpy()
         out = self.extractor(wave, sampling_rate=SAMPLE_RATE, return_tensors="np")
         # The extractor pads to an even number of 10 ms frames before stacking pairs; the mask drops the pad.
         valid = int(out["attention_mask"][0].sum())
         return np.asarray(out["input_features"][0, :valid], dtype=np.float32)
 
 
+def check_torch_preprocessor(config: Path) -> None:
+    """BadInputError when a preprocessor_config.json asks for an fbank other than the one the torch front-end
+    computes (SeamlessM4TFeatureExtractor's defaults)."""
+    from data import fbank
+
+    try:
+        given = json.loads(config.read_text())
+    except (OSError, ValueError) as e:
+        raise BadInputError(f"{config} cannot be read: {e}") from None
+    wanted = {"feature_extractor_type": "SeamlessM4TFeatureExtractor", "feature_size": fbank.NUM_MEL_BINS,
+              "num_mel_bins": fbank.NUM_MEL_BINS, "sampling_rate": fbank.SAMPLE_RATE, "stride": fbank.STRIDE}
+    other = {k: given[k] for k, v in wanted.items() if k in given and given[k] != v}
+    if other:
+        raise BadInputError(f"{config} asks for another fbank than the torch front-end computes "
+                            f"({', '.join(f'{k}: {v!r}' for k, v in other.items())}; it computes {wanted}): "
+                            "use the transformers front-end (--front_end transformers)")
+
+
 class W2vBertLayer:
     """Hidden state after layer `layer` of a local Wav2Vec2BertModel, fed the Seamless fbank.
 
     `device` and `dtype` are the caller's choice (training/device.py resolves the flags); `flag` names the
-    model's folder in messages (tools.extract's --checkpoint, tools.tokenize's --w2v_bert)."""
+    model's folder in messages (tools.extract's --checkpoint, tools.tokenize's --w2v_bert). `attention`: "fast"
+    puts data/w2v_attention.py's relative-position attention (no T x T table, same outputs) in place of
+    transformers' one; "stock" keeps transformers' module (for comparison)."""
 
     def __init__(self, checkpoint: Path, layer: int, *, device: torch.device, dtype: torch.dtype,
-                 max_chunk_seconds: float, flag: str = "--checkpoint"):
+                 max_chunk_seconds: float, flag: str = "--checkpoint", attention: str = "fast"):
         from transformers import Wav2Vec2BertModel
+
+        if attention not in ("fast", "stock"):
+            raise ValueError(f"attention must be 'fast' or 'stock', not {attention!r}")
 
         config_path = checkpoint / "config.json"
         if not config_path.is_file():
@@ -139,6 +191,9 @@ class W2vBertLayer:
         # Layers above L, the adapter and the final FFN never reach hidden_states[L]: drop them, not run them.
         model.encoder.layers = model.encoder.layers[:layer]
         model.adapter, model.intermediate_ffn = None, None
+        if attention == "fast":
+            from data.w2v_attention import use_fast_attention
+            use_fast_attention(model)
         self.device, self.dtype = device, dtype
         self.model = model.to(device, dtype).eval()
         self.layer = layer
@@ -167,9 +222,9 @@ class W2vBertLayer:
     def __call__(self, fbanks: list[np.ndarray], passes: Callable[[np.ndarray], list[np.ndarray]],
                  on_batch: Callable[[float], None] | None = None) -> list[np.ndarray]:
         """Layer outputs of whole files: every chunk of `fbanks`, grouped into forward passes by `passes` (chunk
-        lengths in frames -> the positions of each pass: the tools give models.codes.length_sorted_batches under
-        --batch_seconds). on_batch(files) after each pass: the share of the files it did (a chunk of a file in k
-        chunks counts 1/k), for a caller's progress bar."""
+        lengths in frames -> the positions of each pass: the tools give tools/audio_shard.py w2v_passes, the
+        least-cost cut of the sorted chunks under --batch_seconds). on_batch(files) after each pass: the share
+        of the files it did (a chunk of a file in k chunks counts 1/k), for a caller's progress bar."""
         chunks = [self.chunks(f) for f in fbanks]
         pieces = [(i, piece, len(parts)) for i, parts in enumerate(chunks) for piece in parts]
         outputs: list[np.ndarray | None] = [None] * len(pieces)

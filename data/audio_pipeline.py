@@ -6,7 +6,9 @@ their output into windows, one window ahead of the model. A window is consecutiv
 `commit_files` of them and at most `commit_seconds` of audio (it closes as soon as it reaches either): what a
 tool commits at once. For w2v-BERT the chunks of every file of a window are grouped into forward passes by
 the caller's `passes` (tools.extract and tools.tokenize: sorted by length, at most --batch_seconds of padded
-audio a pass). The windows depend on the files alone, so a run resumed at a window's first file meets the
+audio a pass, cut where padding and passes cost least: models/codes.py least_cost_passes); a window of several
+passes' audio is what lets them be both full and little padded. The windows depend on the files alone
+(cut_windows), and the passes on a window's chunks alone, so a run resumed at a window's first file meets the
 passes of a run never stopped (padding changes a layer's last bits: the same bytes need the same passes).
 
 Features come out as a dump of `dtype` stores them (float16 rounds them); a file that cannot be read, or whose
@@ -26,7 +28,7 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +65,20 @@ class Window:
     first: int
     end: int
     files: list[AudioFile]
+
+
+def cut_windows(files: Iterable[AudioFile], commit_files: int, commit_seconds: float) -> Iterator[Window]:
+    """Consecutive files as windows, each closed as soon as it holds `commit_files` files or `commit_seconds` of
+    audio (a skipped file counts as a file of none): a function of the files alone, from any window's first."""
+    window, seconds = [], 0.0
+    for item in files:
+        window.append(item)
+        seconds += item.samples / SAMPLE_RATE
+        if len(window) >= commit_files or seconds >= commit_seconds:
+            yield Window(window[0].index, item.index + 1, window)
+            window, seconds = [], 0.0
+    if window:
+        yield Window(window[0].index, window[-1].index + 1, window)
 
 
 class DecodedFiles(Dataset):
@@ -151,18 +167,14 @@ class FeatureWindows:
 
     def _cut(self, files: Iterator[AudioFile]) -> Iterator[Window]:
         """Decoded files -> windows (on the window thread)."""
-        window, seconds = [], 0.0
+        return cut_windows(self._counted(files), self.commit_files, self.commit_seconds)
+
+    def _counted(self, files: Iterator[AudioFile]) -> Iterator[AudioFile]:
         for item in files:
-            window.append(item)
-            seconds += item.samples / SAMPLE_RATE
             self.audio_seconds += item.samples / SAMPLE_RATE
             if self.encoder is None:
                 self.progress(self.weight)  # the fbank is the feature: this file is done
-            if len(window) >= self.commit_files or seconds >= self.commit_seconds:
-                yield Window(window[0].index, item.index + 1, window)
-                window, seconds = [], 0.0
-        if window:
-            yield Window(window[0].index, window[-1].index + 1, window)
+            yield item
 
     def _compute(self, window: Window) -> None:
         """Every readable file's features, as the dump's dtype stores them; non-finite ones skipped."""

@@ -5,6 +5,14 @@ They are what makes the features what they are: the kind (`fbank`, `w2v-bert`) a
 (its folder, and a fingerprint of its files, the same wherever the folder is copied), the layer, the chunk
 length and the precision; and the dump's dtype (float16 rounds the features). Batch and commit sizes are not
 among them: padding changes the last bits of a layer's output, not what the features are.
+
+The fbank's front-end (`front_end`: `torch`, data/fbank.py, or `transformers`, SeamlessM4TFeatureExtractor; none
+recorded: `transformers`, the only one before) is recorded and shown, but two records that differ only there
+are the same features: both compute the same fbank, equal within 1e-4 of a unit-variance feature
+(tests/test_fbank.py), less than float16 storage rounds a value between 1 and 2 (up to 2^-11), which is a
+difference. So a codec encodes a dump of either front-end, a run resumes on either, and a split may hold shards of
+both; tools.tokenize computes the codec's own (`front_end`), so that its codes are bit for bit those of
+tools.extract with that front-end followed by tools.encode.
 """
 from __future__ import annotations
 
@@ -15,8 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-FEATURE_KEYS = ("feature", "dim", "frame_rate_hz", "sample_rate", "checkpoint", "model", "layer",
+FEATURE_KEYS = ("feature", "dim", "frame_rate_hz", "sample_rate", "front_end", "checkpoint", "model", "layer",
                 "max_chunk_seconds", "precision", "dtype")
+RECORDED_BEFORE = "transformers"  # the front-end of a record that names none: the only one before
 MODEL_FILES = ("config.json", "preprocessor_config.json")
 FINGERPRINT_BYTES = 1 << 20  # of each weight file, at either end: tensors differ there, and it reads in ms
 
@@ -35,6 +44,11 @@ def model_fingerprint(folder: Path) -> str:
                 f.seek(max(0, size - FINGERPRINT_BYTES))
                 digest.update(f.read(FINGERPRINT_BYTES))
     return "sha256:" + digest.hexdigest()[:16]
+
+
+def front_end(settings: dict) -> str:
+    """The fbank front-end that made features of these settings: the recorded one, else `transformers`."""
+    return settings.get("front_end") or RECORDED_BEFORE
 
 
 def feature_settings(note: dict) -> dict:
@@ -60,11 +74,16 @@ def dump_feature_settings(data_dir: str | Path | None, split: str) -> dict:
                 found[path.name] = feature_settings(note)
     if not found:
         return {"feature": "unknown", "note": f"split '{split}' of {data_dir} has no tools.extract notes"}
-    kinds = {json.dumps(s, sort_keys=True): name for name, s in found.items()}
+    kinds = {json.dumps({k: v for k, v in s.items() if k != "front_end"}, sort_keys=True): name
+             for name, s in found.items()}
     if len(kinds) > 1:
         return {"feature": "mixed", "note": f"the shards of split '{split}' of {data_dir} were extracted with "
                                             f"different settings ({', '.join(sorted(kinds.values()))} differ)"}
-    return next(iter(found.values()))
+    front_ends = sorted({front_end(s) for s in found.values()})
+    settings = next(iter(found.values()))
+    if len(front_ends) > 1:  # the same features (module doc): the record names each front-end that made them
+        settings = {**settings, "front_end": "+".join(front_ends)}
+    return settings
 
 
 def describe(settings: dict) -> str:
@@ -80,6 +99,7 @@ def describe(settings: dict) -> str:
         details += [f"chunks of at most {known['max_chunk_seconds']} s"] if "max_chunk_seconds" in known else []
         details += [f"model {known['model']}"] if "model" in known else []
     details += [f"stored as {known['dtype']}"] if "dtype" in known else []
+    details += [f"{known['front_end']} front-end"] if "front_end" in known else []
     where = f" layer {known['layer']}" if "layer" in known else ""
     where += f" of {known['checkpoint']}" if kind == "w2v-bert" and "checkpoint" in known else ""
     return f"{kind}{where}" + (f" ({', '.join(details)})" if details else "")
@@ -89,15 +109,23 @@ def settings_differ(trained: dict, now: dict) -> str:
     """`key: trained -> now` for each feature setting that differs ('' when none does); of other kinds of features,
     the kind alone (their other settings differ as a matter of course). A model is known by its fingerprint,
     wherever its folder is; by its folder where the record has no fingerprint (notes from before there were any).
-    A setting one side lacks reads `(absent)`."""
+    A setting one side lacks reads `(absent)`. The front-end is not a difference (module doc): front_ends_differ
+    says when it differs."""
     if trained.get("feature") != now.get("feature"):
         keys = ["feature"]
     else:
         fingerprinted = "model" in trained
-        keys = [k for k in FEATURE_KEYS if k != ("checkpoint" if fingerprinted else "model")]
+        keys = [k for k in FEATURE_KEYS if k not in ("checkpoint" if fingerprinted else "model", "front_end")]
     shown = lambda value: "(absent)" if value is None else repr(value)  # noqa: E731
     return ", ".join(f"{k}: {shown(trained.get(k))} -> {shown(now.get(k))}" for k in keys
                      if trained.get(k) != now.get(k))
+
+
+def front_ends_differ(trained: dict, now: dict) -> str:
+    """'' when features of these settings come from the same fbank front-end, else `front-end: trained -> now`,
+    for a tool to report (the same features: module doc)."""
+    was, new = front_end(trained), front_end(now)
+    return "" if was == new else f"front-end: {was} -> {new}"
 
 
 # Features plausibly the codec's: the mean over dimensions of KL(N(sample mean, sample std) || N(codec mean, codec

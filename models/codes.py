@@ -61,9 +61,9 @@ def encode_utterance(model: RVQCodec, features: np.ndarray, num_quantizers: int 
 
 
 def length_sorted_batches(lengths: np.ndarray, batch_frames: int) -> list[np.ndarray]:
-    """Positions of `lengths` grouped into batches, shortest utterances first, each batch at most `batch_frames`
-    once padded to its longest (rows x longest; an utterance longer than that goes alone). tools.extract and
-    tools.tokenize hand it to data/audio_pipeline.py for w2v-BERT's passes."""
+    """Positions of `lengths` grouped into batches, shortest utterances first, each batch filled up to at most
+    `batch_frames` once padded to its longest (rows x longest; an utterance longer than that goes alone): the
+    codec's batches, whose padding is cheap beside w2v-BERT's (least_cost_passes)."""
     order = np.argsort(lengths, kind="stable")
     batches, first = [], 0
     for end in range(1, len(order) + 1):
@@ -71,6 +71,33 @@ def length_sorted_batches(lengths: np.ndarray, batch_frames: int) -> list[np.nda
             batches.append(order[first:end])
             first = end
     return batches
+
+
+def least_cost_passes(lengths: np.ndarray, batch_frames: int, pass_frames: int) -> list[np.ndarray]:
+    """Positions of `lengths` grouped into forward passes of neighbours in length order, shortest first, each at
+    most `batch_frames` once padded to its longest (rows x longest; a longer one goes alone), cut where the
+    passes cost least in all: a pass costs its padded frames plus `pass_frames`, the work a pass takes whatever
+    its size (launches, host work). So a pass takes in a longer neighbour only where the padding that adds
+    costs less than a pass of its own: few passes where lengths crowd, short ones where they are sparse.
+
+    Exact, by dynamic programming over the sorted lengths (each end tries every start the budget allows), and a
+    function of the lengths alone: the same chunks always meet the same passes, as a resumed shard needs."""
+    order = np.argsort(lengths, kind="stable")
+    ordered = np.asarray(lengths, dtype=np.int64)[order]
+    index = np.arange(len(order) + 1, dtype=np.int64)
+    cost = np.zeros(len(order) + 1, dtype=np.int64)  # cost[end]: the least cost of the `end` shortest
+    start = np.zeros(len(order) + 1, dtype=np.int64)  # start[end]: where the last pass of that least cost begins
+    for end in range(1, len(order) + 1):
+        longest = max(1, int(ordered[end - 1]))
+        first = max(0, end - max(1, batch_frames // longest))  # the budget's largest last pass
+        # a last pass s..end-1 costs cost[s] + (end - s) x longest + pass_frames; the first of equals: the larger
+        s = first + int(np.argmin(cost[first:end] - index[first:end] * longest))
+        cost[end], start[end] = cost[s] + (end - s) * longest + pass_frames, s
+    passes, end = [], len(order)
+    while end > 0:
+        passes.append(order[start[end] : end])
+        end = int(start[end])
+    return passes[::-1]
 
 
 def encode_in_batches(model: RVQCodec, store, num_quantizers: int, batch_frames: int, dtype: np.dtype,

@@ -120,7 +120,7 @@ def test_a_km_file_has_a_line_per_utterance_with_a_unit_per_code_frame(corpus):
 def test_the_trainer_records_the_features_and_export_reads_them(corpus, tmp_path):
     _, state, _ = encode.load_codec(corpus.fbank_run)
     assert state["config"]["features"] == {"feature": "fbank", "dim": 160, "frame_rate_hz": 50, "sample_rate": 16000,
-                                           "precision": "float32", "dtype": "float32"}
+                                           "front_end": "torch", "precision": "float32", "dtype": "float32"}
     state["config"]["data_dir"] = str(tmp_path / "gone")  # the training data no longer there
     torch.save(state, tmp_path / "step_00000004.pt")
     assert export.main([tmp_path / "step_00000004.pt", tmp_path / "exported"]) == 0

@@ -28,12 +28,21 @@ from data.audio_pipeline import FeatureWindows, Window
 from data.dump_writer import shard_range
 from data.resumable_shard import ShardWriter
 from errors import BadInputError
-from models.codes import length_sorted_batches
+from models.codes import least_cost_passes
 from training.device import shard_device
 from training.faults import FaultInjector
 
-# --batch_seconds by device: padded audio per w2v-BERT forward pass (benchmarks/README.md, "Extraction")
+# --batch_seconds by device: padded audio per w2v-BERT forward pass at most (benchmarks/README.md, "Extraction")
 BATCH_SECONDS = {"cpu": 60.0, "cuda": 600.0}
+# --commit_seconds by device: w2v-BERT's passes are cut from one window's chunks sorted by length, so a window
+# holds several passes' audio for them to be both full and little padded; a killed run does one window again
+# (benchmarks/README.md, "Padding")
+COMMIT_SECONDS = {"cpu": 600.0, "cuda": 3600.0}
+# the work a w2v-BERT pass takes whatever its size (launches, host work), as a share of a full pass: a pass takes
+# in a longer chunk only while the padding that adds costs less (models/codes.py least_cost_passes)
+PASS_COST = 0.05
+# how w2v_passes groups a window's chunks, for a shard's settings: other passes give a layer other last bits
+PASS_RULE = f"least_cost_passes, a pass costing {PASS_COST:g} of --batch_seconds"
 
 
 @dataclass
@@ -73,13 +82,17 @@ def add_input_args(p: argparse.ArgumentParser) -> None:
                         "thread of this process); default: the CPUs this process may use, shared among a "
                         "launcher's processes on the node (LOCAL_WORLD_SIZE), less one for the model")
     p.add_argument("--batch_seconds", type=float,
-                   help="w2v-bert: padded audio per forward pass (rows x the longest chunk; a longer chunk goes "
-                        "alone); default: " + ", ".join(f"{s:g} on {d}" for d, s in BATCH_SECONDS.items()))
+                   help="w2v-bert: padded audio per forward pass at most (rows x the longest chunk; a longer chunk "
+                        "goes alone); a window's chunks, sorted by length, are cut into the passes that cost least, "
+                        f"a pass costing its padding and {PASS_COST:g} of a full pass; default: "
+                        + ", ".join(f"{s:g} on {d}" for d, s in BATCH_SECONDS.items()))
     p.add_argument("--commit_files", type=int, default=1000,
                    help="files per commit (their output fsynced, progress recorded): what a killed run does again "
-                        "at most, with --commit_seconds; w2v-bert sorts the chunks of these files into its batches")
-    p.add_argument("--commit_seconds", type=float, default=600.0,
-                   help="audio per commit at most: a commit comes after this much audio or --commit_files files")
+                        "at most, with --commit_seconds; w2v-bert sorts the chunks of these files into its passes")
+    p.add_argument("--commit_seconds", type=float,
+                   help="audio per commit at most: a commit comes after this much audio or --commit_files files; "
+                        "w2v-bert's passes are full and little padded when it is several times --batch_seconds; "
+                        "default: " + ", ".join(f"{s:g} on {d}" for d, s in COMMIT_SECONDS.items()))
     p.add_argument("--overwrite", action="store_true",
                    help="delete the shard's output, finished or partial, and write it from the start")
 
@@ -90,6 +103,8 @@ def check_input_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
         p.error(f"need nshard >= 1 and 0 <= rank < nshard, got nshard {args.nshard}, rank {args.rank}")
     if args.num_workers is None:
         args.num_workers = default_workers()
+    if args.commit_seconds is None:
+        args.commit_seconds = COMMIT_SECONDS[device_kind(args.device)]
     if args.num_workers < 0:
         p.error(f"--num_workers must be 0 or more, got {args.num_workers}")
     for name in ("batch_seconds", "max_chunk_seconds", "commit_files", "commit_seconds"):
@@ -103,6 +118,14 @@ def default_workers() -> int:
     workers than CPUs only wait for one another, and torch warns about each)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(0, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) - 1)
+
+
+def device_kind(flag: str) -> str:
+    """cuda or cpu: the kind of device --device names (auto: cuda where a GPU is visible), for the defaults that
+    depend on it before the device is chosen; a flag that names no device is training/device.py's to refuse."""
+    if flag == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if flag.startswith("cuda") else "cpu"
 
 
 def launched_shard(nshard: int, rank: int) -> tuple[int, int, int]:
@@ -135,9 +158,18 @@ def batch_seconds(args: argparse.Namespace, device: torch.device) -> float:
     return args.batch_seconds or BATCH_SECONDS.get(device.type, BATCH_SECONDS["cpu"])
 
 
+def pass_settings(args: argparse.Namespace, device: torch.device) -> dict:
+    """What decides w2v-BERT's passes, for a shard's settings: the passes change a layer's last bits, so a resumed
+    shard keeps them."""
+    return {"batch_seconds": batch_seconds(args, device), "passes": PASS_RULE, "commit_files": args.commit_files,
+            "commit_seconds": args.commit_seconds}
+
+
 def w2v_passes(seconds: float) -> Callable[[np.ndarray], list[np.ndarray]]:
-    """w2v-BERT's forward passes over a window's chunks: sorted by length, at most `seconds` of padded audio each."""
-    return functools.partial(length_sorted_batches, batch_frames=max(1, int(seconds * FRAME_RATE)))
+    """w2v-BERT's forward passes over a window's chunks: sorted by length, at most `seconds` of padded audio each,
+    cut where padding and passes cost least, a pass costing PASS_COST of a full one (least_cost_passes)."""
+    frames = max(1, int(seconds * FRAME_RATE))
+    return functools.partial(least_cost_passes, batch_frames=frames, pass_frames=int(PASS_COST * frames))
 
 
 def progress_bar(desc: str, share: AudioShare, done: int) -> tqdm:

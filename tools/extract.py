@@ -12,6 +12,9 @@ its part of that share: tools/audio_shard.py). The audio is read and turned into
 processes ahead of the model; the features (`fbank`: the Seamless front-end, 160-d; `w2v-bert`: a
 Wav2Vec2BertModel layer, in chunks of at most --max_chunk_seconds, length-sorted into passes of
 --batch_seconds) are data/audio_pipeline.py's; --device and --precision are resolved by training/device.py.
+The fbank (the features themselves, or w2v-BERT's input) is computed by --front_end: `torch` (data/fbank.py)
+or `transformers` (SeamlessM4TFeatureExtractor), the same features within 1e-4 (data/feature_settings.py);
+NAME.json records which.
 
 Written into OUT_DIR, for NAME = {split}_{rank}_{nshard}:
 - `NAME.npy`: float32 (or --dtype float16) [frames, dim], every utterance's frames in order;
@@ -19,7 +22,8 @@ Written into OUT_DIR, for NAME = {split}_{rank}_{nshard}:
 - `NAME.tsv`: the files extracted, in order, as a fairseq manifest (root folder, then
   `relpath<TAB>samples at 16 kHz`), to match features and codes to files;
 - `NAME.skipped`: `relpath<TAB>reason` for every file that was skipped;
-- `NAME.json`: the settings (feature kind, dim, checkpoint, layer, precision, dtype, the share) and counts.
+- `NAME.json`: the settings (feature kind, dim, front-end, checkpoint, layer, precision, dtype, the share) and
+  counts.
 
 The files are committed as they are extracted, every --commit_files files or --commit_seconds of audio
 (data/resumable_shard.py): the same command run again after a crash goes on from the last commit and writes
@@ -50,13 +54,14 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from data.audio_features import FEATURES, FRAME_RATE, SAMPLE_RATE, SeamlessFbank, W2vBertLayer  # noqa: E402
+from data.audio_features import (FEATURES, FRAME_RATE, FRONT_END, FRONT_ENDS, SAMPLE_RATE, SeamlessFbank,  # noqa: E402
+                                 W2vBertLayer)
 from data.audio_pipeline import FeatureWindows, Window  # noqa: E402
 from data.dump_writer import DUMP_DTYPES  # noqa: E402
-from data.feature_settings import model_fingerprint  # noqa: E402
-from data.resumable_shard import FEATURE_DUMP, ShardWriter, claim_shard  # noqa: E402
+from data.feature_settings import RECORDED_BEFORE, model_fingerprint  # noqa: E402
+from data.resumable_shard import FEATURE_DUMP, ShardWriter, claim_shard, finished_meta  # noqa: E402
 from errors import EXIT_FAILURE, EXIT_OK, BadInputError  # noqa: E402
-from tools.audio_shard import (AudioShare, add_input_args, audio_share, batch_seconds, check_input_args,  # noqa: E402
+from tools.audio_shard import (AudioShare, add_input_args, audio_share, check_input_args, pass_settings,  # noqa: E402
                                log_input_wait, model_device, progress_bar, w2v_passes, write_windows,
                                written_lengths)
 from tools.cli import bad_input_exits_2, run  # noqa: E402
@@ -76,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_input_args(p)
     p.add_argument("--feature", choices=FEATURES, default="fbank",
                    help="fbank: Seamless front-end, 160-d; w2v-bert: a Wav2Vec2BertModel layer")
+    p.add_argument("--front_end", choices=FRONT_ENDS,
+                   help="the fbank's computation, recorded in NAME.json: torch (data/fbank.py) or transformers "
+                        "(SeamlessM4TFeatureExtractor, slower), the same features within 1e-4 (default: "
+                        f"{FRONT_END}; a shard begun or written before front-ends were recorded goes on with its "
+                        f"own, {RECORDED_BEFORE})")
     p.add_argument("--checkpoint", type=Path, help="w2v-bert: local folder of the model (save_pretrained layout) "
                                                    "(default: none; w2v-bert needs it)")
     p.add_argument("--layer", type=int, help="w2v-bert: hidden state after this layer (0 = feature projection; "
@@ -99,11 +109,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def feature_maker(args, share: AudioShare) -> tuple[SeamlessFbank, W2vBertLayer | None, dict]:
+def recorded_settings(out_dir: Path, name: str) -> dict | None:
+    """The settings shard NAME in `out_dir` was written, or begun, with (None: no such shard, or unreadable)."""
+    finished = finished_meta(out_dir, name, FEATURE_DUMP)
+    if finished is not None:
+        return finished
+    try:
+        begun = json.loads((out_dir / (name + FEATURE_DUMP.progress)).read_text())
+    except (OSError, ValueError):
+        return None
+    return begun.get("settings") if isinstance(begun, dict) else None
+
+
+def shard_front_end(args, name: str) -> tuple[str, bool]:
+    """(the fbank front-end of shard NAME, whether its settings name it): --front_end, else FRONT_END; a shard begun
+    or written before front-ends were recorded (its settings name none) goes on with its own, unnamed as before,
+    so that it resumes, or is found complete (unless --overwrite starts it over)."""
+    recorded = None if args.overwrite else recorded_settings(args.out_dir, name)
+    legacy = isinstance(recorded, dict) and "feature" in recorded and "front_end" not in recorded
+    front_end = args.front_end or (RECORDED_BEFORE if legacy else FRONT_END)
+    return front_end, not (legacy and front_end == RECORDED_BEFORE)
+
+
+def feature_maker(args, share: AudioShare, name: str) -> tuple[SeamlessFbank, W2vBertLayer | None, dict]:
     """(the fbank, the w2v-BERT layer or None, the feature settings noted in NAME.json)."""
-    fbank = SeamlessFbank(args.checkpoint)
+    front_end, named = shard_front_end(args, name)
+    fbank = SeamlessFbank(args.checkpoint, front_end)
     settings = {"feature": args.feature, "dim": fbank.dim, "frame_rate_hz": FRAME_RATE, "sample_rate": SAMPLE_RATE,
-                "precision": "float32", "dtype": args.dtype}
+                **({"front_end": front_end} if named else {}), "precision": "float32", "dtype": args.dtype}
+    log.info("fbank front-end: %s%s", front_end, "" if named else " (the shard's, begun before front-ends were "
+                                                                  "recorded)")
     if args.feature != "w2v-bert":
         return fbank, None, settings
     device = model_device(args.device, share)  # shards on one node spread over its GPUs
@@ -131,12 +166,11 @@ def check_split_shards(out_dir: Path, split: str, nshard: int) -> None:
 
 def extract(args) -> int:
     share = audio_share(args)
-    fbank, encoder, features = feature_maker(args, share)
     name = f"{args.split}_{share.rank}_{share.nshard}"
+    fbank, encoder, features = feature_maker(args, share, name)
     settings = {**features, "split": args.split, **share.settings}
-    if encoder is not None:  # the batches change a layer's last bits: a resumed shard keeps them
-        settings.update(batch_seconds=batch_seconds(args, encoder.device), commit_files=args.commit_files,
-                        commit_seconds=args.commit_seconds)
+    if encoder is not None:
+        settings.update(pass_settings(args, encoder.device))
     check_split_shards(args.out_dir, args.split, share.nshard)
     lock = claim_shard(args.out_dir, name, FEATURE_DUMP, settings, overwrite=args.overwrite, log=log,
                        redo="extract the shard again")

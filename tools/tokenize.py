@@ -6,11 +6,12 @@
 The audio and its shards are tools.extract's (a fairseq manifest or a folder; rank RANK of NSHARD takes its
 contiguous share of the files; under torchrun each process its part of it: tools/audio_shard.py). The
 features are those the codec was trained on, as its checkpoint records them (the trainer notes tools.extract's
-settings: fbank, or the w2v-BERT model, layer, chunk length and precision, and the dump's dtype); computed as
-tools.extract computes them (data/audio_pipeline.py) and encoded as tools.encode encodes a dump, so that the
-codes are those of tools.extract followed by tools.encode, bit for bit on a CPU with the same --batch_seconds
-and commit sizes. --feature, --layer and --precision, when given, must be the checkpoint's: another value
-exits 2, naming both. --w2v_bert gives the w2v-BERT folder where it is not where it was at training; its
+settings: fbank, or the w2v-BERT model, layer, chunk length and precision, the fbank's front-end, and the
+dump's dtype); computed as tools.extract computes them (data/audio_pipeline.py), with the codec's fbank
+front-end (transformers' extractor where the checkpoint names none), and encoded as tools.encode encodes a
+dump, so that the codes are those of tools.extract followed by tools.encode, bit for bit on a CPU with the same
+--batch_seconds and commit sizes. --feature, --layer and --precision, when given, must be the checkpoint's:
+another value exits 2, naming both. --w2v_bert gives the w2v-BERT folder where it is not where it was at training; its
 files must be the same model.
 
 Written into OUT_DIR, for NAME = {split}_{rank}_{nshard}, as tools.encode writes them: `NAME.codes.npy`,
@@ -42,13 +43,13 @@ from types import SimpleNamespace  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from data.audio_features import FEATURES, SeamlessFbank, W2vBertLayer  # noqa: E402
+from data.audio_features import FEATURES, FRONT_ENDS, SeamlessFbank, W2vBertLayer  # noqa: E402
 from data.audio_pipeline import FeatureWindows, Window  # noqa: E402
-from data.feature_settings import describe, model_fingerprint, settings_differ  # noqa: E402
+from data.feature_settings import RECORDED_BEFORE, describe, front_end, model_fingerprint, settings_differ  # noqa: E402
 from data.resumable_shard import CODES, ShardWriter  # noqa: E402
 from errors import EXIT_FAILURE, EXIT_OK, BadInputError  # noqa: E402
 from models.codes import TAIL_PADDING, code_frames, encode_in_batches, km_lines  # noqa: E402
-from tools.audio_shard import (AudioShare, add_input_args, audio_share, batch_seconds, check_input_args,  # noqa: E402
+from tools.audio_shard import (AudioShare, add_input_args, audio_share, check_input_args, pass_settings,  # noqa: E402
                                log_input_wait, model_device, progress_bar, w2v_passes, write_windows,
                                written_lengths)
 from tools.cli import bad_input_exits_2, run  # noqa: E402
@@ -109,8 +110,9 @@ def trained_features(state: dict, ckpt_path: Path, args) -> dict:
 def feature_maker(trained: dict, args, device: torch.device,
                   ckpt_path: Path) -> tuple[SeamlessFbank, W2vBertLayer | None, dict]:
     """(the fbank, the w2v-BERT layer or None, the settings of the features they make), the latter the codec's."""
+    computed = codec_front_end(trained)
     if trained["feature"] != "w2v-bert":
-        return SeamlessFbank(None), None, trained
+        return SeamlessFbank(None, computed), None, trained
     folder = args.w2v_bert or Path(trained["checkpoint"])
     if not folder.is_dir():
         raise BadInputError(f"the codec in {ckpt_path} was trained on {describe(trained)}, and {folder} is not a "
@@ -124,7 +126,17 @@ def feature_maker(trained: dict, args, device: torch.device,
                             f"gives {describe(now)} ({differ})")
     log.info("w2v-bert layer %d of %s on %s (%s), %d-d", encoder.layer, folder, encoder.device, encoder.dtype,
              encoder.dim)
-    return SeamlessFbank(folder), encoder, now
+    return SeamlessFbank(folder, computed), encoder, now
+
+
+def codec_front_end(trained: dict) -> str:
+    """The fbank front-end the codec's features were made with, as its settings record it; transformers' where they
+    name none (checkpoints from before front-ends were recorded) or both (a dump of shards of each)."""
+    recorded = front_end(trained)
+    computed = recorded if recorded in FRONT_ENDS else RECORDED_BEFORE
+    log.info("fbank front-end: %s (the codec's features: %s)", computed,
+             recorded if "front_end" in trained else f"no front-end recorded, so {RECORDED_BEFORE}")
+    return computed
 
 
 def tokenize(args) -> int:
@@ -137,9 +149,8 @@ def tokenize(args) -> int:
     name = f"{args.split}_{share.rank}_{share.nshard}"
     settings = {**spec.settings, "features": {k: v for k, v in features.items() if k != "checkpoint"},
                 "split": args.split, **share.settings}
-    if encoder is not None:  # the batches change a layer's last bits: a resumed shard keeps them
-        settings.update(batch_seconds=batch_seconds(args, device), commit_files=args.commit_files,
-                        commit_seconds=args.commit_seconds)
+    if encoder is not None:
+        settings.update(pass_settings(args, device))
     streams = {".codes.len": "", ".codes.tsv": f"{share.root}\n", ".codes.skipped": "", ".codes.frames": ""}
     begun = begin_code_shard(args.out_dir, name, settings, overwrite=args.overwrite, log=log,
                              redo="tokenize the shard again", width=spec.levels, dtype=spec.dtype,

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Steady-state audio seconds per second and MFU of tools.extract, tools.tokenize and the model alone on one GPU:
+# a w2v-BERT-2.0-sized random model to layer 17 in bf16, this tree and (with --before) an earlier one side by side,
+# through benchmarks/bench_tokenize.py. About 5 minutes on an H100 (30 s of steady-state work a run).
+#
+#   bash benchmarks/gpu_tokenize.sh [--before DIR] [--wheels DIR] [--cpu-only] [bench_tokenize.py flags...]
+#
+# --before DIR: a copy of the tree before the change, e.g. `mkdir .before && git archive BASE | tar -x -C .before`.
+# --wheels DIR (default .whl): wheels for what the machine lacks (soundfile, soxr and their cffi, pycparser;
+#   vector-quantize-pytorch and its einx, frozendict, loguru, torch-einops-utils), made on a machine with an index:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .whl \
+#     soundfile soxr cffi pycparser vector-quantize-pytorch==1.32.0 einx frozendict loguru torch-einops-utils
+# --cpu-only: the same steps on this machine's CPU at toy sizes (a small model, half a minute of audio), to check
+#   that the script runs.
+# Results: $OUT/bench_tokenize_gpu.json and its log (OUT defaults to benchmarks/results).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+OUT=${OUT:-benchmarks/results}
+before="" wheels=".whl" cpu_only=0 extra=()
+while [[ $# -gt 0 ]]; do
+    case $1 in
+        --before) before=$2; shift 2 ;;
+        --wheels) wheels=$2; shift 2 ;;
+        --cpu-only) cpu_only=1; shift ;;
+        *) extra+=("$1"); shift ;;
+    esac
+done
+if ! "$PYTHON" -c "import soundfile, soxr, vector_quantize_pytorch" 2>/dev/null; then
+    if [[ ! -d $wheels ]]; then
+        echo "soundfile, soxr or vector-quantize-pytorch is missing and there is no wheel folder $wheels" >&2
+        exit 2
+    fi
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "$wheels"/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+repos=(--repo "after=$PWD")
+[[ -n $before ]] && repos+=(--repo "before=$(cd "$before" && pwd)")
+mkdir -p "$OUT"
+if [[ $cpu_only == 1 ]]; then
+    flags=(--device cpu --model small --layer 4 --precision fp32 --mixes 5s --audio_minutes 0.5 --base_minutes 0.5
+           --commit_seconds 10 --repeats 1 --modes extract,model,tokenize --out "$OUT/bench_tokenize_cpu_only.json")
+    log=$OUT/bench_tokenize_cpu_only.log
+else
+    "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no GPU visible: use --cpu-only')"
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || true
+    # a tmpfs keeps the dump's writing (GBs a second at these speeds) off a disk of unknown speed
+    scratch=()
+    free_gb=$(df -Pk /dev/shm 2>/dev/null | awk 'NR == 2 {print int($4 / 1048576)}')
+    [[ ${free_gb:-0} -ge 48 ]] && scratch=(--scratch /dev/shm)
+    # 40 hours listed (the same 10 minutes of distinct files again and again): enough for 30 s at any speed;
+    # each run stops after 30 s of steady state
+    flags=(--device cuda --model w2v-bert-2.0 --layer 17 --precision bf16 --mixes 2-20s --audio_minutes 2400
+           --base_minutes 10 --work_seconds 30 --repeats 1 --modes extract,model,tokenize "${scratch[@]}"
+           --timeout 240 --out "$OUT/bench_tokenize_gpu.json")
+    log=$OUT/bench_tokenize_gpu.log
+fi
+set -o pipefail
+PYTHONUNBUFFERED=1 "$PYTHON" benchmarks/bench_tokenize.py "${flags[@]}" "${repos[@]}" "${extra[@]}" 2>&1 | tee "$log"

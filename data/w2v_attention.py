@@ -1,0 +1,291 @@
+"""w2v-BERT's relative-position self-attention without a T x T table.
+
+transformers' Wav2Vec2BertSelfAttention with `position_embeddings_type="relative_key"` (w2v-BERT 2.0:
+left 64, right 8) adds to the scaled scores q_i . k_j the bias `scaling * q_i . E[clamp(j - i, -left, right)]`,
+built as an einsum over a [T, T, head_dim] table of distance embeddings and handed to SDPA as a float
+[B, H, T, T] mask. The bias only takes left + right + 1 distinct distances, so this module computes q
+against those embeddings once, a [B, H, T, left + right + 1] table, and reads it per (query, key):
+- on CUDA, inside flex attention's `score_mod` (compiled), so no T x T tensor ever exists;
+- on a CPU, a block of queries at a time: keys near the block (within left/right of one of its queries) get the
+  bias gathered from the table into a small mask; every key farther away has the clipped end distance's bias
+  for the whole block, which is a dot product with a fixed embedding, so it is folded into the key
+  (q . k + q . E = q . (k + E)) and those keys need no mask at all. The two parts are two fused attention calls
+  merged by their log-sum-exps;
+- where those kernels are missing (flex attention on an old torch or failing to compile, with a warning; the
+  CPU attention that returns its log-sum-exp) or attention dropout is on: the bias gathered into SDPA's mask,
+  a block of queries at a time.
+
+`use_fast_attention(model)` puts the module in place of each encoder layer's `self_attn`, sharing the
+loaded weights (the state dict keeps its names). Other position types keep transformers' module.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+RELATIVE_KEY = "relative_key"
+KERNELS = ("auto", "flex", "fold", "gather")
+# The folded CPU path takes this many queries a block: the near keys' mask is rows x (rows + left + right).
+FOLD_BLOCK_ROWS = 256
+# The gathered path builds the mask for as many queries at a time as fit this many bytes (at least
+# MIN_BLOCK_ROWS): a block that stays in cache is faster than one T x T mask, and its memory is bounded.
+BIAS_BLOCK_BYTES = 2 << 20
+MIN_BLOCK_ROWS = 16
+
+
+class RelativeKeySelfAttention(nn.Module):
+    """Drop-in for a relative_key Wav2Vec2BertSelfAttention: same weights, same outputs, no T x T bias table.
+
+    `kernel`: "auto" (flex attention on CUDA, the folded bias on a CPU), "flex", "fold" or "gather"."""
+
+    def __init__(self, stock: nn.Module, *, kernel: str = "auto"):
+        super().__init__()
+        if getattr(stock, "position_embeddings_type", None) != RELATIVE_KEY:
+            raise ValueError(f"{type(stock).__name__} uses position_embeddings_type "
+                             f"{getattr(stock, 'position_embeddings_type', None)!r}, not {RELATIVE_KEY!r}")
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, not {kernel!r}")
+        self.linear_q, self.linear_k = stock.linear_q, stock.linear_k
+        self.linear_v, self.linear_out = stock.linear_v, stock.linear_out
+        self.distance_embedding = stock.distance_embedding
+        self.dropout = stock.dropout
+        self.num_heads, self.head_size, self.scaling = stock.num_heads, stock.head_size, stock.scaling
+        self.left = stock.left_max_position_embeddings
+        self.right = stock.right_max_position_embeddings
+        self.position_embeddings_type = RELATIVE_KEY
+        self.kernel = kernel
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                relative_position_embeddings: torch.Tensor | None = None, output_attentions: bool = False,
+                **kwargs) -> tuple[torch.Tensor, None]:
+        batch, length, _ = hidden_states.shape
+        shape = (batch, length, self.num_heads, self.head_size)
+        q = self.linear_q(hidden_states).view(shape).transpose(1, 2)
+        k = self.linear_k(hidden_states).view(shape).transpose(1, 2)
+        v = self.linear_v(hidden_states).view(shape).transpose(1, 2)
+        embedding = self.distance_embedding.weight.to(q.dtype)  # [left + right + 1, head_size]
+        valid = key_padding(attention_mask, batch, length)
+        dropout = self.dropout.p if self.training else 0.0
+        kernel = self._kernel(q, dropout)
+        if kernel == "flex":
+            out = flex_relative_key_attention(q, k, v, embedding, valid, self.scaling, self.left, self.right)
+        elif kernel == "fold":
+            out = folded_relative_key_attention(q, k, v, embedding, valid, self.scaling, self.left, self.right)
+        else:
+            out = gathered_relative_key_attention(q, k, v, distance_table(q, embedding, self.scaling), valid,
+                                                  self.scaling, self.left, self.right, dropout=dropout)
+        out = self.linear_out(out.transpose(1, 2).reshape(batch, length, -1))
+        return out, None
+
+    def _kernel(self, q: torch.Tensor, dropout: float) -> str:
+        if dropout > 0:  # only SDPA's mask path applies attention dropout
+            return "gather"
+        if self.kernel != "auto":
+            return self.kernel
+        if q.is_cuda:
+            return "flex" if compiled_flex_attention() is not None else "gather"
+        return "fold" if _cpu_attention_with_lse() is not None else "gather"
+
+
+def distance_table(q: torch.Tensor, embedding: torch.Tensor, scaling: float) -> torch.Tensor:
+    """[B, H, T, left + right + 1]: the bias of query i towards any key at clipped distance d is table[..., i, d]."""
+    return torch.matmul(q, (embedding * scaling).t())  # scaling the embeddings, not the [B, H, T, 73] product
+
+
+def key_padding(mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
+    """[B, T] bool, True for keys that may be attended, from the mask the encoder passes its layers (None: all).
+
+    The encoder's mask is a padding mask: 2D [B, T] (1 = a frame), or 4D [B, 1, T, T] that depends on the key
+    alone, boolean (True = attend, transformers 5) or additive float (0 or the dtype's minimum, 4.x); its first
+    query row holds the padding of every row."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{RELATIVE_KEY} attention takes a padding mask tensor, not {type(mask).__name__}: load the "
+                        "model with attn_implementation 'sdpa' or 'eager'")
+    if mask.dim() == 4:
+        mask = mask[:, 0, 0, :]
+        if mask.is_floating_point():
+            mask = mask > torch.finfo(mask.dtype).min / 2
+    elif mask.dim() != 2:
+        raise ValueError(f"expected a [B, T] or [B, 1, T, T] attention mask, got shape {tuple(mask.shape)}")
+    return mask.to(torch.bool).expand(batch, length)
+
+
+@functools.lru_cache(maxsize=8)
+def _distance_window(rows: int, length: int, left: int, right: int, device: torch.device) -> torch.Tensor:
+    """[rows, 2 * length - 1] int64: column c of row r is the table column of distance c - (length - 1) - r,
+    clipped. Columns length - 1 - start + j are the index of query start + r and key j, for any block start."""
+    r = torch.arange(rows, device=device)[:, None]
+    c = torch.arange(2 * length - 1, device=device)[None, :]
+    return (c - (length - 1) - r).clamp_(-left, right).add_(left)
+
+
+def gathered_relative_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
+                                    valid: torch.Tensor | None, scaling: float, left: int, right: int, *,
+                                    dropout: float = 0.0, block_bytes: int = BIAS_BLOCK_BYTES) -> torch.Tensor:
+    """SDPA with the relative-position bias gathered from `table` into its float mask, a block of queries at a
+    time (the mask of one block is all that exists at once). Masked keys score the dtype's minimum, as in
+    transformers' model."""
+    batch, heads, length, _ = q.shape
+    rows = min(length, max(MIN_BLOCK_ROWS, block_bytes // (batch * heads * length * q.element_size())))
+    window = _distance_window(rows, length, left, right, q.device)
+    padding = None if valid is None else ~valid[:, None, None, :]
+    blocks = []
+    for start in range(0, length, rows):
+        stop = min(start + rows, length)
+        index = window[: stop - start, length - 1 - start: 2 * length - 1 - start]
+        bias = table[:, :, start:stop].gather(-1, index.expand(batch, heads, stop - start, length))
+        if padding is not None:
+            bias.masked_fill_(padding, torch.finfo(bias.dtype).min)
+        blocks.append(F.scaled_dot_product_attention(q[:, :, start:stop], k, v, attn_mask=bias,
+                                                     dropout_p=dropout, scale=scaling))
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
+
+
+@functools.cache
+def _cpu_attention_with_lse():
+    """The fused CPU attention that also returns each query's log-sum-exp (aten's flash kernel), if this torch
+    has it and it takes a float mask broadcast over heads and queries; None otherwise."""
+    attend = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if attend is None:
+        return None
+    q, k, v = torch.linspace(-1, 1, 72).view(3, 1, 1, 3, 8).unbind(0)
+    mask = torch.tensor([[[[0.0, -1.0, torch.finfo(torch.float32).min]]]])
+    try:
+        out, lse = attend(q, k, v, attn_mask=mask, scale=0.5)[:2]
+    except Exception:  # noqa: BLE001 - an older signature: the gathered path serves
+        return None
+    scores = (q @ k.transpose(-1, -2)) * 0.5 + mask
+    exact = torch.allclose(out, torch.softmax(scores, -1) @ v, atol=1e-5) and \
+        torch.allclose(lse, scores.logsumexp(-1), atol=1e-5)
+    return attend if exact else None
+
+
+@functools.lru_cache(maxsize=8)
+def _near_index(rows: int, left: int, right: int, device: torch.device) -> torch.Tensor:
+    """[rows, rows + left + right] int64: the table column of query i0 + r and key i0 - left + c (distance
+    c - left - r, clipped), for any block start i0."""
+    r = torch.arange(rows, device=device)[:, None]
+    c = torch.arange(rows + left + right, device=device)[None, :]
+    return (c - left - r).clamp_(-left, right).add_(left)
+
+
+def folded_relative_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, embedding: torch.Tensor,
+                                  valid: torch.Tensor | None, scaling: float, left: int, right: int, *,
+                                  rows: int = FOLD_BLOCK_ROWS) -> torch.Tensor:
+    """Exact relative_key attention on a CPU, a block of `rows` queries at a time, no T x T tensor.
+
+    For queries [i0, i1), keys [i0 - left, i1 + right) are near: their bias is gathered from the distance table
+    into a [rows, rows + left + right] mask. A key j < i0 - left is at clipped distance -left from every query of
+    the block and a key j >= i1 + right at +right, so its bias scaling * q . E[end] is folded into the key
+    (k + E[end]) and the far keys run unmasked but for padding. Softmax over the union = the two partial softmaxes
+    weighted by their log-sum-exps. Masked keys score the dtype's minimum, as in transformers' model."""
+    attend = _cpu_attention_with_lse()
+    batch, heads, length, _ = q.shape
+    table = distance_table(q, embedding, scaling)
+    far_left, far_right = k + embedding[0], k + embedding[-1]
+    padding = None
+    if valid is not None and not bool(valid.all()):
+        padding = q.new_zeros(batch, 1, 1, length).masked_fill_(~valid[:, None, None, :], torch.finfo(q.dtype).min)
+    near = _near_index(rows, left, right, q.device)
+    blocks = []
+    for start in range(0, length, rows):
+        stop = min(start + rows, length)
+        lo, hi = max(start - left, 0), min(stop + right, length)
+        index = near[: stop - start, lo - (start - left): hi - (start - left)]
+        bias = table[:, :, start:stop].gather(-1, index.expand(batch, heads, stop - start, hi - lo))
+        if padding is not None:
+            bias = bias + padding[..., lo:hi]
+        block_q = q[:, :, start:stop]
+        out, near_lse = attend(block_q, k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=bias, scale=scaling)[:2]
+        if lo > 0 or hi < length:
+            far_k = torch.cat([far_left[:, :, :lo], far_right[:, :, hi:]], dim=2)
+            far_v = torch.cat([v[:, :, :lo], v[:, :, hi:]], dim=2)
+            far_mask = None if padding is None else torch.cat([padding[..., :lo], padding[..., hi:]], dim=-1)
+            far, far_lse = attend(block_q, far_k, far_v, attn_mask=far_mask, scale=scaling)[:2]
+            share = torch.sigmoid(far_lse - near_lse).unsqueeze(-1)  # the far keys' share of the softmax mass
+            out = torch.lerp(out.float(), far.float(), share).to(q.dtype)
+        blocks.append(out)
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
+
+
+def flex_relative_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, embedding: torch.Tensor,
+                                valid: torch.Tensor | None, scaling: float, left: int, right: int) -> torch.Tensor:
+    """Flex attention whose score_mod adds table[b, h, i, clamp(j - i) + left] and drops padded keys: the bias is
+    read inside the kernel, never materialised. Compiled on CUDA (falling back to the gathered bias, with a
+    warning, where it cannot be); eager elsewhere."""
+    table = distance_table(q, embedding, scaling)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        biased = score + table[b, h, q_idx, torch.clamp(kv_idx - q_idx, -left, right) + left]
+        if valid is None:
+            return biased
+        return torch.where(valid[b, kv_idx], biased, float("-inf"))
+
+    if torch.compiler.is_compiling():  # inside a compiled model: the outer compile traces flex attention itself
+        from torch.nn.attention.flex_attention import flex_attention
+        return flex_attention(q, k, v, score_mod=score_mod, scale=scaling)
+    kernel = compiled_flex_attention() if q.is_cuda else None
+    if kernel is None:
+        if q.is_cuda:
+            return gathered_relative_key_attention(q, k, v, table, valid, scaling, left, right)
+        from torch.nn.attention.flex_attention import flex_attention
+        return flex_attention(q, k, v, score_mod=score_mod, scale=scaling)
+    if _FLEX_STATE["proven"]:
+        return kernel(q, k, v, score_mod=score_mod, scale=scaling)
+    try:
+        out = kernel(q, k, v, score_mod=score_mod, scale=scaling)
+    except Exception as e:  # noqa: BLE001 - any compile failure leaves the exact gathered path
+        log.warning("flex attention failed to compile (%s: %s); w2v-BERT attention falls back to a gathered "
+                    "bias, exact but slower", type(e).__name__, e)
+        _FLEX_STATE["kernel"], _FLEX_STATE["failed"] = None, True
+        return gathered_relative_key_attention(q, k, v, table, valid, scaling, left, right)
+    _FLEX_STATE["proven"] = True
+    return out
+
+
+_FLEX_STATE: dict = {"kernel": None, "failed": False, "proven": False}
+
+
+def compiled_flex_attention():
+    """torch.compile(flex_attention), made once; None where this torch has no flex attention or it failed."""
+    if _FLEX_STATE["failed"]:
+        return None
+    if _FLEX_STATE["kernel"] is None:
+        try:
+            from torch.nn.attention.flex_attention import flex_attention
+            _FLEX_STATE["kernel"] = torch.compile(flex_attention)
+        except Exception as e:  # noqa: BLE001 - an old torch or a broken compiler: the exact gathered path
+            log.warning("flex attention is unavailable (%s: %s); w2v-BERT attention uses a gathered bias, exact "
+                        "but slower", type(e).__name__, e)
+            _FLEX_STATE["failed"] = True
+            return None
+    return _FLEX_STATE["kernel"]
+
+
+def use_fast_attention(model: nn.Module, *, kernel: str = "auto") -> int:
+    """Put RelativeKeySelfAttention in place of every relative_key self-attention of a Wav2Vec2BertModel's
+    encoder, in place, sharing its weights; the number replaced (0 for other position types, whose stock
+    module stays)."""
+    config = model.config
+    if getattr(config, "position_embeddings_type", None) != RELATIVE_KEY:
+        return 0
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in (None, "eager", "sdpa"):
+        log.info("w2v-BERT keeps transformers' attention: attn_implementation %r passes no padding tensor",
+                 implementation)
+        return 0
+    replaced = 0
+    for layer in model.encoder.layers:
+        if getattr(layer.self_attn, "position_embeddings_type", None) == RELATIVE_KEY and \
+                not isinstance(layer.self_attn, RelativeKeySelfAttention):
+            layer.self_attn = RelativeKeySelfAttention(layer.self_attn, kernel=kernel)
+            replaced += 1
+    return replaced

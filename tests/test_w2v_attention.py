@@ -1,0 +1,181 @@
+"""data/w2v_attention.py: w2v-BERT's relative-position attention without a T x T table equals transformers' one."""
+import copy
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from data import w2v_attention
+from data.w2v_attention import RelativeKeySelfAttention, key_padding, use_fast_attention
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def tiny_config(**overrides):
+    from transformers import Wav2Vec2BertConfig
+
+    fields = {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "intermediate_size": 128,
+              "output_hidden_size": 64, "feature_projection_input_dim": 160, "conv_depthwise_kernel_size": 5,
+              "position_embeddings_type": "relative_key", "left_max_position_embeddings": 64,
+              "right_max_position_embeddings": 8}
+    return Wav2Vec2BertConfig(**{**fields, **overrides})
+
+
+@pytest.fixture(scope="module")
+def stock_model():
+    from transformers import Wav2Vec2BertModel
+
+    torch.manual_seed(0)
+    model = Wav2Vec2BertModel(tiny_config()).eval()
+    with torch.no_grad():  # the initialiser leaves the distance embeddings small; make the bias matter
+        for layer in model.encoder.layers:
+            layer.self_attn.distance_embedding.weight.normal_(0, 1.0)
+    return model
+
+
+def fast_copy(model, kernel="auto"):
+    fast = copy.deepcopy(model)
+    assert use_fast_attention(fast, kernel=kernel) == len(fast.encoder.layers)
+    assert all(isinstance(layer.self_attn, RelativeKeySelfAttention) for layer in fast.encoder.layers)
+    return fast
+
+
+def padded_batch(length, dtype=torch.float32):
+    """Three rows of `length`, `length` - 17 and `length` // 2 frames, and their attention mask."""
+    generator = torch.Generator().manual_seed(length)
+    x = torch.randn(3, length, 160, generator=generator)
+    mask = torch.zeros(3, length, dtype=torch.long)
+    for row, n in enumerate((length, length - 17, length // 2)):
+        mask[row, :n] = 1
+        x[row, n:] = 0
+    return x.to(dtype), mask
+
+
+def hidden_states(model, x, mask):
+    with torch.inference_mode():
+        return model(input_features=x, attention_mask=mask, output_hidden_states=True).hidden_states
+
+
+_STOCK = {}
+
+
+def stock_hidden_states(model, length):
+    """The stock model's hidden states on padded_batch(length), computed once per length."""
+    if length not in _STOCK:
+        _STOCK[length] = hidden_states(model, *padded_batch(length))
+    return _STOCK[length]
+
+
+def relative_error(got, want):
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("kernel, length", [("auto", 40), ("auto", 300), ("gather", 300)])  # 73 distances
+def test_every_layer_equals_the_stock_model_in_float32_with_padding(stock_model, kernel, length):
+    fast = fast_copy(stock_model, kernel)
+    x, mask = padded_batch(length)
+    want, got = stock_hidden_states(stock_model, length), hidden_states(fast, x, mask)
+    assert len(got) == len(want) == 4
+    for layer, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert relative_error(g, w) < 1e-5, f"layer {layer}"
+    # without a mask too (no padding), and a row alone equals its padded row's valid frames
+    alone = hidden_states(fast, x[1:2, : length - 17], None)[-1][0]
+    np.testing.assert_allclose(alone.numpy(), got[-1][1, : length - 17].numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_a_cpu_takes_the_folded_kernel(stock_model, monkeypatch):
+    attention = fast_copy(stock_model).encoder.layers[0].self_attn
+    assert attention._kernel(torch.zeros(1, device="cpu"), 0.0) == "fold"
+    assert attention._kernel(torch.zeros(1, device="cpu"), 0.1) == "gather"  # attention dropout, in training
+    monkeypatch.setattr(w2v_attention, "_cpu_attention_with_lse", lambda: None)  # a torch without the LSE kernel
+    assert attention._kernel(torch.zeros(1, device="cpu"), 0.0) == "gather"
+
+
+def test_the_bias_changes_the_output(stock_model):
+    """The comparison above can fail: a bias read at the mirrored distance is off by far more than 1e-5."""
+    fast = fast_copy(stock_model)
+    x, mask = padded_batch(120)
+    want = stock_hidden_states(stock_model, 120)[-1]
+    for layer in fast.encoder.layers:  # swap left and right: distance d read as -d
+        attention = layer.self_attn
+        attention.left, attention.right = attention.right, attention.left
+    assert relative_error(hidden_states(fast, x, mask)[-1], want) > 1e-3
+
+
+@pytest.mark.parametrize("kernel", ["fold", "gather"])
+def test_small_blocks_of_queries_give_the_same_numbers(stock_model, monkeypatch, kernel):
+    fast = fast_copy(stock_model, kernel)
+    x, mask = padded_batch(170)
+    whole = hidden_states(fast, x, mask)[-1]
+    monkeypatch.setitem(w2v_attention.folded_relative_key_attention.__kwdefaults__, "rows", 16)
+    monkeypatch.setattr(w2v_attention, "MIN_BLOCK_ROWS", 16)
+    monkeypatch.setitem(w2v_attention.gathered_relative_key_attention.__kwdefaults__, "block_bytes", 1)
+    blocks = hidden_states(fast, x, mask)[-1]  # 11 blocks of 16 queries, the last of 10
+    assert relative_error(blocks, whole) < 1e-5
+
+
+@pytest.mark.parametrize("kernel", ["fold", "gather"])
+def test_bfloat16_error_is_within_the_stock_models_own(stock_model, kernel):
+    fast = fast_copy(stock_model, kernel)
+    x, mask = padded_batch(300)
+    reference = stock_hidden_states(stock_model, 300)[-1]
+    if "bfloat16" not in _STOCK:
+        _STOCK["bfloat16"] = hidden_states(copy.deepcopy(stock_model).bfloat16(), x.bfloat16(), mask)[-1]
+    stock_error = relative_error(_STOCK["bfloat16"], reference)
+    fast_error = relative_error(hidden_states(fast.bfloat16(), x.bfloat16(), mask)[-1], reference)
+    print(f"bfloat16 relative error: stock {stock_error:.2e}, {kernel} {fast_error:.2e}")
+    assert 0 < stock_error < 0.1
+    assert fast_error <= 1.25 * stock_error, (fast_error, stock_error)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_attention_score_mod_equals_the_stock_model(stock_model):
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    fast = fast_copy(stock_model, kernel="flex")
+    x, mask = padded_batch(100)
+    want = stock_hidden_states(stock_model, 100)
+    try:
+        got = hidden_states(fast, x, mask)
+    except (RuntimeError, NotImplementedError) as e:  # a torch whose flex attention has no eager CPU path
+        pytest.skip(f"flex attention does not run eagerly on this CPU: {e}")
+    for layer, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert relative_error(g, w) < 1e-5, f"layer {layer}"
+
+
+def test_padding_masks_of_every_form_give_the_same_keys():
+    valid = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    want = valid.bool()
+    boolean = want[:, None, None, :].expand(2, 1, 4, 4)  # transformers 5
+    additive = (1.0 - valid[:, None, None, :].float()) * torch.finfo(torch.float32).min  # transformers 4.x
+    for mask in (valid, boolean, additive.expand(2, 1, 4, 4), additive.bfloat16()):
+        assert torch.equal(key_padding(mask, 2, 4), want)
+    assert key_padding(None, 2, 4) is None
+
+
+def test_other_position_types_keep_the_stock_module():
+    from transformers import Wav2Vec2BertModel
+
+    for kind in ("rotary", "relative", None):
+        model = Wav2Vec2BertModel(tiny_config(position_embeddings_type=kind, num_hidden_layers=1))
+        before = model.encoder.layers[0].self_attn
+        assert use_fast_attention(model) == 0 and model.encoder.layers[0].self_attn is before
+
+
+def test_w2v_bert_layer_fast_and_stock_attention_agree(tmp_path, stock_model, caplog):
+    from data.audio_features import W2vBertLayer
+
+    stock_model.save_pretrained(tmp_path)
+    chunks = [np.random.default_rng(n).standard_normal((n, 160)).astype(np.float32) for n in (250, 180, 90)]
+    layers = {kind: W2vBertLayer(tmp_path, 2, device=torch.device("cpu"), dtype=torch.float32,
+                                 max_chunk_seconds=5.0, attention=kind) for kind in ("fast", "stock")}
+    assert isinstance(layers["fast"].model.encoder.layers[1].self_attn, RelativeKeySelfAttention)
+    assert not isinstance(layers["stock"].model.encoder.layers[1].self_attn, RelativeKeySelfAttention)
+    assert layers["fast"].model.state_dict().keys() == layers["stock"].model.state_dict().keys()
+    for got, want in zip(layers["fast"].forward(chunks), layers["stock"].forward(chunks), strict=True):
+        assert got.shape == want.shape
+        assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+    with pytest.raises(ValueError, match="'fast' or 'stock'"):
+        W2vBertLayer(tmp_path, 2, device=torch.device("cpu"), dtype=torch.float32, max_chunk_seconds=5.0,
+                     attention="flash")
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
