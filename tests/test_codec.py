@@ -55,7 +55,7 @@ def test_a_batch_encodes_each_utterance_bit_for_bit_as_alone(downsample):
     for got, want in zip(encode_batch(model, utterances), alone, strict=True):
         np.testing.assert_array_equal(got, want)
     store = SimpleNamespace(lengths=np.array(lengths), utterance=lambda i: utterances[i])
-    for batch_frames in (1, 700, 10**6):  # every utterance alone, batches of a few, one batch
+    for batch_frames in (700, 10**6):  # batches of a few, one batch (each alone is `alone`)
         np.testing.assert_array_equal(encode_in_batches(model, store, 8, batch_frames, np.int16),
                                       np.concatenate(alone))
     with torch.no_grad():  # the latents too, not only their nearest codes
