@@ -28,11 +28,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from data.fbank import FRAME_LENGTH, HOP_LENGTH, NUM_MEL_BINS, SAMPLE_RATE, STRIDE, TorchFbank
 from errors import BadInputError
 
-SAMPLE_RATE = 16_000
-FRAME_RATE = 50  # features per second: 10 ms fbank hop, stacked by 2
-MIN_SAMPLES = 400 + 160  # two 25 ms fbank windows: the fewest samples that give one stacked frame
+FRAME_RATE = SAMPLE_RATE // (HOP_LENGTH * STRIDE)  # features per second: 10 ms fbank hop, stacked by 2
+MIN_SAMPLES = FRAME_LENGTH + HOP_LENGTH  # two 25 ms fbank windows: the fewest samples that give one stacked frame
 FEATURES = ("fbank", "w2v-bert")
 FRONT_ENDS = ("torch", "transformers")  # the fbank's: data/fbank.py, or transformers' SeamlessM4TFeatureExtractor
 FRONT_END = "torch"  # the front-end of new dumps
@@ -108,8 +108,6 @@ class SeamlessFbank:
         self.front_end = front_end
         config = preprocessor_dir / "preprocessor_config.json" if preprocessor_dir is not None else None
         if front_end == "torch":
-            from data.fbank import TorchFbank
-
             if config is not None and config.is_file():
                 check_torch_preprocessor(config)
             self.torch_fbank = TorchFbank(torch.device("cpu"))
@@ -137,14 +135,12 @@ class SeamlessFbank:
 def check_torch_preprocessor(config: Path) -> None:
     """BadInputError when a preprocessor_config.json asks for an fbank other than the one the torch front-end
     computes (SeamlessM4TFeatureExtractor's defaults)."""
-    from data import fbank
-
     try:
         given = json.loads(config.read_text())
     except (OSError, ValueError) as e:
         raise BadInputError(f"{config} cannot be read: {e}") from None
-    wanted = {"feature_extractor_type": "SeamlessM4TFeatureExtractor", "feature_size": fbank.NUM_MEL_BINS,
-              "num_mel_bins": fbank.NUM_MEL_BINS, "sampling_rate": fbank.SAMPLE_RATE, "stride": fbank.STRIDE}
+    wanted = {"feature_extractor_type": "SeamlessM4TFeatureExtractor", "feature_size": NUM_MEL_BINS,
+              "num_mel_bins": NUM_MEL_BINS, "sampling_rate": SAMPLE_RATE, "stride": STRIDE}
     other = {k: given[k] for k, v in wanted.items() if k in given and given[k] != v}
     if other:
         raise BadInputError(f"{config} asks for another fbank than the torch front-end computes "

@@ -81,6 +81,21 @@ def finished_meta(folder: Path, name: str, layout: ShardLayout) -> dict | None:
     return _read_json(folder / (name + layout.meta)) or {}
 
 
+def recorded_settings(path: Path) -> dict | None:
+    """The settings a shard's progress file (its `settings`) or finished metadata (the record itself) holds; None
+    when the file is missing or unreadable."""
+    record = _read_json(path)
+    return None if record is None else record.get("settings", record)
+
+
+def shard_settings(folder: Path, name: str, layout: ShardLayout) -> dict | None:
+    """The settings shard NAME in `folder` was finished, or else begun, with; None: no such shard, or unreadable."""
+    finished = finished_meta(folder, name, layout)
+    if finished is not None:
+        return finished
+    return recorded_settings(folder / (name + layout.progress))
+
+
 def changed_settings(recorded: dict, settings: dict) -> str:
     """`key: recorded -> now` for each setting that differs from what was recorded ('' when none does)."""
     return ", ".join(f"{key}: {recorded.get(key)!r} -> {value!r}" for key, value in settings.items()

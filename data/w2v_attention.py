@@ -119,12 +119,13 @@ def key_padding(mask: torch.Tensor | None, batch: int, length: int) -> torch.Ten
 
 
 @functools.lru_cache(maxsize=8)
-def _distance_window(rows: int, length: int, left: int, right: int, device: torch.device) -> torch.Tensor:
-    """[rows, 2 * length - 1] int64: column c of row r is the table column of distance c - (length - 1) - r,
-    clipped. Columns length - 1 - start + j are the index of query start + r and key j, for any block start."""
+def _distance_index(rows: int, columns: int, offset: int, left: int, right: int,
+                    device: torch.device) -> torch.Tensor:
+    """[rows, columns] int64: the table column of the clipped distance c - offset - r, for query row r and key
+    column c."""
     r = torch.arange(rows, device=device)[:, None]
-    c = torch.arange(2 * length - 1, device=device)[None, :]
-    return (c - (length - 1) - r).clamp_(-left, right).add_(left)
+    c = torch.arange(columns, device=device)[None, :]
+    return (c - offset - r).clamp_(-left, right).add_(left)
 
 
 def gathered_relative_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
@@ -135,7 +136,8 @@ def gathered_relative_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.T
     transformers' model."""
     batch, heads, length, _ = q.shape
     rows = min(length, max(MIN_BLOCK_ROWS, block_bytes // (batch * heads * length * q.element_size())))
-    window = _distance_window(rows, length, left, right, q.device)
+    # columns length - 1 - start + j: query start + r and key j, for any block start
+    window = _distance_index(rows, 2 * length - 1, length - 1, left, right, q.device)
     padding = None if valid is None else ~valid[:, None, None, :]
     blocks = []
     for start in range(0, length, rows):
@@ -168,15 +170,6 @@ def _cpu_attention_with_lse():
     return attend if exact else None
 
 
-@functools.lru_cache(maxsize=8)
-def _near_index(rows: int, left: int, right: int, device: torch.device) -> torch.Tensor:
-    """[rows, rows + left + right] int64: the table column of query i0 + r and key i0 - left + c (distance
-    c - left - r, clipped), for any block start i0."""
-    r = torch.arange(rows, device=device)[:, None]
-    c = torch.arange(rows + left + right, device=device)[None, :]
-    return (c - left - r).clamp_(-left, right).add_(left)
-
-
 def folded_relative_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, embedding: torch.Tensor,
                                   valid: torch.Tensor | None, scaling: float, left: int, right: int, *,
                                   rows: int = FOLD_BLOCK_ROWS) -> torch.Tensor:
@@ -194,7 +187,8 @@ def folded_relative_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     padding = None
     if valid is not None and not bool(valid.all()):
         padding = q.new_zeros(batch, 1, 1, length).masked_fill_(~valid[:, None, None, :], torch.finfo(q.dtype).min)
-    near = _near_index(rows, left, right, q.device)
+    # column c: query i0 + r and key i0 - left + c, for any block start i0
+    near = _distance_index(rows, rows + left + right, left, left, right, q.device)
     blocks = []
     for start in range(0, length, rows):
         stop = min(start + rows, length)

@@ -225,13 +225,10 @@ def test_a_compile_after_a_trained_step_saves_it_first_and_a_sigterm_in_it_ends_
         torch.testing.assert_close(b["model"][key], a["model"][key], rtol=0, atol=0, msg=key)
 
 
-@pytest.mark.timeout(300)
-def test_sigterm_to_one_rank_in_a_compile_after_trained_steps_ends_every_rank_at_once_step_saved(tmp_path, data):
-    """Two ranks, step 1 eager, step 2 compiling: step 1 was saved before the compile, so the signalled rank
-    leaves at once, and the other, in its compile or already waiting for its peer inside the compiled step's
-    all-reduce, stops too with exit 0. What an agreed stop would have saved is on disk: step 1."""
-    out = tmp_path / "run"
-    job = Ranks(flags(data, out, "--max_steps", 6, "--sync_timeout", 10, "--kmeans_init_frames", 0, *COMPILED),
+def sigterm_to_rank_1_in_a_compile(tmp_path, data, *extra) -> tuple[list, float, str, str]:
+    """Two ranks under --compile on; SIGTERM to rank 1 once rank 0 logs a compile: (exit codes, seconds from the
+    signal to the last exit, rank 0's output, rank 1's)."""
+    job = Ranks(flags(data, tmp_path / "run", "--max_steps", 6, "--sync_timeout", 10, *extra, *COMPILED),
                 log_dir=tmp_path / "logs")
     try:
         job.wait_for(0, "compile: compiling the training step", timeout=150)
@@ -242,12 +239,22 @@ def test_sigterm_to_one_rank_in_a_compile_after_trained_steps_ends_every_rank_at
         took = max(job.ended.values()) - sent
     finally:
         job.close()
+    return codes, took, job.output(0), job.output(1)
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_one_rank_in_a_compile_after_trained_steps_ends_every_rank_at_once_step_saved(tmp_path, data):
+    """Two ranks, step 1 eager, step 2 compiling: step 1 was saved before the compile, so the signalled rank
+    leaves at once, and the other, in its compile or already waiting for its peer inside the compiled step's
+    all-reduce, stops too with exit 0. What an agreed stop would have saved is on disk: step 1."""
+    out = tmp_path / "run"
+    codes, took, rank0, rank1 = sigterm_to_rank_1_in_a_compile(tmp_path, data, "--kmeans_init_frames", 0)
     print(f"SIGTERM to rank 1 in the compile of step 2: both ranks ended {took:.1f} s after the signal")
-    assert codes == [0, 0] and took < 20, job.output(0) + job.output(1)
-    assert "compile: saving step 1 first" in job.output(0)
-    assert "stopped during the compile of step 2: nothing trained since the last checkpoint (step 1" in job.output(1)
+    assert codes == [0, 0] and took < 20, rank0 + rank1
+    assert "compile: saving step 1 first" in rank0
+    assert "stopped during the compile of step 2: nothing trained since the last checkpoint (step 1" in rank1
     assert ("rank(s) [1] stopped on request at step 1, with nothing trained since the last checkpoint: this rank "
-            "stops too, with nothing to save. Exit code 0") in job.output(0)
+            "stops too, with nothing to save. Exit code 0") in rank0
     assert [e["step"] for e in events(out, "checkpoint")] == [1]
     assert [e["step"] for e in events(out, "stop")] == [1]
     assert newest(out)["step"] == 1 and len(newest(out)["rng"]) == 2
@@ -258,22 +265,13 @@ def test_sigterm_to_one_rank_in_the_first_compile_ends_every_rank_at_once_with_n
     """Nothing trained: the signalled rank leaves at once, and the other, finding it gone, stops too with exit 0
     rather than report it lost."""
     out = tmp_path / "run"
-    job = Ranks(flags(data, out, "--max_steps", 6, "--sync_timeout", 10, *COMPILED), log_dir=tmp_path / "logs")
-    try:
-        job.wait_for(0, "compile: compiling the training step", timeout=150)
-        time.sleep(1)
-        sent = time.monotonic()
-        job.procs[1].send_signal(signal.SIGTERM)
-        codes = job.wait(timeout=60)
-        took = max(job.ended.values()) - sent
-    finally:
-        job.close()
+    codes, took, rank0, rank1 = sigterm_to_rank_1_in_a_compile(tmp_path, data)
     print(f"SIGTERM to rank 1 in the compile: both ranks ended {took:.1f} s after the signal")
-    assert codes == [0, 0] and took < 20, job.output(0) + job.output(1)
+    assert codes == [0, 0] and took < 20, rank0 + rank1
     assert ("stopped during the compile of step 1: nothing trained since the last checkpoint, so nothing to save"
-            in job.output(1))
+            in rank1)
     assert ("rank(s) [1] stopped on request at step 0, with nothing trained since the last checkpoint: this rank "
-            "stops too, with nothing to save. Exit code 0") in job.output(0)
+            "stops too, with nothing to save. Exit code 0") in rank0
     stops = events(out, "stop")  # rank 0 records it
     assert [e["step"] for e in stops] == [0] and stops[0]["reason"].startswith("rank(s) [1] stopped on request")
     assert not events(out, "train") and not list((out / "checkpoints").iterdir())

@@ -57,7 +57,7 @@ from data.audio_features import FEATURES
 from data.audio_manifest import manifest_lines, share_manifest
 from data.dump_writer import NpyRowWriter, len_text, publish, shard_range, write_temporary
 from data.feature_settings import (PLAUSIBLE_SHIFT, STATS_FRAMES, dump_feature_settings, feature_shift,
-                                   settings_differ)
+                                   front_ends_differ, settings_differ)
 from data.resumable_shard import FEATURE_DUMP, ShardWriter
 from data.stores import FeatureStore, find_split, missing_split
 from data.writer_lock import WriterLock
@@ -106,6 +106,9 @@ def check_features(args, state: dict, model, store: FeatureStore, ckpt_path: Pat
     elif dump["feature"] in FEATURES and trained.get("feature") in (*FEATURES, "demo"):
         differ = settings_differ(trained, dump)
         if not differ:
+            if front_ends := front_ends_differ(trained, dump):  # the same features (data/feature_settings.py)
+                log.info("%s: the codec's fbank and the dump's come from different front-ends (%s), the same "
+                         "features within 1e-4", where, front_ends)
             return features, "tools.extract's settings are the codec's"
         problem = f"the features of {where} are not those the codec in {ckpt_path} was trained on ({differ})"
     else:  # no notes on one side: the features' statistics against those the codec normalises by

@@ -59,7 +59,7 @@ from data.audio_features import (FEATURES, FRAME_RATE, FRONT_END, FRONT_ENDS, SA
 from data.audio_pipeline import FeatureWindows, Window  # noqa: E402
 from data.dump_writer import DUMP_DTYPES  # noqa: E402
 from data.feature_settings import RECORDED_BEFORE, model_fingerprint  # noqa: E402
-from data.resumable_shard import FEATURE_DUMP, ShardWriter, claim_shard, finished_meta  # noqa: E402
+from data.resumable_shard import FEATURE_DUMP, ShardWriter, claim_shard, shard_settings  # noqa: E402
 from errors import EXIT_FAILURE, EXIT_OK, BadInputError  # noqa: E402
 from tools.audio_shard import (AudioShare, add_input_args, audio_share, check_input_args, pass_settings,  # noqa: E402
                                log_input_wait, model_device, progress_bar, w2v_passes, write_windows,
@@ -109,23 +109,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def recorded_settings(out_dir: Path, name: str) -> dict | None:
-    """The settings shard NAME in `out_dir` was written, or begun, with (None: no such shard, or unreadable)."""
-    finished = finished_meta(out_dir, name, FEATURE_DUMP)
-    if finished is not None:
-        return finished
-    try:
-        begun = json.loads((out_dir / (name + FEATURE_DUMP.progress)).read_text())
-    except (OSError, ValueError):
-        return None
-    return begun.get("settings") if isinstance(begun, dict) else None
-
-
 def shard_front_end(args, name: str) -> tuple[str, bool]:
     """(the fbank front-end of shard NAME, whether its settings name it): --front_end, else FRONT_END; a shard begun
     or written before front-ends were recorded (its settings name none) goes on with its own, unnamed as before,
     so that it resumes, or is found complete (unless --overwrite starts it over)."""
-    recorded = None if args.overwrite else recorded_settings(args.out_dir, name)
+    recorded = None if args.overwrite else shard_settings(args.out_dir, name, FEATURE_DUMP)
     legacy = isinstance(recorded, dict) and "feature" in recorded and "front_end" not in recorded
     front_end = args.front_end or (RECORDED_BEFORE if legacy else FRONT_END)
     return front_end, not (legacy and front_end == RECORDED_BEFORE)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import fcntl
 import hashlib
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.resumable_shard import CODES, ShardWriter, claim_shard
+from data.resumable_shard import CODES, ShardWriter, claim_shard, recorded_settings
 from data.writer_lock import WriterLock
 from errors import BadInputError, TransientFault
 from models.codec import CodecConfig, RVQCodec
@@ -35,9 +34,9 @@ log = logging.getLogger("codec")
 # --batch_frames by device: on a CPU the quantizer slows down once a pass's intermediates outgrow the caches
 # (benchmarks/bench_encode.py); on a GPU longer passes spread the kernel launches over more frames
 BATCH_FRAMES = {"cpu": 2048, "cuda": 32768}
+CODEC_LOCK = ".codes.codec.lock"  # in a code output folder: held while a writer checks the codec and starts its shard
 # A codec is trusted when its schedule ended with a final eval, after at least this many steps, with a rel_mse
 # below this: a shorter run (a --max_minutes budget spent on the k-means init) gives codes of little meaning
-CODEC_LOCK = ".codes.codec.lock"  # in a code output folder: held while a writer checks the codec and starts its shard
 TRUSTED_STEPS = 100
 TRUSTED_REL_MSE = 0.5
 
@@ -129,11 +128,7 @@ def check_one_codec(folder: Path, name: str, settings: dict, *, overwrite: bool)
     for path in sorted(folder.glob(f"*{CODES.progress}")) + sorted(folder.glob(f"*{CODES.meta}")):
         if overwrite and path.name in (name + CODES.meta, name + CODES.progress):
             continue
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        record = record.get("settings", record) if isinstance(record, dict) else {}
+        record = recorded_settings(path)
         if not isinstance(record, dict) or "checkpoint" not in record:
             continue
         theirs = (record.get("checkpoint"), record.get("step"), record.get("codec_digest"))
