@@ -42,7 +42,7 @@ from training.distributed import (DistContext, all_reduce_sum, destroy, detect_l
                                   make_flight_recorder_dir, phase_timeout, wrap_ddp)
 from training.evaluate import evaluate
 from training.faults import FaultInjector
-from training.log_stream import exit_now, log_to_stderr
+from training.log_stream import exit_now, log_to_stderr, write_line
 from training.metrics_log import MetricsLog, require_tensorboard
 from training.output_dir import OutputDirLock
 from training.progress import END_OF_SCHEDULE, FAILED, STOPPED, Progress
@@ -587,7 +587,7 @@ def setup_logging(rank: int) -> None:
     from loguru import logger  # vector-quantize-pytorch logs through loguru
 
     logger.remove()
-    logger.add(lambda message: tqdm.write(str(message), file=sys.stderr, end=""), level="ERROR")
+    logger.add(lambda message: write_line(str(message), sys.stderr, end=""), level="ERROR")
 
 
 def main(argv=None, *, script: bool = False) -> int:

@@ -1,21 +1,65 @@
-"""Log lines and progress bars on one stream (stderr), for the trainer and every tool: each record is written
-through tqdm.write, which clears a bar drawn on the stream first and redraws it after, so that no log line is
-glued to a bar's, on a terminal or in a file stderr is redirected to."""
+"""Log lines and progress bars on one stream (stderr), for the trainer and every tool, so that no log line is
+glued to a bar's, on a terminal or in a file stderr is redirected to: each line is written with the bars drawn
+on its stream cleared first and drawn again after (`write_line`).
+
+tqdm.write does the same, but passes over a bar that is drawn and not yet fully made (tqdm sets the start time
+its write looks for after the first draw): a stop signal's log line written at that moment was glued to the
+bar. Here every bar that can have been drawn is cleared. A log line written by a signal handler while its
+thread is inside another line's write waits for that write to end (BarAwareHandler)."""
 from __future__ import annotations
 
 import logging
 import os
 import sys
+from typing import TextIO
 
 from tqdm import tqdm
 
 
+def _same_stream(bar_stream, stream: TextIO) -> bool:
+    """tqdm's own rule: the same stream, or stdout and stderr (a terminal shows both)."""
+    return bar_stream == stream or all(s in (sys.stdout, sys.stderr) for s in (bar_stream, stream))
+
+
+def write_line(text: str, stream: TextIO, end: str = "\n") -> None:
+    """`text` + `end` on `stream`, each bar drawn there cleared before and drawn again after."""
+    with tqdm.get_lock():
+        # a bar has its printer (`sp`) before it is first drawn; one closed is no longer among the instances
+        bars = [bar for bar in list(getattr(tqdm, "_instances", ())) if getattr(bar, "sp", None) is not None
+                and not bar.disable and _same_stream(bar.fp, stream)]
+        for bar in bars:
+            bar.clear(nolock=True)
+        stream.write(text + end)
+        stream.flush()
+        for bar in bars:
+            bar.refresh(nolock=True)
+
+
 class BarAwareHandler(logging.StreamHandler):
-    """A StreamHandler that writes each record through tqdm.write."""
+    """A StreamHandler whose lines are written with `write_line`. A record emitted while this handler is already
+    writing one can only come from a signal handler on the writing thread (logging's lock keeps other threads
+    out): it is written once that write ends, not inside it."""
+
+    def __init__(self, stream: TextIO):
+        super().__init__(stream)
+        self._writing = False
+        self._waiting: list[logging.LogRecord] = []
 
     def emit(self, record: logging.LogRecord) -> None:
+        if self._writing:
+            self._waiting.append(record)
+            return
+        self._writing = True
         try:
-            tqdm.write(self.format(record), file=self.stream)
+            self._write(record)
+            while self._waiting:
+                self._write(self._waiting.pop(0))
+        finally:
+            self._writing = False
+
+    def _write(self, record: logging.LogRecord) -> None:
+        try:
+            write_line(self.format(record), self.stream)
         except Exception:  # noqa: BLE001 - logging's own rule: a record that cannot be written is reported, no more
             self.handleError(record)
 
