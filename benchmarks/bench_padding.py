@@ -41,11 +41,10 @@ from data.audio_features import FRAME_RATE, SAMPLE_RATE, W2vBertLayer  # noqa: E
 from data.audio_pipeline import AudioFile, cut_windows  # noqa: E402
 from models.codes import length_sorted_batches  # noqa: E402
 from tools import extract  # noqa: E402
-from tools.audio_shard import BATCH_SECONDS, COMMIT_SECONDS, PASS_COST, w2v_passes  # noqa: E402
+from tools.audio_shard import BATCH_SECONDS, COMMIT_FILES, COMMIT_SECONDS, PASS_COST, w2v_passes  # noqa: E402
 
 MIXES = ("2-20 s", "LibriSpeech-like", "long files")
 TODAY_COMMIT_SECONDS = 600.0  # the window before COMMIT_SECONDS, on every device
-COMMIT_FILES = extract.build_parser().get_default("commit_files")
 MAX_CHUNK_SECONDS = extract.build_parser().get_default("max_chunk_seconds")
 
 

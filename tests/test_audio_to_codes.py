@@ -21,7 +21,7 @@ from data.feature_settings import dump_feature_settings
 from models.codec import CodecConfig, RVQCodec
 from tests.audio_helpers import CORPUS, write_corpus
 from tests.helpers import REPO, TINY, _state, env, run_trainer
-from tools import encode, export, extract, tokenize
+from tools import audio_shard, encode, export, extract, tokenize
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -317,3 +317,58 @@ def test_under_torchrun_each_process_takes_its_part_of_the_shard(corpus, tmp_pat
     assert extract.main([corpus.manifest, "train", 1, 0, tmp_path]) == 0  # process 1 of 2: shard 1 of 2
     lines = (tmp_path / "train_1_2.tsv").read_text().splitlines()[1:]
     assert [line.split("\t")[0] for line in lines] == [rel for rel in corpus.files[4:]]  # round(7 / 2) = 4
+
+
+def begun_before_pass_rules(progress: Path, **recorded) -> None:
+    """A shard's progress file as a run before pass rules were recorded left it: its settings name no pass rule."""
+    record = json.loads(progress.read_text())
+    del record["settings"]["passes"]
+    record["settings"].update(recorded)
+    progress.write_text(json.dumps(record) + "\n")
+
+
+def test_a_w2v_shard_begun_before_pass_rules_goes_on_with_its_own_and_resumes_to_the_bytes(corpus, tmp_path,
+                                                                                          caplog, monkeypatch):
+    """A shard begun with passes filled in length order and transformers' attention, its windows of 30 s (a default
+    since changed): it finishes, and resumes after a kill, with those, to the same bytes; found complete after."""
+    c, out, killed = corpus, tmp_path / "feats", tmp_path / "killed"
+    args = [c.manifest, "train", 1, 0, out, *COMMIT, *W2V, "--checkpoint", c.w2v, "--num_workers", 1]
+    run = subprocess.run([sys.executable, "-m", "tools.extract", *map(str, args)], capture_output=True, text=True,
+                         timeout=120, cwd=REPO,
+                         env=env(RVQ_FAULT="kill:step=1", OMP_NUM_THREADS=torch.get_num_threads()))
+    assert run.returncode == -signal.SIGKILL, run.stderr[-3000:]  # begun, nothing committed
+    begun_before_pass_rules(out / f"{SHARD}.progress", commit_seconds=30.0)
+    shutil.copytree(out, killed)
+    kill_args = [killed if a == out else a for a in args]
+    attention, filled = [], []
+    layer = extract.W2vBertLayer
+    monkeypatch.setattr(extract, "W2vBertLayer", lambda *a, **k: attention.append(k["attention"]) or layer(*a, **k))
+    fill = audio_shard.length_sorted_batches
+    monkeypatch.setattr(audio_shard, "length_sorted_batches", lambda *a, **k: filled.append(1) or fill(*a, **k))
+    assert extract.main(args) == 0
+    assert attention == ["stock"] and filled, (attention, len(filled))
+    assert "begun before pass rules were recorded" in caplog.text
+    settings = json.loads((out / f"{SHARD}.json").read_text())
+    assert "passes" not in settings and settings["commit_seconds"] == 30.0
+    killed_after_first_commit("tools.extract", kill_args, killed, f"{SHARD}.progress")
+    assert extract.main(kill_args) == 0
+    assert files_of(killed, SHARD, EXTRACTED) == files_of(out, SHARD, EXTRACTED)
+    caplog.clear()
+    assert extract.main(args) == 0 and f"{SHARD} is complete" in caplog.text
+    caplog.clear()  # a flag that names other passes: refused, as any other setting
+    assert extract.main([*args, "--batch_seconds", 5]) == 2 and "batch_seconds: 2.5 -> 5.0" in caplog.text
+    assert files_of(killed, SHARD, EXTRACTED) == files_of(out, SHARD, EXTRACTED)
+
+
+def test_a_finished_w2v_code_shard_from_before_pass_rules_is_complete(corpus, tmp_path, caplog):
+    c, out = corpus, tmp_path / "codes"
+    shutil.copytree(c.root / "w2v_tokenized", out)
+    meta = out / f"{SHARD}.codes.json"
+    record = json.loads(meta.read_text())
+    settings = record.get("settings", record)
+    del settings["passes"]
+    meta.write_text(json.dumps(record) + "\n")
+    before = files_of(out, SHARD, CODES)
+    args = [c.manifest, "train", 1, 0, out, "--checkpoint", c.w2v_run, *COMMIT, "--batch_seconds", 2.5, "--km"]
+    assert tokenize.main(args) == 0 and f"{SHARD} is complete" in caplog.text
+    assert files_of(out, SHARD, CODES) == before

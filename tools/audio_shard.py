@@ -28,7 +28,7 @@ from data.audio_pipeline import FeatureWindows, Window
 from data.dump_writer import shard_range
 from data.resumable_shard import ShardWriter
 from errors import BadInputError
-from models.codes import least_cost_passes
+from models.codes import least_cost_passes, length_sorted_batches
 from training.device import shard_device
 from training.faults import FaultInjector
 
@@ -43,6 +43,9 @@ COMMIT_SECONDS = {"cpu": 600.0, "cuda": 3600.0}
 PASS_COST = 0.05
 # how w2v_passes groups a window's chunks, for a shard's settings: other passes give a layer other last bits
 PASS_RULE = f"least_cost_passes, a pass costing {PASS_COST:g} of --batch_seconds"
+COMMIT_FILES = 1000  # --commit_files by default
+# the flags that decide w2v-BERT's passes, recorded in a w2v-bert shard's settings
+PASS_FLAGS = ("batch_seconds", "commit_files", "commit_seconds")
 
 
 @dataclass
@@ -86,9 +89,10 @@ def add_input_args(p: argparse.ArgumentParser) -> None:
                         "goes alone); a window's chunks, sorted by length, are cut into the passes that cost least, "
                         f"a pass costing its padding and {PASS_COST:g} of a full pass; default: "
                         + ", ".join(f"{s:g} on {d}" for d, s in BATCH_SECONDS.items()))
-    p.add_argument("--commit_files", type=int, default=1000,
+    p.add_argument("--commit_files", type=int,
                    help="files per commit (their output fsynced, progress recorded): what a killed run does again "
-                        "at most, with --commit_seconds; w2v-bert sorts the chunks of these files into its passes")
+                        "at most, with --commit_seconds; w2v-bert sorts the chunks of these files into its passes; "
+                        f"default: {COMMIT_FILES}")
     p.add_argument("--commit_seconds", type=float,
                    help="audio per commit at most: a commit comes after this much audio or --commit_files files; "
                         "w2v-bert's passes are full and little padded when it is several times --batch_seconds; "
@@ -103,6 +107,9 @@ def check_input_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
         p.error(f"need nshard >= 1 and 0 <= rank < nshard, got nshard {args.nshard}, rank {args.rank}")
     if args.num_workers is None:
         args.num_workers = default_workers()
+    args.pass_flags_given = frozenset(name for name in PASS_FLAGS if getattr(args, name) is not None)
+    if args.commit_files is None:
+        args.commit_files = COMMIT_FILES
     if args.commit_seconds is None:
         args.commit_seconds = COMMIT_SECONDS[device_kind(args.device)]
     if args.num_workers < 0:
@@ -158,18 +165,49 @@ def batch_seconds(args: argparse.Namespace, device: torch.device) -> float:
     return args.batch_seconds or BATCH_SECONDS.get(device.type, BATCH_SECONDS["cpu"])
 
 
-def pass_settings(args: argparse.Namespace, device: torch.device) -> dict:
+def begun_before_pass_rules(args: argparse.Namespace, recorded: dict | None, log: logging.Logger) -> bool:
+    """Whether `recorded`, a w2v-bert shard's settings, are those of a shard begun (or finished) before pass rules
+    and attention were recorded (batch_seconds, and no passes): it was made with passes filled in length order
+    and transformers' own attention. Such a shard goes on with them, and with its own --batch_seconds,
+    --commit_files and --commit_seconds where no flag names others (a flag that does is refused with the shard's
+    other settings), so that it resumes to the bytes of an unbroken run, or is found complete; --overwrite starts
+    it over with today's."""
+    if not (isinstance(recorded, dict) and "batch_seconds" in recorded and "passes" not in recorded):
+        return False
+    for name in PASS_FLAGS:
+        if name not in args.pass_flags_given and name in recorded:
+            setattr(args, name, recorded[name])
+    log.info("the shard was begun before pass rules were recorded: it goes on with its own (passes filled in length "
+             "order, %s s of padded audio each, windows of %s files or %s s; transformers' attention); "
+             "--overwrite starts it over with today's", args.batch_seconds, args.commit_files, args.commit_seconds)
+    return True
+
+
+def pass_settings(args: argparse.Namespace, device: torch.device, before_pass_rules: bool = False) -> dict:
     """What decides w2v-BERT's passes, for a shard's settings: the passes change a layer's last bits, so a resumed
-    shard keeps them."""
-    return {"batch_seconds": batch_seconds(args, device), "passes": PASS_RULE, "commit_files": args.commit_files,
-            "commit_seconds": args.commit_seconds}
+    shard keeps them. A shard begun before pass rules were recorded records none (begun_before_pass_rules)."""
+    return {"batch_seconds": batch_seconds(args, device), **({} if before_pass_rules else {"passes": PASS_RULE}),
+            "commit_files": args.commit_files, "commit_seconds": args.commit_seconds}
 
 
-def w2v_passes(seconds: float) -> Callable[[np.ndarray], list[np.ndarray]]:
+def w2v_attention(before_pass_rules: bool) -> str:
+    """W2vBertLayer's attention for a shard: transformers' own for one begun before pass rules were recorded."""
+    return "stock" if before_pass_rules else "fast"
+
+
+def w2v_passes(seconds: float, *, before_pass_rules: bool = False) -> Callable[[np.ndarray], list[np.ndarray]]:
     """w2v-BERT's forward passes over a window's chunks: sorted by length, at most `seconds` of padded audio each,
-    cut where padding and passes cost least, a pass costing PASS_COST of a full one (least_cost_passes)."""
+    cut where padding and passes cost least, a pass costing PASS_COST of a full one (least_cost_passes); or, for a
+    shard begun before pass rules were recorded, filled in that order (length_sorted_batches)."""
     frames = max(1, int(seconds * FRAME_RATE))
+    if before_pass_rules:
+        return functools.partial(length_sorted_batches, batch_frames=frames)
     return functools.partial(least_cost_passes, batch_frames=frames, pass_frames=int(PASS_COST * frames))
+
+
+def shard_passes(settings: dict) -> Callable[[np.ndarray], list[np.ndarray]]:
+    """w2v_passes for a shard of these settings (pass_settings)."""
+    return w2v_passes(settings["batch_seconds"], before_pass_rules="passes" not in settings)
 
 
 def progress_bar(desc: str, share: AudioShare, done: int) -> tqdm:

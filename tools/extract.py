@@ -61,8 +61,9 @@ from data.dump_writer import DUMP_DTYPES  # noqa: E402
 from data.feature_settings import RECORDED_BEFORE, model_fingerprint  # noqa: E402
 from data.resumable_shard import FEATURE_DUMP, ShardWriter, claim_shard, shard_settings  # noqa: E402
 from errors import EXIT_FAILURE, EXIT_OK, BadInputError  # noqa: E402
-from tools.audio_shard import (AudioShare, add_input_args, audio_share, check_input_args, pass_settings,  # noqa: E402
-                               log_input_wait, model_device, progress_bar, w2v_passes, write_windows,
+from tools.audio_shard import (AudioShare, add_input_args, audio_share, begun_before_pass_rules,  # noqa: E402
+                               check_input_args, log_input_wait, model_device, pass_settings, progress_bar,
+                               shard_passes, w2v_attention, write_windows,
                                written_lengths)
 from tools.cli import bad_input_exits_2, run  # noqa: E402
 from training.device import compute_dtype  # noqa: E402
@@ -109,19 +110,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def shard_front_end(args, name: str) -> tuple[str, bool]:
-    """(the fbank front-end of shard NAME, whether its settings name it): --front_end, else FRONT_END; a shard begun
-    or written before front-ends were recorded (its settings name none) goes on with its own, unnamed as before,
-    so that it resumes, or is found complete (unless --overwrite starts it over)."""
-    recorded = None if args.overwrite else shard_settings(args.out_dir, name, FEATURE_DUMP)
+def shard_front_end(args, recorded: dict | None) -> tuple[str, bool]:
+    """(the fbank front-end of a shard begun with settings `recorded`, whether its settings name it): --front_end,
+    else FRONT_END; a shard begun or written before front-ends were recorded (its settings name none) goes on with
+    its own, unnamed as before, so that it resumes, or is found complete (unless --overwrite starts it over)."""
     legacy = isinstance(recorded, dict) and "feature" in recorded and "front_end" not in recorded
     front_end = args.front_end or (RECORDED_BEFORE if legacy else FRONT_END)
     return front_end, not (legacy and front_end == RECORDED_BEFORE)
 
 
-def feature_maker(args, share: AudioShare, name: str) -> tuple[SeamlessFbank, W2vBertLayer | None, dict]:
-    """(the fbank, the w2v-BERT layer or None, the feature settings noted in NAME.json)."""
-    front_end, named = shard_front_end(args, name)
+def feature_maker(args, share: AudioShare, recorded: dict | None,
+                  before_pass_rules: bool) -> tuple[SeamlessFbank, W2vBertLayer | None, dict]:
+    """(the fbank, the w2v-BERT layer or None, the feature settings noted in NAME.json), for a shard begun with
+    settings `recorded` (None: a new one), `before_pass_rules` or not (tools/audio_shard.py)."""
+    front_end, named = shard_front_end(args, recorded)
     fbank = SeamlessFbank(args.checkpoint, front_end)
     settings = {"feature": args.feature, "dim": fbank.dim, "frame_rate_hz": FRAME_RATE, "sample_rate": SAMPLE_RATE,
                 **({"front_end": front_end} if named else {}), "precision": "float32", "dtype": args.dtype}
@@ -132,7 +134,7 @@ def feature_maker(args, share: AudioShare, name: str) -> tuple[SeamlessFbank, W2
     device = model_device(args.device, share)  # shards on one node spread over its GPUs
     encoder = W2vBertLayer(args.checkpoint, args.layer, device=device,
                            dtype=compute_dtype(args.precision, device) or torch.float32,
-                           max_chunk_seconds=args.max_chunk_seconds)
+                           max_chunk_seconds=args.max_chunk_seconds, attention=w2v_attention(before_pass_rules))
     settings.update(dim=encoder.dim, checkpoint=str(args.checkpoint.resolve()),
                     model=model_fingerprint(args.checkpoint), layer=args.layer,
                     max_chunk_seconds=args.max_chunk_seconds, precision=str(encoder.dtype).replace("torch.", ""))
@@ -155,10 +157,12 @@ def check_split_shards(out_dir: Path, split: str, nshard: int) -> None:
 def extract(args) -> int:
     share = audio_share(args)
     name = f"{args.split}_{share.rank}_{share.nshard}"
-    fbank, encoder, features = feature_maker(args, share, name)
+    recorded = None if args.overwrite else shard_settings(args.out_dir, name, FEATURE_DUMP)
+    before_pass_rules = args.feature == "w2v-bert" and begun_before_pass_rules(args, recorded, log)
+    fbank, encoder, features = feature_maker(args, share, recorded, before_pass_rules)
     settings = {**features, "split": args.split, **share.settings}
     if encoder is not None:
-        settings.update(pass_settings(args, encoder.device))
+        settings.update(pass_settings(args, encoder.device, before_pass_rules))
     check_split_shards(args.out_dir, args.split, share.nshard)
     lock = claim_shard(args.out_dir, name, FEATURE_DUMP, settings, overwrite=args.overwrite, log=log,
                        redo="extract the shard again")
@@ -188,7 +192,7 @@ def extract_into(args, share: AudioShare, name: str, fbank: SeamlessFbank, encod
         pipeline = FeatureWindows(share.root, share.relpaths, fbank=fbank, encoder=encoder, dtype=args.dtype,
                                   num_workers=args.num_workers, commit_files=args.commit_files,
                                   commit_seconds=args.commit_seconds,
-                                  passes=w2v_passes(settings["batch_seconds"]) if encoder else None,
+                                  passes=shard_passes(settings) if encoder else None,
                                   progress=bar.update)
 
         def write(window: Window) -> None:

@@ -46,11 +46,12 @@ import torch  # noqa: E402
 from data.audio_features import FEATURES, FRONT_ENDS, SeamlessFbank, W2vBertLayer  # noqa: E402
 from data.audio_pipeline import FeatureWindows, Window  # noqa: E402
 from data.feature_settings import RECORDED_BEFORE, describe, front_end, model_fingerprint, settings_differ  # noqa: E402
-from data.resumable_shard import CODES, ShardWriter  # noqa: E402
+from data.resumable_shard import CODES, ShardWriter, shard_settings  # noqa: E402
 from errors import EXIT_FAILURE, EXIT_OK, BadInputError  # noqa: E402
 from models.codes import TAIL_PADDING, code_frames, encode_in_batches, km_lines  # noqa: E402
-from tools.audio_shard import (AudioShare, add_input_args, audio_share, check_input_args, pass_settings,  # noqa: E402
-                               log_input_wait, model_device, progress_bar, w2v_passes, write_windows,
+from tools.audio_shard import (AudioShare, add_input_args, audio_share, begun_before_pass_rules,  # noqa: E402
+                               check_input_args, log_input_wait, model_device, pass_settings, progress_bar,
+                               shard_passes, w2v_attention, write_windows,
                                written_lengths)
 from tools.cli import bad_input_exits_2, run  # noqa: E402
 from tools.trained_codec import (CodesSpec, add_codes_args, begin_code_shard, check_codes_args,  # noqa: E402
@@ -107,9 +108,10 @@ def trained_features(state: dict, ckpt_path: Path, args) -> dict:
     return trained
 
 
-def feature_maker(trained: dict, args, device: torch.device,
-                  ckpt_path: Path) -> tuple[SeamlessFbank, W2vBertLayer | None, dict]:
-    """(the fbank, the w2v-BERT layer or None, the settings of the features they make), the latter the codec's."""
+def feature_maker(trained: dict, args, device: torch.device, ckpt_path: Path,
+                  before_pass_rules: bool) -> tuple[SeamlessFbank, W2vBertLayer | None, dict]:
+    """(the fbank, the w2v-BERT layer or None, the settings of the features they make), the latter the codec's;
+    for a shard begun `before_pass_rules` or not (tools/audio_shard.py)."""
     computed = codec_front_end(trained)
     if trained["feature"] != "w2v-bert":
         return SeamlessFbank(None, computed), None, trained
@@ -118,7 +120,8 @@ def feature_maker(trained: dict, args, device: torch.device,
         raise BadInputError(f"the codec in {ckpt_path} was trained on {describe(trained)}, and {folder} is not a "
                             "folder here: give the model's folder with --w2v_bert")
     encoder = W2vBertLayer(folder, trained["layer"], device=device, dtype=getattr(torch, trained["precision"]),
-                           max_chunk_seconds=trained["max_chunk_seconds"], flag="--w2v_bert")
+                           max_chunk_seconds=trained["max_chunk_seconds"], flag="--w2v_bert",
+                           attention=w2v_attention(before_pass_rules))
     now = {**trained, "dim": encoder.dim, "checkpoint": str(folder.resolve()), "model": model_fingerprint(folder)}
     differ = settings_differ(trained, now)
     if differ:
@@ -144,13 +147,15 @@ def tokenize(args) -> int:
     device = model_device(args.device, share)
     model, state, ckpt_path = load_codec(args.checkpoint, device)
     trained = trained_features(state, ckpt_path, args)
-    fbank, encoder, features = feature_maker(trained, args, device, ckpt_path)
     spec = codes_spec(args, model, state, ckpt_path, device)
     name = f"{args.split}_{share.rank}_{share.nshard}"
+    recorded = None if args.overwrite else shard_settings(args.out_dir, name, CODES)
+    before_pass_rules = trained["feature"] == "w2v-bert" and begun_before_pass_rules(args, recorded, log)
+    fbank, encoder, features = feature_maker(trained, args, device, ckpt_path, before_pass_rules)
     settings = {**spec.settings, "features": {k: v for k, v in features.items() if k != "checkpoint"},
                 "split": args.split, **share.settings}
     if encoder is not None:
-        settings.update(pass_settings(args, device))
+        settings.update(pass_settings(args, device, before_pass_rules))
     streams = {".codes.len": "", ".codes.tsv": f"{share.root}\n", ".codes.skipped": "", ".codes.frames": ""}
     begun = begin_code_shard(args.out_dir, name, settings, overwrite=args.overwrite, log=log,
                              redo="tokenize the shard again", width=spec.levels, dtype=spec.dtype,
@@ -181,7 +186,7 @@ def tokenize_into(args, share: AudioShare, name: str, fbank: SeamlessFbank, enco
         pipeline = FeatureWindows(share.root, share.relpaths, fbank=fbank, encoder=encoder,
                                   dtype=settings["features"]["dtype"], num_workers=args.num_workers,
                                   commit_files=args.commit_files, commit_seconds=args.commit_seconds,
-                                  passes=w2v_passes(settings["batch_seconds"]) if encoder else None,
+                                  passes=shard_passes(settings) if encoder else None,
                                   progress=bar.update, weight=0.5)
 
         def write(window: Window) -> None:
