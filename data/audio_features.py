@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from data.fbank import FRAME_LENGTH, HOP_LENGTH, NUM_MEL_BINS, SAMPLE_RATE, STRIDE, TorchFbank
+from data.transfers import to_device
 from errors import BadInputError
 
 FRAME_RATE = SAMPLE_RATE // (HOP_LENGTH * STRIDE)  # features per second: 10 ms fbank hop, stacked by 2
@@ -196,40 +197,66 @@ class W2vBertLayer:
         self.dim = model.config.hidden_size
         self.max_chunk = max(1, int(max_chunk_seconds * FRAME_RATE))
 
-    def chunks(self, fbank: np.ndarray) -> list[np.ndarray]:
-        """Equal chunks of at most max_chunk frames (equal, so that no last chunk is left with little context)."""
-        return np.array_split(fbank, math.ceil(len(fbank) / self.max_chunk))
+    def chunks(self, fbank: np.ndarray | torch.Tensor) -> list[np.ndarray] | list[torch.Tensor]:
+        """Equal chunks of at most max_chunk frames (equal, so that no last chunk is left with little context): views
+        of an array, or of a tensor where it lies (torch.tensor_split cuts as np.array_split does)."""
+        parts = math.ceil(len(fbank) / self.max_chunk)
+        if isinstance(fbank, torch.Tensor):
+            return list(torch.tensor_split(fbank, parts))
+        return np.array_split(fbank, parts)
 
-    def forward(self, chunks: list[np.ndarray]) -> list[np.ndarray]:
-        """[T_i, 160] fbank chunks -> their [T_i, dim] layer outputs, in one forward pass (each row zero-padded to
-        the longest, its padding masked)."""
+    def hidden(self, chunks: list[np.ndarray] | list[torch.Tensor]) -> torch.Tensor:
+        """[T_i, 160] fbank chunks (arrays, or tensors on the host or on the device) -> the layer's [rows, longest,
+        dim] output on the device, in the model's dtype, from one forward pass (each row zero-padded to the longest,
+        its padding masked). Nothing here waits for the device: inputs built on the host reach a GPU from pinned
+        memory (data/transfers.py to_device), inputs already there are padded there."""
         longest = max(len(c) for c in chunks)
-        x = torch.zeros(len(chunks), longest, chunks[0].shape[1])
-        mask = torch.zeros(len(chunks), longest, dtype=torch.long)
+        where = chunks[0].device if isinstance(chunks[0], torch.Tensor) else torch.device("cpu")
+        pinned = where.type == "cpu" and self.device.type == "cuda"
+        x = torch.zeros(len(chunks), longest, chunks[0].shape[1], device=where, pin_memory=pinned)
+        mask = torch.zeros(len(chunks), longest, dtype=torch.long, device=where, pin_memory=pinned)
         for row, chunk in enumerate(chunks):
-            x[row, : len(chunk)] = torch.from_numpy(chunk)
+            x[row, : len(chunk)] = torch.as_tensor(chunk)
             mask[row, : len(chunk)] = 1
         with torch.inference_mode():
-            out = self.model(input_features=x.to(self.device, self.dtype), attention_mask=mask.to(self.device),
-                             output_hidden_states=True)
-        hidden = out.hidden_states[self.layer].float().cpu().numpy()
+            out = self.model(input_features=to_device(x, self.device).to(self.dtype),
+                             attention_mask=to_device(mask, self.device), output_hidden_states=True)
+        return out.hidden_states[self.layer]
+
+    def forward(self, chunks: list[np.ndarray]) -> list[np.ndarray]:
+        """[T_i, 160] fbank chunks -> their [T_i, dim] float32 layer outputs on the host, in one forward pass."""
+        hidden = self.hidden(chunks).float().cpu().numpy()
         return [hidden[row, : len(chunk)] for row, chunk in enumerate(chunks)]
+
+    def encode(self, fbanks: list[np.ndarray] | list[torch.Tensor], passes: Callable[[np.ndarray], list[np.ndarray]],
+               on_batch: Callable[[float], None] | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Layer outputs of whole files, packed on the device: [the files' frames in all, dim] in `dtype`, file i's
+        rows after file i - 1's. Every chunk of `fbanks` (arrays from the decoding workers, or tensors the device
+        computed) is grouped into forward passes by `passes` (chunk lengths in frames -> the positions of each
+        pass: the tools give tools/audio_shard.py's least-cost cut of the sorted chunks under --batch_seconds), and
+        each pass's output is cast into its rows as soon as it is computed: no copy to the host, no wait for the
+        device, one pass's output alive at a time. on_batch(files) after each pass: the share of the files it did
+        (a chunk of a file in k chunks counts 1/k), for a caller's progress bar."""
+        pieces = []  # (the chunk's first row in the output, the chunk, the chunks of its file)
+        rows = 0
+        for fbank in fbanks:
+            parts = self.chunks(fbank)
+            for part in parts:
+                pieces.append((rows, part, len(parts)))
+                rows += len(part)
+        with torch.inference_mode():
+            out = torch.empty(rows, self.dim, dtype=dtype, device=self.device)
+            for batch in passes(np.array([len(piece) for _, piece, _ in pieces], dtype=np.int64)):
+                hidden = self.hidden([pieces[k][1] for k in batch])
+                for row, k in enumerate(batch):
+                    first, piece, _ = pieces[k]
+                    out[first : first + len(piece)] = hidden[row, : len(piece)]
+                if on_batch is not None:
+                    on_batch(sum(1 / pieces[k][2] for k in batch))
+        return out
 
     def __call__(self, fbanks: list[np.ndarray], passes: Callable[[np.ndarray], list[np.ndarray]],
                  on_batch: Callable[[float], None] | None = None) -> list[np.ndarray]:
-        """Layer outputs of whole files: every chunk of `fbanks`, grouped into forward passes by `passes` (chunk
-        lengths in frames -> the positions of each pass: the tools give tools/audio_shard.py w2v_passes, the
-        least-cost cut of the sorted chunks under --batch_seconds). on_batch(files) after each pass: the share
-        of the files it did (a chunk of a file in k chunks counts 1/k), for a caller's progress bar."""
-        chunks = [self.chunks(f) for f in fbanks]
-        pieces = [(i, piece, len(parts)) for i, parts in enumerate(chunks) for piece in parts]
-        outputs: list[np.ndarray | None] = [None] * len(pieces)
-        for batch in passes(np.array([len(piece) for _, piece, _ in pieces], dtype=np.int64)):
-            for k, out in zip(batch, self.forward([pieces[k][1] for k in batch]), strict=True):
-                outputs[k] = out
-            if on_batch is not None:
-                on_batch(sum(1 / pieces[k][2] for k in batch))
-        per_file: list[list[np.ndarray]] = [[] for _ in fbanks]
-        for (i, _, _), out in zip(pieces, outputs, strict=True):
-            per_file[i].append(out)
-        return [np.concatenate(parts).astype(np.float32, copy=False) for parts in per_file]
+        """encode's layer outputs as one float32 [frames, dim] array per file, on the host."""
+        out = self.encode(fbanks, passes, on_batch).cpu().numpy()
+        return np.split(out, np.cumsum([len(f) for f in fbanks])[:-1])

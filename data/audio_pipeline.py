@@ -15,6 +15,24 @@ Features come out as a dump of `dtype` stores them (float16 rounds them); a file
 features are not finite in that dtype, is skipped with the reason. The time the model (the caller's thread)
 waits for decoded audio is measured: `input_wait`.
 
+On a GPU the host stays off the device's critical path. The workers only decode and resample: the fbank of a
+window's files is computed on the device, in batches of files sorted by length (TorchFbank.batch, at most
+DEVICE_FBANK_SECONDS of padded audio each), and fed to w2v-BERT there. Each pass's output is cast to the dump's
+dtype into one packed tensor on the device, checked finite there, and copied back in one piece into pinned
+memory without waiting (`Window.ready` waits, on the thread that writes); or, for tools.tokenize, left on the
+device for the codec, one wait a window for the finiteness of its files. Inputs from the host reach the device
+from pinned memory (data/transfers.py to_device): a plain copy would wait for every kernel queued. On a CPU the
+workers compute the fbank, as before: on the main thread it would take the model's one thread.
+
+Which path computes the fbank follows the device's kind alone (FBANK_ON_DEVICE; FeatureWindows' fbank_on_device
+forces it either way), not a recorded setting. Both are data/fbank.py's torch front-end, the same fbank: a batch
+and the device's FFT and sums round differently in the last bits (tested within 1e-4 of each other, the
+front-ends' own tolerance, data/feature_settings.py), so each path's bytes are its own. A shard resumed on the
+kind of device it was begun on meets the same path and the same batches (a function of a window's files) and
+gets the bytes of a run never stopped; one begun on a GPU and resumed on a CPU holds rows of each path, as a
+w2v-BERT shard resumed on another device already holds rows of two devices' arithmetic (the device is not a
+setting either): the same features within that tolerance, not the same bits.
+
 The workers end with the process that started them (`end_with_parent`): a main process SIGKILLed (the OOM
 killer) leaves no worker blocked for good on a pipe no one reads, and none holds the shard's lock.
 """
@@ -33,12 +51,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 from torch.utils.data import DataLoader, Dataset
 
 from data.audio_features import SAMPLE_RATE, BadAudio, SeamlessFbank, W2vBertLayer, load_audio
 from data.audio_manifest import name_problem, shown_name
+from data.fbank import TorchFbank, feature_frames
+from data.transfers import host_copy, to_device
+from models.codes import length_sorted_batches
 
 WORKER_PREFETCH = 4  # files decoded ahead per worker; the window thread bounds the rest by files and seconds
+FBANK_ON_DEVICE = ("cuda",)  # the kinds of device that compute the fbank of the model's input (module doc)
+DEVICE_FBANK_SECONDS = 600.0  # padded audio per batch of the fbank on the device
 
 
 @dataclass
@@ -48,8 +72,9 @@ class AudioFile:
     index: int  # its position in the shard's file list
     rel: str
     samples: int = 0  # at 16 kHz
+    wave: np.ndarray | None = field(default=None, repr=False)  # decoded, for the fbank on the device
     fbank: np.ndarray | None = field(default=None, repr=False)
-    features: np.ndarray | None = field(default=None, repr=False)
+    features: np.ndarray | torch.Tensor | None = field(default=None, repr=False)  # a tensor: FeatureWindows' on_host
     skipped: str | None = None
 
     @property
@@ -65,6 +90,14 @@ class Window:
     first: int
     end: int
     files: list[AudioFile]
+    pending: Callable[[], None] | None = field(default=None, repr=False)  # the copy back to finish
+
+    def ready(self) -> None:
+        """Wait for the copy of the features to the host where one is under way (FeatureWindows on a GPU), and give
+        each file its features or skip reason; at once otherwise."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending()
 
 
 def cut_windows(files: Iterable[AudioFile], commit_files: int, commit_seconds: float) -> Iterator[Window]:
@@ -82,9 +115,10 @@ def cut_windows(files: Iterable[AudioFile], commit_files: int, commit_seconds: f
 
 
 class DecodedFiles(Dataset):
-    """Item k: file first + k, read and turned into the Seamless fbank (what a DataLoader worker runs)."""
+    """Item k: file first + k, read and turned into the Seamless fbank (what a DataLoader worker runs); with no
+    `fbank`, read only (its `wave`), for the device to compute the fbank."""
 
-    def __init__(self, root: Path, relpaths: list[str], first: int, fbank: SeamlessFbank):
+    def __init__(self, root: Path, relpaths: list[str], first: int, fbank: SeamlessFbank | None):
         self.root, self.relpaths, self.first, self.fbank = root, relpaths, first, fbank
 
     def __len__(self) -> int:
@@ -98,7 +132,11 @@ class DecodedFiles(Dataset):
             return item
         try:
             wave = load_audio(self.root / item.rel)
-            item.samples, item.fbank = len(wave), self.fbank(wave)
+            item.samples = len(wave)
+            if self.fbank is None:
+                item.wave = wave
+            else:
+                item.fbank = self.fbank(wave)
         except BadAudio as e:
             item.skipped = str(e)
         return item
@@ -130,24 +168,39 @@ class FeatureWindows:
 
     encoder: a W2vBertLayer, or None for the fbank itself; passes: W2vBertLayer's grouping of a window's chunks
     into forward passes. progress(files) is called as work is done, with the share of files done (fractions
-    while a window's passes run), times `weight`."""
+    while a window's passes run), times `weight`. device: where the features are computed (default: the
+    encoder's, else the CPU); fbank_on_device: whether the device computes the fbank from decoded audio (default:
+    on a device of a kind in FBANK_ON_DEVICE, with the torch front-end) rather than the workers. on_host: each
+    file's `features` an array on the host, after `window.ready()`; else a tensor on the device (tools.tokenize
+    encodes them there), in the dump's dtype either way."""
 
     def __init__(self, root: Path, relpaths: list[str], *, fbank: SeamlessFbank, encoder: W2vBertLayer | None,
                  dtype: str, num_workers: int, commit_files: int, commit_seconds: float,
                  passes: Callable[[np.ndarray], list[np.ndarray]] | None = None,
-                 progress: Callable[[float], None] = lambda files: None, weight: float = 1.0):
+                 progress: Callable[[float], None] = lambda files: None, weight: float = 1.0,
+                 device: torch.device | None = None, fbank_on_device: bool | None = None, on_host: bool = True):
         self.root, self.relpaths, self.fbank, self.encoder = root, relpaths, fbank, encoder
         self.dtype, self.num_workers = np.dtype(dtype), num_workers
+        self.torch_dtype = torch.from_numpy(np.zeros(0, self.dtype)).dtype
         self.commit_files, self.commit_seconds, self.passes = commit_files, commit_seconds, passes
         self.progress, self.weight = progress, weight
+        self.device = torch.device(device if device is not None else encoder.device if encoder else "cpu")
+        if fbank_on_device is None:
+            fbank_on_device = self.device.type in FBANK_ON_DEVICE and fbank.front_end == "torch"
+        if fbank_on_device and fbank.front_end != "torch":
+            raise ValueError(f"the {fbank.front_end} front-end cannot run on the device: only the torch one")
+        self.device_fbank = TorchFbank(self.device) if fbank_on_device else None
+        self.on_host = on_host
         self.input_wait = 0.0  # seconds the caller's thread waited for decoded audio
         self.audio_seconds = 0.0  # of the files read
 
     def windows(self, first: int) -> Iterator[Window]:
-        """Windows of files first.. to the end, each with every file's features or skip reason."""
+        """Windows of files first.. to the end, each with every file's features or skip reason (on the host once
+        `ready()`)."""
         if first >= len(self.relpaths):
             return
-        loader = DataLoader(DecodedFiles(self.root, self.relpaths, first, self.fbank), batch_size=None,
+        decoded = DecodedFiles(self.root, self.relpaths, first, None if self.device_fbank else self.fbank)
+        loader = DataLoader(decoded, batch_size=None,
                             num_workers=self.num_workers, collate_fn=_as_is,
                             prefetch_factor=WORKER_PREFETCH if self.num_workers else None,
                             worker_init_fn=functools.partial(end_with_parent, os.getpid()),
@@ -177,22 +230,66 @@ class FeatureWindows:
             yield item
 
     def _compute(self, window: Window) -> None:
-        """Every readable file's features, as the dump's dtype stores them; non-finite ones skipped."""
+        """Every readable file's features as the dump's dtype stores them, packed in one tensor on the device and
+        checked finite there as stored (float16 overflows to Inf); then handed over (module doc): a file whose
+        features are not finite is skipped."""
         readable = [f for f in window.files if f.skipped is None]
-        if self.encoder is None:
-            outputs = [f.fbank for f in readable]
-        else:
-            if len(readable) < len(window.files):
-                self.progress(self.weight * (len(window.files) - len(readable)))
-            outputs = self.encoder([f.fbank for f in readable], self.passes,
-                                   on_batch=lambda files: self.progress(self.weight * files)) if readable else []
-        for item, out in zip(readable, outputs, strict=True):
-            item.fbank = None
-            stored = np.asarray(out, dtype=self.dtype)  # checked as stored: float16 overflows to Inf
-            if np.isfinite(stored).all():
-                item.features = stored
+        if self.encoder is not None and len(readable) < len(window.files):
+            self.progress(self.weight * (len(window.files) - len(readable)))
+        if not readable:
+            return
+        with torch.inference_mode():
+            if self.device_fbank is not None:
+                fbanks = self._device_fbanks(readable)
             else:
-                item.skipped = f"malformed: the features have NaN or Inf values (as {self.dtype.name})"
+                fbanks = [torch.from_numpy(f.fbank) for f in readable]
+            for item in readable:
+                item.wave = item.fbank = None
+            if self.encoder is None:
+                stored = to_device(torch.cat(fbanks), self.device).to(self.torch_dtype)
+            else:
+                stored = self.encoder.encode(fbanks, self.passes, dtype=self.torch_dtype,
+                                             on_batch=lambda files: self.progress(self.weight * files))
+            finite = stored.isfinite().all(dim=1)
+        lengths = [len(f) for f in fbanks]
+        firsts = np.cumsum([0, *lengths[:-1]])
+        if not self.on_host:  # the files to encode are the finite ones: one wait for the device a window
+            finite_files = np.logical_and.reduceat(finite.cpu().numpy(), firsts)
+            for item, features, ok in zip(readable, torch.split(stored, lengths), finite_files, strict=True):
+                self._keep(item, features, ok)
+            return
+        features_back, finite_back = host_copy(stored), host_copy(finite)
+
+        def to_files() -> None:
+            finite_files = np.logical_and.reduceat(finite_back(), firsts)
+            for item, features, ok in zip(readable, np.split(features_back(), firsts[1:]), finite_files, strict=True):
+                self._keep(item, features, ok)
+
+        window.pending = to_files
+        if self.device.type != "cuda":
+            window.ready()
+
+    def _keep(self, item: AudioFile, features, finite: bool) -> None:
+        if finite:
+            item.features = features
+        else:
+            item.skipped = f"malformed: the features have NaN or Inf values (as {self.dtype.name})"
+
+    def _device_fbanks(self, files: list[AudioFile]) -> list[torch.Tensor]:
+        """Each file's [feature frames, 160] float32 fbank, computed on the device from its decoded audio: files
+        sorted by length in batches of at most DEVICE_FBANK_SECONDS of padded audio (a function of the files
+        alone: a resumed window meets the same batches), each sent from pinned memory on a GPU."""
+        samples = np.array([f.samples for f in files], dtype=np.int64)
+        pinned = self.device.type == "cuda"
+        out: list[torch.Tensor | None] = [None] * len(files)
+        for batch in length_sorted_batches(samples, int(DEVICE_FBANK_SECONDS * SAMPLE_RATE)):
+            waves = torch.zeros(len(batch), int(samples[batch].max()), pin_memory=pinned)
+            for row, k in enumerate(batch):
+                waves[row, : samples[k]] = torch.from_numpy(files[k].wave)
+            features, _ = self.device_fbank.batch(waves, samples[batch])
+            for row, k in enumerate(batch):
+                out[k] = features[row, : feature_frames(int(samples[k]))]
+        return out
 
 
 class WindowThread:

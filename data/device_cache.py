@@ -22,22 +22,11 @@ from data.batch_plan import StepBatch
 from data.crops import CropReader
 from data.prefetcher import Prefetcher
 from data.stores import FeatureStore
+from data.transfers import to_device
 
 log = logging.getLogger(__name__)
 
 BUILD_CHUNK_FRAMES = 1 << 16  # frames staged per host-to-device copy while building
-
-
-def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on the device without a blocking copy (pinned staging on CUDA).
-
-    The pinned block comes from PyTorch's caching host allocator, which keeps it
-    until the copy that reads it has completed, so it is safe to return at once.
-    """
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
-    if device.type != "cuda":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 class DeviceFeatureCache:

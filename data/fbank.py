@@ -25,6 +25,8 @@ import warnings
 import numpy as np
 import torch
 
+from data.transfers import to_device
+
 SAMPLE_RATE = 16_000
 FRAME_LENGTH = 400  # 25 ms
 HOP_LENGTH = 160  # 10 ms
@@ -104,16 +106,20 @@ class TorchFbank:
                              f"{FRAME_LENGTH + HOP_LENGTH} samples make one feature frame")
         return self._stacked(self._normalised(self._log_mel(x), None))[0]
 
-    def batch(self, waves: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, waves: torch.Tensor, lengths) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, samples] at 16 kHz, row b valid to lengths[b] -> ([B, frames, 160] float32 features, zero past each
         row's valid frames; [B] valid feature frames), on the device. Each row's features are those of its samples
-        alone."""
-        lengths = torch.as_tensor(lengths, device=self.device)
+        alone. `lengths` on the host (a list, an array, a CPU tensor) are checked there and sent without waiting for
+        the device's queue (data/transfers.py); waves already on the device stay there."""
+        lengths = torch.as_tensor(lengths)
+        if lengths.device.type != "cpu":
+            lengths = lengths.cpu()
         frames = fbank_frames(lengths)
         if bool((frames < STRIDE).any()):
             raise ValueError(f"rows of {lengths.min().item()} samples make no feature frame: at least "
                              f"{FRAME_LENGTH + HOP_LENGTH} samples make one")
-        log_mel = self._log_mel(torch.as_tensor(waves).to(self.device, torch.float32))
+        frames = to_device(frames, self.device)
+        log_mel = self._log_mel(to_device(torch.as_tensor(waves), self.device).to(torch.float32))
         valid = torch.arange(log_mel.shape[-1], device=self.device)[None, None, :] < frames[:, None, None]
         features = self._stacked(self._normalised(log_mel, valid))
         kept = torch.arange(features.shape[1], device=self.device)[None, :] < (frames // STRIDE)[:, None]

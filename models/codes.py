@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from data.transfers import to_device
 from models.codec import RVQCodec
 
 TAIL_PADDING = "each utterance's tail is padded by repeating its last frame to a multiple of downsample"
@@ -38,20 +39,40 @@ def pad_to_multiple(features: torch.Tensor, multiple: int) -> torch.Tensor:
     return torch.cat([features, features[-1:].expand(missing, -1)])
 
 
-def encode_batch(model: RVQCodec, utterances: list[np.ndarray], num_quantizers: int | None = None,
-                 beam_size: int | None = None) -> list[np.ndarray]:
-    """[T_i, D] features of several utterances -> their [ceil(T_i / downsample), q] int64 codes, in one pass
-    (beam_size: RVQCodec.encode's, by default the codec's)."""
+def padded_rows(utterances: list[np.ndarray] | list[torch.Tensor], padded: np.ndarray, dim: int,
+                multiple: int) -> torch.Tensor:
+    """One pass's input: [rows, the longest padded length (at least `multiple`), dim] float32, row i utterance i
+    widened to float32, its tail to padded[i] frames repeating its last frame, zeros after; built where the
+    utterances lie (host arrays, maybe read-only float16 memmaps, copied on the host; tensors on their device)."""
+    shape = (len(utterances), max(int(padded.max(initial=0)), multiple), dim)
+    on_device = isinstance(utterances[0], torch.Tensor)
+    rows = torch.zeros(shape, device=utterances[0].device) if on_device else np.zeros(shape, np.float32)
+    for row, (features, n) in enumerate(zip(utterances, padded)):
+        rows[row, : len(features)] = features
+        rows[row, len(features) : n] = features[-1:]
+    return rows if on_device else torch.from_numpy(rows)
+
+
+def encode_rows(model: RVQCodec, utterances: list[np.ndarray] | list[torch.Tensor], num_quantizers: int | None = None,
+                beam_size: int | None = None) -> tuple[torch.Tensor, np.ndarray]:
+    """[T_i, D] features of several utterances (host arrays, or tensors on the codec's device) -> (their int64
+    codes [rows, longest, q] on the codec's device, from one pass, row i valid to padded[i] // downsample; the
+    padded lengths). Nothing waits for the device (beam_size: RVQCodec.encode's, by default the codec's)."""
     q = num_quantizers or model.config.num_quantizers
     s = model.config.downsample
     padded = code_frames([len(u) for u in utterances], s) * s
-    batch = np.zeros((len(utterances), max(int(padded.max(initial=0)), s), model.config.feature_dim), np.float32)
-    for row, (features, n) in enumerate(zip(utterances, padded)):
-        batch[row, : len(features)] = features  # a copy: store arrays are read-only memmaps, maybe float16
-        batch[row, len(features) : n] = features[-1:]
     device = model.feature_mean.device
-    codes = model.encode(torch.from_numpy(batch).to(device), q, torch.from_numpy(padded).to(device),
-                         beam_size=beam_size).cpu().numpy()
+    rows = to_device(padded_rows(utterances, padded, model.config.feature_dim, s), device)
+    return model.encode(rows, q, to_device(padded, device), beam_size=beam_size), padded
+
+
+def encode_batch(model: RVQCodec, utterances: list[np.ndarray], num_quantizers: int | None = None,
+                 beam_size: int | None = None) -> list[np.ndarray]:
+    """[T_i, D] features of several utterances -> their [ceil(T_i / downsample), q] int64 codes on the host, in
+    one pass (encode_rows)."""
+    codes, padded = encode_rows(model, utterances, num_quantizers, beam_size)
+    codes = codes.cpu().numpy()
+    s = model.config.downsample
     return [codes[row, : n // s] for row, n in enumerate(padded)]
 
 
@@ -101,20 +122,25 @@ def least_cost_passes(lengths: np.ndarray, batch_frames: int, pass_frames: int) 
 
 
 def encode_in_batches(model: RVQCodec, store, num_quantizers: int, batch_frames: int, dtype: np.dtype,
-                      beam_size: int | None = None,
-                      on_batch: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
+                      beam_size: int | None = None, on_batch: Callable[[np.ndarray], None] | None = None,
+                      on_device: bool = False) -> np.ndarray | torch.Tensor:
     """Codes of every utterance of `store` (a data.stores.FeatureStore, or anything with `lengths` and
-    `utterance(i)`), concatenated in order as `dtype`; encoded in length-sorted batches of at most `batch_frames`
-    padded frames. on_batch(positions) after each batch: a caller's progress bar."""
+    `utterance(i)`: host arrays, or tensors on the codec's device), concatenated in order as `dtype`; encoded in
+    length-sorted batches of at most `batch_frames` padded frames. on_batch(positions) after each batch: a
+    caller's progress bar. on_device: the codes as a tensor on the codec's device, not waited for (a GPU caller
+    copies them back where it needs them: data/transfers.py host_copy); else an array on the host."""
     s = model.config.downsample
-    out: list[np.ndarray | None] = [None] * len(store.lengths)
-    for batch in length_sorted_batches(code_frames(store.lengths, s) * s, batch_frames):
-        utterances = [store.utterance(int(i)) for i in batch]
-        for i, codes in zip(batch, encode_batch(model, utterances, num_quantizers, beam_size), strict=True):
-            out[i] = codes.astype(dtype)
+    lengths = code_frames(store.lengths, s)
+    firsts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    torch_dtype = torch.from_numpy(np.zeros(0, dtype)).dtype
+    out = torch.empty(int(lengths.sum()), num_quantizers, dtype=torch_dtype, device=model.feature_mean.device)
+    for batch in length_sorted_batches(lengths * s, batch_frames):
+        codes, _ = encode_rows(model, [store.utterance(int(i)) for i in batch], num_quantizers, beam_size)
+        for row, i in enumerate(batch):
+            out[firsts[i] : firsts[i] + lengths[i]] = codes[row, : lengths[i]]
         if on_batch is not None:
             on_batch(batch)
-    return np.concatenate(out) if out else np.zeros((0, num_quantizers), dtype)
+    return out if on_device else out.cpu().numpy()
 
 
 def km_lines(codes: np.ndarray, lengths: np.ndarray, level: int) -> str:

@@ -14,6 +14,8 @@ import functools
 import hashlib
 import logging
 import os
+import queue
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,8 +83,8 @@ def add_input_args(p: argparse.ArgumentParser) -> None:
                    help="auto or cuda (cuda:<rank %% visible GPUs>, or LOCAL_RANK's under torchrun, so that shards "
                         "run side by side), cpu, cuda:1 ...")
     p.add_argument("--num_workers", type=int,
-                   help="processes reading, resampling and turning audio into fbank ahead of the model (0: a "
-                        "thread of this process); default: the CPUs this process may use, shared among a "
+                   help="processes reading and resampling audio ahead of the model, and on a CPU turning it into "
+                        "fbank (a GPU computes the fbank itself) (0: a thread of this process); default: the CPUs this process may use, shared among a "
                         "launcher's processes on the node (LOCAL_WORLD_SIZE), less one for the model")
     p.add_argument("--batch_seconds", type=float,
                    help="w2v-bert: padded audio per forward pass at most (rows x the longest chunk; a longer chunk "
@@ -216,19 +218,55 @@ def progress_bar(desc: str, share: AudioShare, done: int) -> tqdm:
                 bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total} files [{elapsed}<{remaining}{postfix}]")
 
 
-def write_windows(pipeline: FeatureWindows, writer: ShardWriter, write: Callable[[Window], None],
-                  faults: FaultInjector, bar: tqdm) -> None:
-    """Every window from the writer's first file not committed: `write` it, then commit it. RVQ_FAULT's kill
+def write_windows(pipeline: FeatureWindows, writer: ShardWriter, write: Callable[[Window, object], None],
+                  faults: FaultInjector, bar: tqdm, prepare: Callable[[Window], object] = lambda window: None) -> None:
+    """Every window from the writer's first file not committed: `prepared = prepare(window)` on this thread (work
+    for the device: tools.tokenize's codec), then on a writer thread, window after window in order,
+    `window.ready()` (its features back on the host), `write(window, prepared)` and the commit, while this thread
+    goes on with the next window: on a GPU the device then never waits for the disk. At most one window waits for
+    the writer beside the one it writes. The writer's error (a full disk's TransientFault) is raised here, at the
+    next hand-over or at the end, and nothing after the window that failed is written; an error here (a failed
+    window, a stop) lets the writer write and commit the windows it was handed, then is raised. RVQ_FAULT's kill
     (and hang) fire between writing window N (counted from the shard's first) and committing it."""
     windows = pipeline.windows(writer.done)
+    handed: queue.Queue = queue.Queue(maxsize=1)
+    failed: list[BaseException] = []
+
+    def write_in_order() -> None:
+        while (item := handed.get()) is not None:
+            if failed:
+                continue  # a window after one that failed would be committed with it
+            window, prepared = item
+            try:
+                window.ready()
+                write(window, prepared)
+                faults.before_commit(writer.commits + 1)
+                writer.commit(window.end)
+                bar.set_postfix_str(f"input wait {pipeline.input_wait:.0f} s", refresh=False)
+            except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+                failed.append(e)
+
+    thread = threading.Thread(target=write_in_order, name="shard writer", daemon=True)
+    thread.start()
     try:
         for window in windows:
-            write(window)
-            faults.before_commit(writer.commits + 1)
-            writer.commit(window.end)
-            bar.set_postfix_str(f"input wait {pipeline.input_wait:.0f} s", refresh=False)
+            prepared = prepare(window)
+            while not failed:
+                try:
+                    handed.put((window, prepared), timeout=0.5)
+                    break
+                except queue.Full:
+                    continue
+            if failed:
+                break
     finally:
-        windows.close()
+        try:
+            windows.close()
+        finally:
+            handed.put(None)
+            thread.join()
+    if failed:
+        raise failed[0]
 
 
 def written_lengths(log: logging.Logger, writer: ShardWriter, share: AudioShare, lengths: str,

@@ -8,8 +8,8 @@
 The input is a fairseq manifest (first line the root folder, then `relpath<TAB>num_samples` per line) or a
 folder searched for .wav, .flac and .ogg files (data/audio_manifest.py). Rank RANK of NSHARD takes its
 contiguous share of the files, as in fairseq's examples/hubert/simple_kmeans (under torchrun, each process
-its part of that share: tools/audio_shard.py). The audio is read and turned into fbank by --num_workers
-processes ahead of the model; the features (`fbank`: the Seamless front-end, 160-d; `w2v-bert`: a
+its part of that share: tools/audio_shard.py). The audio is read by --num_workers processes ahead of
+the model, which turn it into fbank too on a CPU (on a GPU the device computes it); the features (`fbank`: the Seamless front-end, 160-d; `w2v-bert`: a
 Wav2Vec2BertModel layer, in chunks of at most --max_chunk_seconds, length-sorted into passes of
 --batch_seconds) are data/audio_pipeline.py's; --device and --precision are resolved by training/device.py.
 The fbank (the features themselves, or w2v-BERT's input) is computed by --front_end: `torch` (data/fbank.py)
@@ -193,9 +193,12 @@ def extract_into(args, share: AudioShare, name: str, fbank: SeamlessFbank, encod
                                   num_workers=args.num_workers, commit_files=args.commit_files,
                                   commit_seconds=args.commit_seconds,
                                   passes=shard_passes(settings) if encoder else None,
-                                  progress=bar.update)
+                                  progress=bar.update,
+                                  device=encoder.device if encoder else model_device(args.device, share))
+        log.info("the fbank is computed %s", f"on {pipeline.device} from the decoded audio"
+                 if pipeline.device_fbank else "by the decoding workers")
 
-        def write(window: Window) -> None:
+        def write(window: Window, _) -> None:
             for item in window.files:
                 if item.features is None:
                     writer.append(".skipped", item.skip_line)

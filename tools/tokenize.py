@@ -37,6 +37,7 @@ import json  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
@@ -47,6 +48,7 @@ from data.audio_features import FEATURES, FRONT_ENDS, SeamlessFbank, W2vBertLaye
 from data.audio_pipeline import FeatureWindows, Window  # noqa: E402
 from data.feature_settings import RECORDED_BEFORE, describe, front_end, model_fingerprint, settings_differ  # noqa: E402
 from data.resumable_shard import CODES, ShardWriter, shard_settings  # noqa: E402
+from data.transfers import host_copy  # noqa: E402
 from errors import EXIT_FAILURE, EXIT_OK, BadInputError  # noqa: E402
 from models.codes import TAIL_PADDING, code_frames, encode_in_batches, km_lines  # noqa: E402
 from tools.audio_shard import (AudioShare, add_input_args, audio_share, begun_before_pass_rules,  # noqa: E402
@@ -187,30 +189,48 @@ def tokenize_into(args, share: AudioShare, name: str, fbank: SeamlessFbank, enco
                                   dtype=settings["features"]["dtype"], num_workers=args.num_workers,
                                   commit_files=args.commit_files, commit_seconds=args.commit_seconds,
                                   passes=shard_passes(settings) if encoder else None,
-                                  progress=bar.update, weight=0.5)
+                                  progress=bar.update, weight=0.5, device=spec.model.feature_mean.device,
+                                  on_host=False)
+        log.info("the fbank is computed %s", f"on {pipeline.device} from the decoded audio"
+                 if pipeline.device_fbank else "by the decoding workers")
 
-        def write(window: Window) -> None:
-            kept = [item for item in window.files if item.features is not None]
-            for item in window.files:
-                if item.features is None:
-                    writer.append(".codes.skipped", item.skip_line)
+        def encode(window: Window) -> tuple[np.ndarray, Callable[[], np.ndarray]] | None:
+            """(the kept files' feature frames, their codes on the way to the host), computed on this thread where
+            the features are: on a GPU the codec's kernels are queued, w2v-BERT's passes of the next window behind
+            them, and the host waits only for each window's finiteness (FeatureWindows) and, on the writer
+            thread, for the codes it writes."""
+            kept = [item for item in window.files if item.skipped is None]
             bar.update(0.5 * (len(window.files) - len(kept)))
             if not kept:
-                return
-            # as a dump's utterances: float32 of the stored values (float16 widened), as tools.encode reads them
+                return None
             lengths = np.array([len(item.features) for item in kept], dtype=np.int64)
-            utterances = SimpleNamespace(lengths=lengths, utterance=lambda i: kept[i].features)
-            codes = encode_in_batches(spec.model, utterances, spec.levels, spec.batch_frames, spec.dtype, spec.beam,
-                                      on_batch=lambda batch: bar.update(0.5 * len(batch)))
+            # the features as the dump would store them (FeatureWindows), where they were computed; widened to
+            # float32 as tools.encode reads a dump's
+            features = SimpleNamespace(lengths=lengths, utterance=lambda i: kept[i].features)
+            codes = encode_in_batches(spec.model, features, spec.levels, spec.batch_frames, spec.dtype, spec.beam,
+                                      on_batch=lambda batch: bar.update(0.5 * len(batch)), on_device=True)
+            for item in kept:
+                item.features = None  # the device's memory back
+            return lengths, host_copy(codes)
+
+        def write(window: Window, encoded: tuple[np.ndarray, Callable[[], np.ndarray]] | None) -> None:
+            for item in window.files:
+                if item.skipped is not None:
+                    writer.append(".codes.skipped", item.skip_line)
+            if encoded is None:
+                return
+            lengths, codes_back = encoded
+            codes = codes_back()
             writer.write(codes)
             code_lengths = code_frames(lengths, downsample)
             writer.append(".codes.len", "".join(f"{n}\n" for n in code_lengths))
-            writer.append(".codes.tsv", "".join(f"{item.rel}\t{item.samples}\n" for item in kept))
+            writer.append(".codes.tsv", "".join(f"{item.rel}\t{item.samples}\n" for item in window.files
+                                                if item.skipped is None))
             writer.append(".codes.frames", "".join(f"{n}\n" for n in lengths))
             if spec.km:
                 writer.append(".km", km_lines(codes, code_lengths, spec.km))
 
-        write_windows(pipeline, writer, write, FaultInjector(share.rank), bar)
+        write_windows(pipeline, writer, write, FaultInjector(share.rank), bar, prepare=encode)
     seconds = time.perf_counter() - began
     written = written_lengths(log, writer, share, ".codes.frames", ".codes.skipped")
     if written is None:
