@@ -170,8 +170,8 @@ def begin_code_shard(folder: Path, name: str, settings: dict, *, overwrite: bool
         os.close(fd)  # closing the descriptor lets go of the folder's lock
 
 
-def add_codes_args(p: argparse.ArgumentParser) -> None:
-    """The flags of tools.encode and tools.tokenize that choose the codes."""
+def add_codes_args(p: argparse.ArgumentParser, km: bool = True) -> None:
+    """The flags of tools.encode and tools.tokenize that choose the codes (tools.evaluate's, without --km)."""
     p.add_argument("--num_quantizers", type=int, help="keep the first q levels (default: all)")
     p.add_argument("--beam_size", type=int,
                    help="partial code sequences kept per frame by the quantizer's beam search over the levels "
@@ -181,6 +181,8 @@ def add_codes_args(p: argparse.ArgumentParser) -> None:
                    help="feature frames per codec forward pass, counted padded (rows x the longest utterance in the "
                         "batch; a longer utterance goes alone); default: "
                         + ", ".join(f"{n} on {device}" for device, n in BATCH_FRAMES.items()))
+    if not km:
+        return
     p.add_argument("--km", type=int, nargs="?", const=1, metavar="LEVEL",
                    help="also write NAME.km, fairseq's label file (HuBERT's dump_km_label.py): one line per "
                         "utterance, its codes at level LEVEL (from 1; --km alone: 1) (default: no .km)")

@@ -75,12 +75,20 @@ def score_utterances(model: RVQCodec, windows: EvalWindows, device: torch.device
             utterances = [np.asarray(store.utterance(int(whole[i])), dtype=np.float32) for i in batch]
             utterances = [u for u in utterances if len(u) and np.isfinite(u).all()]
             for features, codes in zip(utterances, encode_batch(model, utterances, beam_size=beam_size)):
-                reconstruction = decode_utterance(model, codes, len(features))
-                sums.add(torch.tensor(features, device=device), torch.from_numpy(reconstruction).to(device),
-                         torch.from_numpy(codes).to(device))
+                add_whole_utterance(sums, model, features, codes, device)
     finally:
         model.train()
     return sums
+
+
+@torch.no_grad()
+def add_whole_utterance(sums: EvalSums, model: RVQCodec, features: np.ndarray, codes: np.ndarray,
+                        device: torch.device) -> None:
+    """One whole utterance into `sums`: its codes [T', q] decoded as `tools.encode decode` decodes them (cut back
+    to its T frames), scored against its features [T, D]. The final eval's scoring, and tools.evaluate's."""
+    reconstruction = decode_utterance(model, codes, len(features))
+    sums.add(torch.tensor(np.asarray(features, dtype=np.float32), device=device),
+             torch.from_numpy(reconstruction).to(device), torch.from_numpy(np.asarray(codes, np.int64)).to(device))
 
 
 def utterance_batches(windows: EvalWindows, downsample: int, batch_frames: int) -> int:
