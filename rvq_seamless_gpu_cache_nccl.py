@@ -40,7 +40,7 @@ from training.device import (cache_dtype, check_compile, compile_mode, compute_d
 from training.distributed import (DistContext, all_reduce_sum, destroy, detect_launch, dump_flight_recorder,
                                   final_barrier, free_destroyed_groups, init_distributed,
                                   make_flight_recorder_dir, phase_timeout, wrap_ddp)
-from training.evaluate import evaluate
+from training.evaluate import agree_on_phones, evaluate
 from training.faults import FaultInjector
 from training.log_stream import exit_now, log_to_stderr, write_line
 from training.metrics_log import MetricsLog, require_tensorboard
@@ -80,10 +80,12 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
     # ---- process groups
     ctx = init_distributed(launch, device, timeout_s=cfg.dist.nccl_timeout, control_timeout_s=cfg.dist.sync_timeout,
                            output_dir=Path(cfg.run.output_dir))
-    # ---- the output dir is ours, then rank 0 chooses the checkpoint and every rank loads it (exit 2 on every
-    # rank if either fails; exit 1 on an OS error while reading), then the model
+    # ---- the output dir is ours, the held-out phone labels (if any) are usable and alike on every rank, then rank 0
+    # chooses the checkpoint and every rank loads it (exit 2 on every rank if any fails; exit 1 on an OS error
+    # while reading), then the model
     try:
         output.agree(ctx)
+        agree_on_phones(ctx, data.eval.phones)
         with phase_timeout(ctx, cfg.dist.slow_phase_s):  # each side waits while the other reads a checkpoint
             resume = agree_on_resume(ctx, cfg.run.resume, Path(cfg.run.output_dir) / "checkpoints", codec,
                                      data=data.identity, finetune=cfg.run.finetune)

@@ -10,6 +10,7 @@ read on the main thread.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import dataclasses
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from data.alignments import read_alignments
 from data.bad_crops import finite_crops
 from data.batch_plan import BatchPlan, eval_windows, pick_utterances, pick_windows, shard_indices
 from data.crops import CropReader, HostBatches
@@ -109,6 +111,45 @@ class DataConfig:
         return dataclasses.replace(self, segment_length=length, batch_size=batch)
 
 
+PHONE_LABELS = "{split}.phn"  # the held-out split's frame labels, beside its features: the final eval's PNMI
+
+
+@dataclass
+class EvalPhones:
+    """The held-out split's phone labels (`{split}.phn` in --data_dir, beside its features), for the final eval's
+    PNMI: every phone of the file, sorted (the same ids on every rank), and the frame labels of the utterances
+    the final eval scores on this rank (EvalWindows.whole, in order); or why they cannot be used (`error`,
+    agreed on by every rank before the first step: training/evaluate.py agree_on_phones). `digest`: the file's,
+    which every rank must share."""
+
+    path: Path
+    digest: str
+    phones: list[str] = field(default_factory=list)
+    labels: list[np.ndarray] = field(default_factory=list)
+    error: str | None = None
+
+
+def held_out_phones(data_dir: Path, split: str, valid: FeatureStore, mine: np.ndarray) -> EvalPhones | None:
+    """`{split}.phn` beside the held-out features read and checked against every held-out utterance (a line per
+    utterance, its frames within one: data/alignments.py), keeping the labels of utterances `mine` (indices into
+    `valid`); None when there is no such file. A bad file is recorded, not raised: every rank raises together."""
+    path = Path(data_dir) / PHONE_LABELS.format(split=split)
+    if not path.is_file():
+        return None
+    raw = path.read_bytes()
+    found = EvalPhones(path, hashlib.sha1(raw).hexdigest())
+    try:  # frame labels carry no times: the frame rate is not used
+        alignments = read_alignments(path, valid.lengths, None, 50.0, describe=valid.name)
+    except BadInputError as e:
+        found.error = (f"{e}. {path} is read as the held-out split's phone labels, for the final eval's PNMI (one "
+                       "line per utterance in the split's order, one label per feature frame): fix it, or move it "
+                       "away to train without PNMI")
+        return found
+    found.phones = alignments.phones
+    found.labels = [alignments.labels[int(i)] for i in mine]
+    return found
+
+
 @dataclass
 class EvalWindows:
     """This rank's held-out windows: crop `i` is frames [starts[i], starts[i] + length) of utterances[i]."""
@@ -119,6 +160,7 @@ class EvalWindows:
     length: int
     whole: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # utterances the final eval scores
     resident: bool = False  # read once, on the first eval, and kept on the device
+    phones: EvalPhones | None = None  # the phone labels of `whole`: the final eval's PNMI
     _crops: torch.Tensor | None = field(default=None, repr=False)
 
     def batches(self, device: torch.device, per_batch: int):
@@ -200,8 +242,20 @@ def open_training_data(cfg: DataConfig, *, rank: int, world_size: int, seed: int
              f", picked once by --seed (--eval_frames {cfg.eval_frames} over all ranks) and kept on the device")
     shard = train.subset(shard_indices(len(train), rank, world_size), "this rank's shard")
     whole = pick_utterances(valid_shard.lengths, cfg.eval_frames, seed=seed, rank=rank, world_size=world_size)
+    phones = None
+    if holdout_note is None:
+        phones = held_out_phones(Path(data_dir), cfg.valid_split, valid,
+                                 shard_indices(len(valid), rank, world_size)[whole])
+        if phones is not None and phones.error is None:
+            log.info("phone labels: %s, %d phones: the final eval reports PNMI and purities per level", phones.path,
+                     len(phones.phones))
+    elif (Path(data_dir) / PHONE_LABELS.format(split=cfg.train_split)).is_file():
+        log.info("%s is not read: the held-out utterances are part of '%s', whose labels grow with the corpus; "
+                 "for PNMI in the final eval, give a '%s' split with its %s", Path(data_dir) /
+                 PHONE_LABELS.format(split=cfg.train_split), cfg.train_split, cfg.valid_split,
+                 PHONE_LABELS.format(split=cfg.valid_split))
     eval_set = EvalWindows(valid_shard, utterances[picked], starts[picked], length, whole=whole,
-                           resident=cfg.eval_frames > 0)
+                           resident=cfg.eval_frames > 0, phones=phones)
     held = (len(valid), valid.total_frames) if holdout_note else (0, 0)  # a holdout is part of the training split
     identity = data_identity(cfg.data_dir, data_dir, store_identity(
         train, cfg.train_split, len(train) + held[0], train.total_frames + held[1]), train.dim)

@@ -10,9 +10,11 @@ Over the frames scored (phone label y, unit z), with p(y, z) their joint distrib
 - PNMI           = I(y; z) / H(y): the share of the phone entropy the units explain (fairseq's "MI/H(ref)"),
   1 when the units determine the phone, 0 when they say nothing of it.
 
-Computed from the nonzero cells of the joint counts only (no dense phones x units table: the joint unit of k
-levels takes up to one value per frame), in natural logs with no epsilon (fairseq adds 1e-8 inside its logs,
-which moves its figures in the 8th decimal). PNMI is None when the labels hold a single phone (H(y) = 0).
+Computed from the nonzero cells of the joint counts only (quality_from_cells, the one definition), in natural logs
+with no epsilon (fairseq adds 1e-8 inside its logs, which moves its figures in the 8th decimal). unit_quality makes
+no dense phones x units table (the joint unit of k levels takes up to one value per frame); the trainer's final
+eval sums a dense table per level, [phones, codebook size], across ranks and scores it with quality_from_counts.
+PNMI is None when the labels hold a single phone (H(y) = 0).
 """
 from __future__ import annotations
 
@@ -40,23 +42,38 @@ def unit_quality(phones: np.ndarray, units: np.ndarray) -> dict:
     or string labels)."""
     if len(phones) != len(units):
         raise ValueError(f"{len(phones)} phone labels for {len(units)} units")
-    if len(phones) == 0:
-        raise ValueError("no frames to score")
     y, n_phones = dense_ids(phones)
     z, n_units = dense_ids(units)
     cells, counts = np.unique(y * n_units + z, return_counts=True)
-    cy, cz = cells // n_units, cells % n_units
-    total = float(len(y))
-    phone_count = np.bincount(y, minlength=n_phones).astype(np.float64)
-    unit_count = np.bincount(z, minlength=n_units).astype(np.float64)
-    p = counts / total
-    mutual = float((p * np.log(counts * total / (phone_count[cy] * unit_count[cz]))).sum())
-    phone_p = phone_count / total
+    return quality_from_cells(cells // n_units, cells % n_units, counts, n_phones, n_units)
+
+
+def quality_from_counts(counts: np.ndarray) -> dict:
+    """unit_quality from a dense table of joint counts [phones, units] (frames of phone y given unit z), as the
+    trainer's final eval sums it over ranks (models/metrics.py EvalSums); rows and columns of zeros count for
+    nothing."""
+    counts = np.asarray(counts)
+    phone, unit = np.nonzero(counts)
+    return quality_from_cells(phone, unit, counts[phone, unit], *counts.shape)
+
+
+def quality_from_cells(phone: np.ndarray, unit: np.ndarray, count: np.ndarray, n_phones: int, n_units: int) -> dict:
+    """The one definition: the measures from the nonzero cells of the joint counts, each cell (phone id, unit id,
+    frames), ids below n_phones and n_units."""
+    count = np.asarray(count, dtype=np.float64)  # whole numbers: exact in float64 up to 2^53 frames
+    total = float(count.sum())
+    if total == 0:
+        raise ValueError("no frames to score")
+    phone_count = np.bincount(phone, weights=count, minlength=n_phones)
+    unit_count = np.bincount(unit, weights=count, minlength=n_units)
+    p = count / total
+    mutual = float((p * np.log(count * total / (phone_count[phone] * unit_count[unit]))).sum())
+    phone_p = phone_count[phone_count > 0] / total
     phone_entropy = float(-(phone_p * np.log(phone_p)).sum())
-    best_phone_of_unit = np.zeros(n_units, np.int64)
-    np.maximum.at(best_phone_of_unit, cz, counts)
-    best_unit_of_phone = np.zeros(n_phones, np.int64)
-    np.maximum.at(best_unit_of_phone, cy, counts)
+    best_phone_of_unit = np.zeros(n_units)
+    np.maximum.at(best_phone_of_unit, unit, count)
+    best_unit_of_phone = np.zeros(n_phones)
+    np.maximum.at(best_unit_of_phone, phone, count)
     return {"pnmi": max(0.0, mutual) / phone_entropy if phone_entropy > 0 else None,
             "phone_purity": float(best_phone_of_unit.sum()) / total,
             "cluster_purity": float(best_unit_of_phone.sum()) / total}

@@ -11,6 +11,11 @@ succeeded, and all-reduce the sums (errors, counts, code histograms), never
 per-frame outputs. An eval that failed anywhere is skipped everywhere, logged,
 and training goes on. A rank asked to stop leaves its windows between two
 batches; the same exchange tells the others, and every rank raises Stopped.
+
+When the held-out split's phone labels lie beside its features (`{split}.phn`: data/training_data.py
+EvalPhones), the final eval also sums, per level, the joint counts of phones and codes (a [levels, phones,
+codebook size] table appended to the same all-reduce) and reports per level PNMI, phone purity and cluster
+purity (models/unit_quality.py), as tools.evaluate --alignments scores each level alone.
 """
 from __future__ import annotations
 
@@ -19,8 +24,11 @@ import math
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from data.training_data import EvalWindows
+from data.alignments import labels_at_code_rate
+from data.training_data import EvalPhones, EvalWindows
+from errors import BadInputError
 from models.codec import RVQCodec, dead_code_counts
 from models.codes import code_frames, decode_utterance, encode_batch, length_sorted_batches
 from models.metrics import EvalSums
@@ -62,9 +70,12 @@ def score_utterances(model: RVQCodec, windows: EvalWindows, device: torch.device
     """Sums over this rank's whole held-out utterances picked for the final eval (`windows.whole`): encoded in
     length-sorted batches of at most `batch_frames` padded frames, as tools.encode encodes a split, and decoded
     as `tools.encode decode` does; an utterance with a NaN or Inf frame is left out. between(): before each
-    batch."""
+    batch. With `windows.phones`, each code frame's phone label (that of its first feature frame) is counted with
+    its codes."""
     config = model.config
-    sums = EvalSums(config.feature_dim, config.num_quantizers, config.codebook_size, device)
+    phones = windows.phones
+    sums = EvalSums(config.feature_dim, config.num_quantizers, config.codebook_size, device,
+                    phones=len(phones.phones) if phones is not None else 0)
     store, whole = windows.store, windows.whole
     model.eval()
     try:
@@ -72,10 +83,12 @@ def score_utterances(model: RVQCodec, windows: EvalWindows, device: torch.device
                                            batch_frames):
             if between is not None:
                 between()
-            utterances = [np.asarray(store.utterance(int(whole[i])), dtype=np.float32) for i in batch]
-            utterances = [u for u in utterances if len(u) and np.isfinite(u).all()]
-            for features, codes in zip(utterances, encode_batch(model, utterances, beam_size=beam_size)):
-                add_whole_utterance(sums, model, features, codes, device)
+            utterances = [(i, np.asarray(store.utterance(int(whole[i])), dtype=np.float32)) for i in batch]
+            utterances = [(i, u) for i, u in utterances if len(u) and np.isfinite(u).all()]
+            encoded = encode_batch(model, [u for _, u in utterances], beam_size=beam_size)
+            for (i, features), codes in zip(utterances, encoded):
+                labels = None if phones is None else labels_at_code_rate(phones.labels[i], config.downsample)
+                add_whole_utterance(sums, model, features, codes, device, labels)
     finally:
         model.train()
     return sums
@@ -83,12 +96,14 @@ def score_utterances(model: RVQCodec, windows: EvalWindows, device: torch.device
 
 @torch.no_grad()
 def add_whole_utterance(sums: EvalSums, model: RVQCodec, features: np.ndarray, codes: np.ndarray,
-                        device: torch.device) -> None:
+                        device: torch.device, labels: np.ndarray | None = None) -> None:
     """One whole utterance into `sums`: its codes [T', q] decoded as `tools.encode decode` decodes them (cut back
-    to its T frames), scored against its features [T, D]. The final eval's scoring, and tools.evaluate's."""
+    to its T frames), scored against its features [T, D]. The final eval's scoring, and tools.evaluate's.
+    labels: the phone id of each of its T' code frames, for sums that count phones."""
     reconstruction = decode_utterance(model, codes, len(features))
     sums.add(torch.tensor(np.asarray(features, dtype=np.float32), device=device),
-             torch.from_numpy(reconstruction).to(device), torch.from_numpy(np.asarray(codes, np.int64)).to(device))
+             torch.from_numpy(reconstruction).to(device), torch.from_numpy(np.asarray(codes, np.int64)).to(device),
+             None if labels is None else torch.from_numpy(np.asarray(labels, np.int64)).to(device))
 
 
 def utterance_batches(windows: EvalWindows, downsample: int, batch_frames: int) -> int:
@@ -146,11 +161,37 @@ def evaluate(model: RVQCodec, windows: EvalWindows, ctx: DistContext, *, amp_dty
     log.info("eval at step %d on %s%s: rel_mse %.4f, cosine %.4f, code usage %s, dead codes %s, %.0f bits/frame",
              step, scored, f" (codes from a beam search {beam_size} wide)" if beam_size > 1 else "", result["rel_mse"],
              result["cosine"], result["code_usage"], result["dead_codes"], result["bits_per_frame"])
+    if "pnmi" in result:
+        log.info("eval at step %d, per level against the %d phones of %s: PNMI %s, phone purity %s, cluster purity "
+                 "%s", step, result["phones"], windows.phones.path,
+                 *(", ".join("-" if v is None else f"{v:.4f}" for v in result[key])
+                   for key in ("pnmi", "phone_purity", "cluster_purity")))
     low = [level for level, usage in enumerate(result["code_usage"]) if usage < LOW_USAGE]
     if low:
         log.warning("eval at step %d: level(s) %s use less than %.0f%% of their codes on held-out data (usage %s): "
                     "codebook collapse", step, low, 100 * LOW_USAGE, [result["code_usage"][level] for level in low])
     return result
+
+
+def agree_on_phones(ctx: DistContext, phones: EvalPhones | None) -> None:
+    """Before the first step, on every rank: the held-out split's phone labels are usable and the same file on
+    every rank (the final eval's all-reduce appends a table as wide as their phones), or BadInputError on every
+    rank together (exit 2), naming the first bad utterance as the file's check found it."""
+    mine = None if phones is None else (str(phones.path), phones.digest, phones.error)
+    table = [mine]
+    if ctx.is_distributed:
+        table = [None] * ctx.world_size
+        dist.all_gather_object(table, mine, group=ctx.control)
+    errors = [(rank, found[2]) for rank, found in enumerate(table) if found is not None and found[2]]
+    if errors:
+        rank, error = errors[0]
+        raise BadInputError(error if rank == ctx.rank or not ctx.is_distributed else f"rank {rank}: {error}")
+    differ = [rank for rank, found in enumerate(table) if (found and found[1]) != (table[0] and table[0][1])]
+    if differ:
+        seen = ", ".join(f"rank {r}: {'none' if table[r] is None else table[r][0] + ' sha1 ' + table[r][1][:12]}"
+                         for r in [0, *differ])
+        raise BadInputError(f"the held-out split's phone labels differ between ranks ({seen}): give every node the "
+                            "same file, on a filesystem they share, or none")
 
 
 def skipped(metrics, step: int, failed: list[int]) -> None:
