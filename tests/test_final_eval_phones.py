@@ -9,7 +9,7 @@ import pytest
 
 from models.unit_quality import quality_from_counts, unit_quality
 from tests.helpers import TINY, events, run_gloo_ranks, run_torchrun, run_trainer, trainer_in_process, write_fairseq
-from tools import evaluate
+from tools import evaluate, report
 
 VALID = [50, 37, 64, 45, 33]
 # a short run whose end-of-schedule work is cheap: the final eval scores every held-out utterance whole
@@ -67,6 +67,11 @@ def test_one_rank_run_reports_per_level_pnmi_as_tools_evaluate_scores_it(feats, 
     assert "per level against the 4 phones of" in r.stderr and "PNMI" in r.stderr
     assert all("pnmi" not in e for e in events(run, "eval")[:-1])  # the evals during training: windows, no phones
     assert_final_eval_scores_as_tools_evaluate(feats, run, tmp_path)
+    report.write_report(run, tmp_path / "report")  # the plot per level, and the table's row
+    assert (tmp_path / "report" / report.PHONE_PLOT).is_file()
+    pnmi = ", ".join(f"{v:.3g}" for v in events(run, "eval")[-1]["pnmi"])
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert f"| PNMI per level (final eval at step 3, 4 phones) | {pnmi} |" in text
 
 
 @pytest.mark.timeout(90)

@@ -177,3 +177,28 @@ def test_tensorboard_scalars_per_event_field_and_level(tmp_path):
     assert [(e.step, e.value) for e in scalars.Scalars("train/loss")] == [(1, 0.5), (2, 0.25)]
     assert [(e.step, e.value) for e in scalars.Scalars("eval/code_usage/level_1")] == [(2, 0.5)]
     assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 4  # the JSON log is still written
+
+
+def test_final_evals_with_phone_measures_get_a_plot_per_level_and_rows(tmp_path):
+    from tools import report
+
+    run = tmp_path / "run"
+    write_run(run)
+    log = MetricsLog(run / "metrics.jsonl")
+    for step, pnmi in ((40, [0.41, 0.22, None]), (60, [0.45, 0.25, 0.12])):  # a resumed run's second final eval
+        log.write("eval", step, rel_mse=0.3, cosine=0.8, code_usage=[0.9, 0.9, 0.9], perplexity=[20.0, 21.0, 22.0],
+                  bits_per_frame=15.0, frames=512, scored="whole utterances", beam_size=4, phones=41, pnmi=pnmi,
+                  phone_purity=[0.5, 0.3, 0.2], cluster_purity=[0.1, 0.05, 0.04])
+    log.close()
+    assert report.main([run]) == 0
+    out = run / "report"
+    assert (out / report.PHONE_PLOT).read_bytes().startswith(PNG_SIGNATURE)
+    text = (out / "report.md").read_text()
+    assert "| PNMI per level (final eval at step 60, 41 phones) | 0.45, 0.25, 0.12 |" in text
+    assert "| phone purity per level (same) | 0.5, 0.3, 0.2 |" in text
+    assert f"({report.PHONE_PLOT})" in text
+    plain = tmp_path / "plain"  # a run without phone labels: no plot, no row
+    write_run(plain)
+    assert report.main([plain]) == 0
+    assert not (plain / "report" / report.PHONE_PLOT).exists()
+    assert "PNMI" not in (plain / "report" / "report.md").read_text()

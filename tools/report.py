@@ -10,6 +10,8 @@ RUN_DIR/report/ unless --out says otherwise:
   windows, the final eval on whole utterances (as tools.encode's codes give them), each labelled;
 - codes.png: code usage and perplexity of each level over steps;
 - speed.png: training frames per second (all ranks) over steps;
+- phones.png, when final evals carry phone measures (the run's held-out split had its `{split}.phn`): PNMI,
+  phone purity and cluster purity per level, a line per final eval;
 - report.md: the numbers that matter, the command that gives the run's configuration, and the plots.
 
 A resumed run logs the steps after its last checkpoint twice; the later line
@@ -38,7 +40,11 @@ from training.flag_help import FlagHelpFormatter
 
 log = logging.getLogger("report")
 
-PLOTS = ("loss.png", "eval.png", "codes.png", "speed.png")
+PLOTS = ("loss.png", "eval.png", "codes.png", "speed.png")  # always written
+PHONE_PLOT = "phones.png"  # written when an eval carries phone measures
+PHONE_MEASURES = (("pnmi", "PNMI", "I(phone; code) / H(phone)"),
+                  ("phone_purity", "phone purity", "share of frames: their code's top phone"),
+                  ("cluster_purity", "cluster purity", "share of frames: their phone's top code"))
 
 
 def read_events(path: Path) -> tuple[dict[str, list[dict]], int]:
@@ -206,6 +212,29 @@ def plot_codes(plt, events: dict, path: Path, title: str, codebook_size: int | N
     _save(plt, fig, path, title)
 
 
+def phone_evals(events: dict) -> list[dict]:
+    """The evals that carry phone measures (the final evals of a run whose held-out split has its .phn)."""
+    return [r for r in events.get("eval", []) if isinstance(r.get("pnmi"), list) and r["pnmi"]]
+
+
+def plot_phones(plt, events: dict, path: Path, title: str) -> None:
+    """PNMI and the purities against the level (1: the first), one line per eval that carries them."""
+    evals = phone_evals(events)
+    fig, axes = plt.subplots(1, len(PHONE_MEASURES), figsize=(13, 4.2))
+    colors = plt.get_cmap("plasma")([k / max(1, len(evals) - 1) * 0.8 for k in range(len(evals))])
+    for ax, (key, name, meaning) in zip(axes, PHONE_MEASURES):
+        for record, color in zip(evals, colors):
+            values = [number(v) for v in _list(record.get(key))]
+            ax.plot(range(1, len(values) + 1), values, "o-", ms=5, color=color,
+                    label=f"step {record['step']} ({record.get('phones', '?')} phones)")
+        levels = max((len(_list(r.get(key))) for r in evals), default=1)
+        ax.set_xticks(range(1, levels + 1))
+        ax.set_ylim(0, 1.02)
+        ax.set(title=f"{name} per level", xlabel="level (1: the first)", ylabel=meaning)
+    axes[0].legend(fontsize=8)
+    _save(plt, fig, path, f"{title}: phone information of each level alone (final eval)")
+
+
 def plot_speed(plt, events: dict, path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 3.6))
     steps, fps = series(events.get("train", []), "frames_per_sec")
@@ -259,6 +288,15 @@ def summary(run_dir: Path, events: dict, bad_lines: int, config: dict) -> str:
         ]
     else:
         rows.append(("eval", "no eval events yet"))
+    phones = phone_evals(events)
+    if phones:
+        last = phones[-1]
+        where = f"final eval at step {last['step']}, {last.get('phones', '?')} phones"
+        rows += [(f"PNMI per level ({where})", ", ".join(_fmt(number(v), 3) for v in _list(last.get("pnmi")))),
+                 ("phone purity per level (same)", ", ".join(_fmt(number(v), 3)
+                                                             for v in _list(last.get("phone_purity")))),
+                 ("cluster purity per level (same)", ", ".join(_fmt(number(v), 3)
+                                                               for v in _list(last.get("cluster_purity"))))]
     rows.append(("checkpoints", f"{len(ckpts)}" + (f", last {ckpts[-1].get('path')}" if ckpts else "")))
     rows.append(("skipped steps (non-finite)", str(len(events.get("skipped_step", [])))))
     failed = events.get("eval_failed", [])
@@ -273,6 +311,8 @@ def summary(run_dir: Path, events: dict, bad_lines: int, config: dict) -> str:
                       "afresh; in this one it resumes):", "", "```bash", command, "```"]
     lines += ["", "![training loss](loss.png)", "", "![held-out error](eval.png)", "",
               "![code usage and perplexity per level](codes.png)", "", "![training speed](speed.png)", ""]
+    if phones:
+        lines += [f"![PNMI and purities per level]({PHONE_PLOT})", ""]
     return "\n".join(lines)
 
 
@@ -306,6 +346,8 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     plot_eval(plt, events, out_dir / "eval.png", title)
     plot_codes(plt, events, out_dir / "codes.png", title, config.get("codebook_size"))
     plot_speed(plt, events, out_dir / "speed.png", title)
+    if phone_evals(events):
+        plot_phones(plt, events, out_dir / PHONE_PLOT, title)
     report = out_dir / "report.md"
     # a path in an event may hold a name that is not UTF-8 too (JSON keeps it as a lone surrogate)
     report.write_text(summary(run_dir, events, bad, config), encoding="utf-8", errors="replace")
@@ -322,7 +364,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, help="where to write (default: RUN_DIR/report)")
     args = p.parse_args(None if argv is None else [str(a) for a in argv])
     report = write_report(args.run_dir, args.out)
-    log.info("wrote %s and %s in %s", report.name, ", ".join(PLOTS), report.parent)
+    plots = [*PLOTS, *([PHONE_PLOT] if "](phones.png)" in report.read_text(encoding="utf-8") else [])]
+    log.info("wrote %s and %s in %s", report.name, ", ".join(plots), report.parent)
     return EXIT_OK
 
 
