@@ -204,10 +204,11 @@ class TrainingData:
 def open_training_data(cfg: DataConfig, *, rank: int, world_size: int, seed: int, multiple_of: int,
                        device_type: str, manifest_dir: Path | None = None,
                        save_manifests: bool = True) -> TrainingData:
-    """Find, validate and shard the features; every problem is a BadInputError (exit 2). A read-only folder
-    store's lengths manifest is saved in `manifest_dir` (the output dir) once every check has passed, or, with
-    save_manifests=False, when the caller says (`TrainingData.save_manifests`: the trainer, once its output
-    dir is its own)."""
+    """Find, validate and shard the features; every problem is a BadInputError (exit 2), but for those of the
+    held-out split's phone labels, recorded in `eval.phones` for every rank to agree on (the trainer raises them
+    together: training/evaluate.py agree_on_phones). A read-only folder store's lengths manifest is saved in
+    `manifest_dir` (the output dir) once every check has passed, or, with save_manifests=False, when the caller
+    says (`TrainingData.save_manifests`: the trainer, once its output dir is its own)."""
     data_dir = cfg.data_dir
     if data_dir is None:
         data_dir = ensure_demo_corpus()
