@@ -154,3 +154,35 @@ def test_ranks_agree_on_the_phone_labels_or_all_refuse_them():
         assert "differ refused: the held-out split's phone labels differ between ranks" in out
         assert "one rank has none refused" in out and "rank 1: none" in out
         assert ("bad on rank 0 refused: " + ("" if rank == 0 else "rank 0: ") + "utterance 3: bad") in out
+
+
+@pytest.mark.timeout(30)
+def test_an_utterance_left_out_of_the_final_eval_takes_its_labels_with_it(tmp_path):
+    """An utterance with a NaN frame is not scored: the phone counts hold the labels of the others, at the code
+    rate (downsample 2: each code frame labelled by its first feature frame), one per code frame scored."""
+    import torch
+
+    from data.stores import find_split
+    from data.training_data import EvalPhones, EvalWindows
+    from models.codec import CodecConfig, RVQCodec
+    from training.evaluate import score_utterances
+
+    utterances = write_fairseq(tmp_path, "valid", [9, 12, 7, 10])
+    utterances[1][3, 0] = np.nan
+    np.save(tmp_path / "valid_0_1.npy", np.concatenate(utterances))
+    store = find_split(tmp_path, "valid")
+    rng = np.random.default_rng(2)
+    labels = [rng.integers(0, 3, n) for n in store.lengths]
+    windows = EvalWindows(store, np.zeros(0, np.int64), np.zeros(0, np.int64), 8, whole=np.arange(4),
+                          phones=EvalPhones(tmp_path / "valid.phn", "", phones=["a", "b", "c"], labels=labels))
+    torch.manual_seed(0)
+    model = RVQCodec(CodecConfig(feature_dim=16, latent_dim=8, num_quantizers=2, codebook_size=8, kmeans_init=False,
+                                 downsample=2))
+    sums = score_utterances(model, windows, torch.device("cpu"), batch_frames=24, beam_size=1)
+    scored = np.concatenate([labels[i][::2] for i in (0, 2, 3)])
+    assert int(sums.frames) == 9 + 7 + 10
+    for level in range(2):
+        assert sums.joint[level].sum(1).tolist() == np.bincount(scored, minlength=3).tolist()
+        assert sums.joint[level].sum(0).tolist() == sums.histogram[level].tolist()
+    result = sums.result(2)
+    assert result["phones"] == 3 and len(result["pnmi"]) == 2
