@@ -408,13 +408,13 @@ def test_float16_and_float32_dumps_of_the_same_features_train_alike(tmp_path):
 
 def test_single_process_fallback_command(tmp_path):
     """The README's single-process fallback, on the demo corpus (the default codec; the end-of-schedule refit and
-    a large k-means sample, tested elsewhere, left out to keep the suite short)."""
+    a large k-means sample, a large eval, tested elsewhere, left out to keep the suite short)."""
     out = tmp_path / "run"
-    r = run_trainer(["--batch_size", "64", "--multi_length_training", "--max_steps", "10", "--output_dir", out,
-                     "--refit_iters", "0", "--kmeans_init_frames", "4096", "--eval_frames", "8192"], timeout=280)
+    r = run_trainer(["--batch_size", "64", "--multi_length_training", "--max_steps", "6", "--output_dir", out,
+                     "--refit_iters", "0", "--kmeans_init_frames", "4096", "--eval_frames", "2048"], timeout=280)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "DEMO corpus" in r.stderr
-    assert events(out, "stop")[-1]["step"] == 10
+    assert events(out, "stop")[-1]["step"] == 6
     assert {e["segment_length"] for e in events(out, "train")} <= {64, 128, 256, 512}
 
 

@@ -48,7 +48,7 @@ def test_a_batch_encodes_each_utterance_bit_for_bit_as_alone(downsample):
     rng = np.random.default_rng(downsample)
     model = RVQCodec(CodecConfig(feature_dim=160, downsample=downsample, kmeans_init=False)).eval()
     model.set_feature_stats(torch.randn(160), torch.rand(160) + 0.5)
-    lengths = [0, 1, 2, 3, 5, 8, 17, 64, 129, *rng.integers(1, 300, 9)]
+    lengths = [0, 1, 2, 3, 5, 8, 17, 64, 129, *rng.integers(1, 300, 5)]
     utterances = [(3 * rng.standard_normal((n, 160))).astype(np.float32) for n in lengths]
     alone = [encode_utterance(model, u) for u in utterances]
     assert [len(c) for c in alone] == [-(-n // downsample) for n in lengths]
