@@ -1,4 +1,5 @@
-"""Small audio corpora made on the spot (tones, chirps, noise), and the CLI runner for the pipeline steps."""
+"""Small audio corpora made on the spot (tones, chirps, noise), a tiny random w2v-BERT, and the CLI runner for the
+pipeline steps."""
 from __future__ import annotations
 
 import subprocess
@@ -56,3 +57,15 @@ def run_module(module: str, *args, timeout=120) -> subprocess.CompletedProcess:
     """`python -m module args...` from the repo root, as a user runs a pipeline step."""
     return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=env(), cwd=REPO)
+
+
+def tiny_w2v_bert(folder: Path, seed: int = 0) -> Path:
+    """A random Wav2Vec2BertModel small enough for a CPU test, saved with save_pretrained into `folder`."""
+    import torch
+    from transformers import Wav2Vec2BertConfig, Wav2Vec2BertModel
+
+    torch.manual_seed(seed)
+    config = Wav2Vec2BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                output_hidden_size=32, feature_projection_input_dim=160, conv_depthwise_kernel_size=5)
+    Wav2Vec2BertModel(config).eval().save_pretrained(folder)
+    return folder

@@ -19,7 +19,7 @@ import torch
 from data.dump_writer import publish, shard_range
 from data.feature_settings import dump_feature_settings
 from models.codec import CodecConfig, RVQCodec
-from tests.audio_helpers import CORPUS, write_corpus
+from tests.audio_helpers import CORPUS, tiny_w2v_bert, write_corpus
 from tests.helpers import REPO, TINY, _state, env, run_trainer
 from tools import audio_shard, encode, export, extract, tokenize
 
@@ -35,17 +35,6 @@ CODES = (".codes.npy", ".codes.len", ".codes.tsv", ".km")
 @pytest.fixture(autouse=True)
 def info_logs(caplog):
     caplog.set_level(logging.INFO)
-
-
-def w2v_bert(folder: Path, seed: int) -> Path:
-    """A random Wav2Vec2BertModel small enough for a CPU test, saved with save_pretrained."""
-    from transformers import Wav2Vec2BertConfig, Wav2Vec2BertModel
-
-    torch.manual_seed(seed)
-    config = Wav2Vec2BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                                output_hidden_size=32, feature_projection_input_dim=160, conv_depthwise_kernel_size=5)
-    Wav2Vec2BertModel(config).eval().save_pretrained(folder)
-    return folder
 
 
 def random_codec(path: Path, data_dir: Path) -> Path:
@@ -68,7 +57,7 @@ def corpus(tmp_path_factory):
     c.files = good[:3] + ["bad.wav"] + good[3:]
     samples = {rel: sf.info(str(c.audio / rel)).frames for rel in good}
     c.manifest.write_text(f"{c.audio}\n" + "".join(f"{rel}\t{samples.get(rel, 1)}\n" for rel in c.files))
-    c.w2v = w2v_bert(root / "w2v_bert", seed=0)
+    c.w2v = tiny_w2v_bert(root / "w2v_bert")
     c.fbank_feats, c.w2v_feats = root / "fbank_feats", root / "w2v_feats"
     assert extract.main([c.manifest, "train", 1, 0, c.fbank_feats, *COMMIT]) == 0
     assert extract.main([c.manifest, "train", 1, 0, c.w2v_feats, *COMMIT, *W2V, "--checkpoint", c.w2v]) == 0
@@ -130,7 +119,7 @@ def test_the_trainer_records_the_features_and_export_reads_them(corpus, tmp_path
 def test_a_codec_refuses_to_tokenize_other_features(corpus, tmp_path, caplog):
     c, out = corpus, tmp_path / "out"
     fbank_codec, w2v_codec = ["--checkpoint", c.fbank_run], ["--checkpoint", c.w2v_run]
-    other = w2v_bert(tmp_path / "other_w2v_bert", seed=1)
+    other = tiny_w2v_bert(tmp_path / "other_w2v_bert", seed=1)
     old = tmp_path / "old.pt"  # a checkpoint from before the trainer recorded its features
     state = torch.load(c.w2v_run, weights_only=False)
     torch.save({**state, "config": {}}, old)

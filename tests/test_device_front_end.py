@@ -18,7 +18,7 @@ from data.audio_features import SeamlessFbank
 from data.audio_pipeline import FeatureWindows
 from data.feature_settings import dump_feature_settings
 from models.codec import CodecConfig, RVQCodec
-from tests.audio_helpers import CORPUS, write_corpus
+from tests.audio_helpers import CORPUS, tiny_w2v_bert, write_corpus
 from tests.helpers import REPO, env
 from tools import encode, extract, tokenize
 
@@ -39,16 +39,11 @@ def info_logs(caplog):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """Six short files, a bad one among them, and a tiny random w2v-BERT."""
-    from transformers import Wav2Vec2BertConfig, Wav2Vec2BertModel
-
     root = tmp_path_factory.mktemp("device_front_end")
     audio = root / "audio"
     write_corpus(audio, CORPUS[:6])
     (audio / "bad.wav").write_text("not audio\n" * 20)
-    torch.manual_seed(0)
-    config = Wav2Vec2BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                                output_hidden_size=32, feature_projection_input_dim=160, conv_depthwise_kernel_size=5)
-    Wav2Vec2BertModel(config).eval().save_pretrained(root / "w2v_bert")
+    tiny_w2v_bert(root / "w2v_bert")
     return root
 
 

@@ -13,6 +13,7 @@ from transformers import SeamlessM4TFeatureExtractor
 
 from tools import extract
 from data.stores import find_split
+from tests import audio_helpers
 from tests.audio_helpers import CORPUS, voice_like, write_corpus
 
 pytestmark = pytest.mark.timeout(120)
@@ -165,16 +166,7 @@ def test_a_crash_midway_leaves_no_file_the_trainer_could_read(tmp_path, monkeypa
 
 @pytest.fixture(scope="module")
 def tiny_w2v_bert(tmp_path_factory):
-    """A random Wav2Vec2BertModel small enough for a CPU test, saved with save_pretrained."""
-    import torch
-    from transformers import Wav2Vec2BertConfig, Wav2Vec2BertModel
-
-    torch.manual_seed(0)
-    config = Wav2Vec2BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                                output_hidden_size=32, feature_projection_input_dim=160, conv_depthwise_kernel_size=5)
-    folder = tmp_path_factory.mktemp("w2v_bert")
-    Wav2Vec2BertModel(config).eval().save_pretrained(folder)
-    return folder
+    return audio_helpers.tiny_w2v_bert(tmp_path_factory.mktemp("w2v_bert"))
 
 
 def test_w2v_bert_layer_matches_the_model_chunk_by_chunk(tmp_path, tiny_w2v_bert):
