@@ -57,7 +57,7 @@ from torch.utils.data import DataLoader, Dataset
 from data.audio_features import SAMPLE_RATE, BadAudio, SeamlessFbank, W2vBertLayer, load_audio
 from data.audio_manifest import name_problem, shown_name
 from data.fbank import TorchFbank, feature_frames
-from data.transfers import host_copy, to_device
+from data.transfers import host_copy, to_device, torch_dtype
 from models.codes import length_sorted_batches
 
 WORKER_PREFETCH = 4  # files decoded ahead per worker; the window thread bounds the rest by files and seconds
@@ -181,7 +181,7 @@ class FeatureWindows:
                  device: torch.device | None = None, fbank_on_device: bool | None = None, on_host: bool = True):
         self.root, self.relpaths, self.fbank, self.encoder = root, relpaths, fbank, encoder
         self.dtype, self.num_workers = np.dtype(dtype), num_workers
-        self.torch_dtype = torch.from_numpy(np.zeros(0, self.dtype)).dtype
+        self.torch_dtype = torch_dtype(self.dtype)
         self.commit_files, self.commit_seconds, self.passes = commit_files, commit_seconds, passes
         self.progress, self.weight = progress, weight
         self.device = torch.device(device if device is not None else encoder.device if encoder else "cpu")

@@ -13,6 +13,11 @@ import numpy as np
 import torch
 
 
+def torch_dtype(dtype: np.dtype | str) -> torch.dtype:
+    """The torch dtype of a numpy dtype (float16 -> torch.float16, int16 -> torch.int16, ...)."""
+    return torch.from_numpy(np.zeros(0, dtype)).dtype
+
+
 def to_device(data: torch.Tensor | np.ndarray, device: torch.device) -> torch.Tensor:
     """`data` (a tensor, or a host array) on `device`; from the host to a GPU through pinned memory, not blocking."""
     tensor = data if isinstance(data, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(data))

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from data.transfers import to_device
+from data.transfers import to_device, torch_dtype
 from models.codec import RVQCodec
 
 TAIL_PADDING = "each utterance's tail is padded by repeating its last frame to a multiple of downsample"
@@ -132,8 +132,7 @@ def encode_in_batches(model: RVQCodec, store, num_quantizers: int, batch_frames:
     s = model.config.downsample
     lengths = code_frames(store.lengths, s)
     firsts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    torch_dtype = torch.from_numpy(np.zeros(0, dtype)).dtype
-    out = torch.empty(int(lengths.sum()), num_quantizers, dtype=torch_dtype, device=model.feature_mean.device)
+    out = torch.empty(int(lengths.sum()), num_quantizers, dtype=torch_dtype(dtype), device=model.feature_mean.device)
     for batch in length_sorted_batches(lengths * s, batch_frames):
         codes, _ = encode_rows(model, [store.utterance(int(i)) for i in batch], num_quantizers, beam_size)
         for row, i in enumerate(batch):

@@ -84,8 +84,9 @@ def add_input_args(p: argparse.ArgumentParser) -> None:
                         "run side by side), cpu, cuda:1 ...")
     p.add_argument("--num_workers", type=int,
                    help="processes reading and resampling audio ahead of the model, and on a CPU turning it into "
-                        "fbank (a GPU computes the fbank itself) (0: a thread of this process); default: the CPUs this process may use, shared among a "
-                        "launcher's processes on the node (LOCAL_WORLD_SIZE), less one for the model")
+                        "fbank (a GPU computes the fbank itself) (0: a thread of this process); default: the CPUs "
+                        "this process may use, shared among a launcher's processes on the node (LOCAL_WORLD_SIZE), "
+                        "less one for the model")
     p.add_argument("--batch_seconds", type=float,
                    help="w2v-bert: padded audio per forward pass at most (rows x the longest chunk; a longer chunk "
                         "goes alone); a window's chunks, sorted by length, are cut into the passes that cost least, "

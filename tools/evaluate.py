@@ -1,7 +1,8 @@
 """How good a trained codec is, on whole utterances of a split, with the codes tools.encode writes.
 
     python -m tools.evaluate --checkpoint RUN --data_dir FEATS --split valid
-    python -m tools.evaluate --checkpoint RUN --data_dir FEATS --split valid --alignments valid.phn --baseline kmeans --json eval.json
+    python -m tools.evaluate --checkpoint RUN --data_dir FEATS --split valid --alignments valid.phn \\
+        --baseline kmeans --json eval.json
 
 Every utterance of the split is encoded as tools.encode encodes it (models/codes.py encode_in_batches: the same
 beam, the same length-sorted batches, the same codes bit for bit) and decoded as `tools.encode decode` does, then
@@ -44,6 +45,7 @@ from tqdm import tqdm
 
 from data.alignments import Alignments, labels_at_code_rate, read_alignments, utterance_names
 from data.audio_features import FRAME_RATE
+from data.dump_writer import write_temporary
 from data.feature_settings import dump_feature_settings
 from data.stores import FeatureStore, find_split, missing_split
 from errors import EXIT_OK, BadInputError
@@ -94,8 +96,8 @@ def encode_split(spec: CodesSpec, store: FeatureStore) -> np.ndarray:
 
 
 def score(args, spec: CodesSpec, store: FeatureStore, codes: np.ndarray, alignments: Alignments | None,
-          centroids: torch.Tensor | None, device: torch.device) -> dict:
-    """Every figure of the printout and the JSON."""
+          centroids: torch.Tensor | None, fitted: dict | None, device: torch.device) -> dict:
+    """Every figure of the printout and the JSON; `fitted`: how the k-means baseline's `centroids` were fitted."""
     config = spec.model.config
     s = config.downsample
     lengths = code_frames(store.lengths, s)
@@ -141,9 +143,7 @@ def score(args, spec: CodesSpec, store: FeatureStore, codes: np.ndarray, alignme
     result["levels"] = levels
     if baseline is not None:
         mapped = baseline.result(1)
-        result["baseline"] = {"method": "kmeans", "clusters": config.codebook_size, "split": args.baseline_split,
-                              "train_frames": args.kmeans_frames, "iterations": KMEANS_ITERS, "seed": args.seed,
-                              "rel_mse": mapped["rel_mse"], "cosine": mapped["cosine"],
+        result["baseline"] = {**fitted, "rel_mse": mapped["rel_mse"], "cosine": mapped["cosine"],
                               "bits_per_frame": math.log2(config.codebook_size), "usage": mapped["code_usage"][0],
                               "perplexity": mapped["perplexity"][0]}
         if alignments is not None:
@@ -186,12 +186,6 @@ def printout(result: dict) -> str:
     return "\n".join(lines)
 
 
-def write_json(path: Path, result: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
 def evaluate_codec(args) -> int:
     if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):
         raise BadInputError(f"--json {args.json}: give a file in a folder that exists")
@@ -208,11 +202,12 @@ def evaluate_codec(args) -> int:
         log.info("%s: %d phones over %d utterances, at %g frames/s", alignments.source, len(alignments.phones),
                  len(alignments.labels), rate)
     train = open_baseline_split(args, store.dim) if args.baseline else None
-    centroids = None
+    centroids = fitted = None
     if train is not None:
         size = model.config.codebook_size
         sample = kmeans_sample(train, size, args.seed)
-        args.kmeans_frames = len(sample)
+        fitted = {"method": "kmeans", "clusters": size, "split": args.baseline_split, "train_frames": len(sample),
+                  "iterations": KMEANS_ITERS, "seed": args.seed}
         log.info("k-means baseline: %d clusters on %d frames of %s (seed %d), k-means++ then %d Lloyd iterations",
                  size, len(sample), train.description, args.seed, KMEANS_ITERS)
         with tqdm(total=KMEANS_ITERS + 1, desc="k-means", unit="iter", dynamic_ncols=True, mininterval=1.0) as bar:
@@ -220,10 +215,10 @@ def evaluate_codec(args) -> int:
     log.info("%s: %d utterances, %d frames, %s", store.description, len(store), store.total_frames,
              describe_codes(spec))
     codes = encode_split(spec, store)
-    result = score(args, spec, store, codes, alignments, centroids, device)
+    result = score(args, spec, store, codes, alignments, centroids, fitted, device)
     print(printout(result), flush=True)
     if args.json is not None:
-        write_json(args.json, result)
+        os.replace(write_temporary(args.json, json.dumps(result, indent=1) + "\n"), args.json)
         log.info("wrote %s", args.json)
     log.info("finished successfully")
     return EXIT_OK

@@ -9,9 +9,10 @@ The input is a fairseq manifest (first line the root folder, then `relpath<TAB>n
 folder searched for .wav, .flac and .ogg files (data/audio_manifest.py). Rank RANK of NSHARD takes its
 contiguous share of the files, as in fairseq's examples/hubert/simple_kmeans (under torchrun, each process
 its part of that share: tools/audio_shard.py). The audio is read by --num_workers processes ahead of
-the model, which turn it into fbank too on a CPU (on a GPU the device computes it); the features (`fbank`: the Seamless front-end, 160-d; `w2v-bert`: a
-Wav2Vec2BertModel layer, in chunks of at most --max_chunk_seconds, length-sorted into passes of
---batch_seconds) are data/audio_pipeline.py's; --device and --precision are resolved by training/device.py.
+the model, which turn it into fbank too on a CPU (on a GPU the device computes it); the features (`fbank`:
+the Seamless front-end, 160-d; `w2v-bert`: a Wav2Vec2BertModel layer, in chunks of at most
+--max_chunk_seconds, length-sorted into passes of --batch_seconds) are data/audio_pipeline.py's; --device
+and --precision are resolved by training/device.py.
 The fbank (the features themselves, or w2v-BERT's input) is computed by --front_end: `torch` (data/fbank.py)
 or `transformers` (SeamlessM4TFeatureExtractor), the same features within 1e-4 (data/feature_settings.py);
 NAME.json records which.
