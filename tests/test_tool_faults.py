@@ -20,6 +20,9 @@ from tests.helpers import REPO, _state, env
 from tools import audio_shard, extract
 
 SHARD = "train_0_1"
+# longer than the tool reads ahead (files the window thread, the writer's queue and the workers hold: about 20 at
+# --commit_files 2), so that a stop at an early commit finds the workers still decoding
+LONG_CORPUS = [(f"r{copy}/{rel}", *rest) for copy in range(4) for rel, *rest in CORPUS]
 DUMP = (".npy", ".len", ".tsv", ".skipped", ".json")
 
 
@@ -31,7 +34,7 @@ def info_logs(caplog):
 @pytest.fixture(scope="module")
 def audio(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tool_faults") / "audio"
-    write_corpus(folder, CORPUS)
+    write_corpus(folder, LONG_CORPUS)
     return folder
 
 
@@ -93,7 +96,7 @@ def test_a_sigkilled_main_process_leaves_no_worker_and_the_same_command_resumes(
     again = tool(args, env=env())
     _, err = again.communicate(timeout=90)
     assert again.returncode == 0, err[-3000:]
-    assert "resuming at file 2 of 10" in err
+    assert f"resuming at file 2 of {len(LONG_CORPUS)}" in err
     assert dump_bytes(out) == dump_bytes(unbroken)
 
 
@@ -226,12 +229,12 @@ def test_a_full_disk_ends_in_one_line_exit_1_and_the_same_command_resumes(limit,
     assert "its array needs about" in lines[0] and "run the same command again" in lines[0]
     assert ("ulimit -f" in lines[0]) == (limit == "file-size limit")
     committed = json.loads((out / f"{SHARD}.progress").read_text())["done"]
-    assert 2 <= committed < len(CORPUS) and not (out / f"{SHARD}.npy").exists()
+    assert 2 <= committed < len(LONG_CORPUS) and not (out / f"{SHARD}.npy").exists()
     if limit == "full file system":
         resize(out, 16 * size)  # space freed
     caplog.clear()
     assert extract.main(args) == 0
-    assert f"resuming at file {committed} of 10" in caplog.text
+    assert f"resuming at file {committed} of {len(LONG_CORPUS)}" in caplog.text
     assert dump_bytes(out) == dump_bytes(unbroken)
 
 
