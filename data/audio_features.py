@@ -23,6 +23,7 @@ import os
 import struct
 import threading
 from collections.abc import Callable
+from typing import BinaryIO
 from pathlib import Path
 
 import numpy as np
@@ -43,44 +44,62 @@ class BadAudio(Exception):
     """This file cannot be extracted; the message is the reason shown in the skipped list."""
 
 
-def wav_truncation(path: Path) -> str | None:
-    """Why a RIFF/WAVE file is cut short, or None. libsndfile reads such a file without complaint."""
-    with open(path, "rb") as f:
-        head = f.read(12)
-        if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+def wav_truncation(f: BinaryIO) -> str | None:
+    """Why a RIFF/WAVE file (a seekable binary file, read from its start) is cut short, or None. libsndfile reads
+    such a file without complaint."""
+    f.seek(0)
+    head = f.read(12)
+    if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+        return None
+    size = f.seek(0, os.SEEK_END)
+    f.seek(12)
+    while True:
+        chunk = f.read(8)
+        if len(chunk) < 8:
+            return None  # no data chunk: libsndfile refuses the file itself
+        name, length = chunk[:4], struct.unpack("<I", chunk[4:])[0]
+        if name == b"data":
+            available = size - f.tell()
+            # 0 and 0xFFFFFFFF are the placeholders of writers that never went back to fill in the size
+            if 0 < length < 0xFFFFFFFF and length > available:
+                return f"truncated: the header declares {length} bytes of audio, the file holds {available}"
             return None
-        size = os.fstat(f.fileno()).st_size
-        while True:
-            chunk = f.read(8)
-            if len(chunk) < 8:
-                return None  # no data chunk: libsndfile refuses the file itself
-            name, length = chunk[:4], struct.unpack("<I", chunk[4:])[0]
-            if name == b"data":
-                available = size - f.tell()
-                # 0 and 0xFFFFFFFF are the placeholders of writers that never went back to fill in the size
-                if 0 < length < 0xFFFFFFFF and length > available:
-                    return f"truncated: the header declares {length} bytes of audio, the file holds {available}"
-                return None
-            f.seek(length + (length & 1), os.SEEK_CUR)
+        f.seek(length + (length & 1), os.SEEK_CUR)
 
 
 def load_audio(path: Path) -> np.ndarray:
-    """Mono float32 samples at 16 kHz; BadAudio when the file cannot serve."""
-    import soundfile as sf
-    import soxr
-
+    """Mono float32 samples at 16 kHz of an audio file; BadAudio when the file cannot serve."""
     if not path.is_file():
         raise BadAudio("missing: no such file")
-    if path.stat().st_size == 0:
+    with open(path, "rb") as f:
+        return read_audio(f, path.suffix)
+
+
+def read_audio(f: BinaryIO, suffix: str) -> np.ndarray:
+    """Mono float32 samples at 16 kHz of the audio file `f` holds (a file, or an archive's member as bytes), named
+    `suffix` (.wav: checked for truncation); BadAudio when it cannot serve."""
+    import soundfile as sf
+
+    if f.seek(0, os.SEEK_END) == 0:
         raise BadAudio("empty file (0 bytes)")
+    f.seek(0)
     try:
-        data, rate = sf.read(str(path), dtype="float32", always_2d=True)
+        data, rate = sf.read(f, dtype="float32", always_2d=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file is skipped and named
-        raise BadAudio(f"unreadable: {e}") from None
+        # libsndfile's own words: the message itself names the file object, a different one in each run
+        raise BadAudio(f"unreadable: {getattr(e, 'error_string', None) or e}") from None
     if data.shape[0] == 0:
         raise BadAudio("empty: no samples")
-    if path.suffix.lower() == ".wav" and (cut := wav_truncation(path)):
+    if suffix.lower() == ".wav" and (cut := wav_truncation(f)):
         raise BadAudio(cut)
+    return model_input(data, rate)
+
+
+def model_input(data: np.ndarray, rate: int) -> np.ndarray:
+    """[samples, channels] float32 at `rate` -> mono float32 samples at 16 kHz (the channels averaged, soxr's
+    resampling); BadAudio when they are not finite or too short for a frame."""
+    import soxr
+
     wave = data.mean(axis=1) if data.shape[1] > 1 else data[:, 0]
     if rate != SAMPLE_RATE:
         wave = soxr.resample(wave, rate, SAMPLE_RATE).astype(np.float32, copy=False)

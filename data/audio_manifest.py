@@ -62,20 +62,6 @@ def list_audio_folder(folder: Path) -> list[str]:
     return found
 
 
-def audio_files(source: Path) -> tuple[Path, list[str]]:
-    """(root, relpaths) of a manifest, or of the audio files under a folder, in order."""
-    if not source.exists():
-        raise BadInputError(f"{source} does not exist: give a fairseq manifest (.tsv) or a folder of audio files")
-    if source.is_dir():
-        return source.resolve(), list_audio_folder(source)
-    return read_manifest(source)
-
-
-def manifest_text(root: str | Path, lines: Iterable[str]) -> str:
-    """A manifest's text from its root and its `relpath<TAB>num_samples` lines."""
-    return "".join(manifest_lines(root, lines))
-
-
 def manifest_lines(root: str | Path, lines: Iterable[str]) -> Iterator[str]:
     """A manifest's text line by line (newline included): its root, then its `relpath<TAB>num_samples` lines."""
     yield f"{root}\n"

@@ -48,14 +48,14 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from data.audio_features import SAMPLE_RATE, BadAudio, SeamlessFbank, W2vBertLayer, load_audio
+from data.audio_features import SAMPLE_RATE, BadAudio, SeamlessFbank, W2vBertLayer
 from data.audio_manifest import name_problem, shown_name
+from data.audio_sources import Utterances, read_group
 from data.fbank import TorchFbank, feature_frames
 from data.transfers import host_copy, to_device, torch_dtype
 from models.codes import length_sorted_batches
@@ -67,10 +67,10 @@ DEVICE_FBANK_SECONDS = 600.0  # padded audio per batch of the fbank on the devic
 
 @dataclass
 class AudioFile:
-    """One file of the shard: `features` once computed, or `skipped` with the reason."""
+    """One utterance of the shard (a file of a folder): `features` once computed, or `skipped` with the reason."""
 
-    index: int  # its position in the shard's file list
-    rel: str
+    index: int  # its position in the shard's list
+    key: str  # its name in the outputs (data/audio_sources.py)
     samples: int = 0  # at 16 kHz
     wave: np.ndarray | None = field(default=None, repr=False)  # decoded, for the fbank on the device
     fbank: np.ndarray | None = field(default=None, repr=False)
@@ -80,7 +80,7 @@ class AudioFile:
     @property
     def skip_line(self) -> str:
         """Its line in a `.skipped` list: the name (escaped where a line cannot hold it), a tab, the reason."""
-        return f"{shown_name(self.rel)}\t{self.skipped}\n"
+        return f"{shown_name(self.key)}\t{self.skipped}\n"
 
 
 @dataclass
@@ -115,31 +115,41 @@ def cut_windows(files: Iterable[AudioFile], commit_files: int, commit_seconds: f
 
 
 class DecodedFiles(Dataset):
-    """Item k: file first + k, read and turned into the Seamless fbank (what a DataLoader worker runs); with no
-    `fbank`, read only (its `wave`), for the device to compute the fbank."""
+    """Item g: the g-th run of utterances from `first` on (Utterances.groups: one, or a parquet row group's rows),
+    each read and turned into the Seamless fbank (what a DataLoader worker runs); with no `fbank`, read only (its
+    `wave`), for the device to compute the fbank."""
 
-    def __init__(self, root: Path, relpaths: list[str], first: int, fbank: SeamlessFbank | None):
-        self.root, self.relpaths, self.first, self.fbank = root, relpaths, first, fbank
+    def __init__(self, utterances: Utterances, first: int, fbank: SeamlessFbank | None):
+        self.keys, self.entries, self.reader = utterances.keys, utterances.entries, utterances.reader
+        self.runs, self.fbank = utterances.groups(first), fbank
 
     def __len__(self) -> int:
-        return len(self.relpaths) - self.first
+        return len(self.runs)
 
-    def __getitem__(self, k: int) -> AudioFile:
-        index = self.first + k
-        item = AudioFile(index, self.relpaths[index])
-        item.skipped = name_problem(item.rel)
-        if item.skipped:
-            return item
-        try:
-            wave = load_audio(self.root / item.rel)
-            item.samples = len(wave)
-            if self.fbank is None:
-                item.wave = wave
-            else:
-                item.fbank = self.fbank(wave)
-        except BadAudio as e:
-            item.skipped = str(e)
-        return item
+    def __getitem__(self, g: int) -> list[AudioFile]:
+        start, end = self.runs[g]
+        items = [AudioFile(index, self.keys[index]) for index in range(start, end)]
+        for item in items:
+            item.skipped = name_problem(item.key)
+        readable = [item for item in items if not item.skipped]
+        for item, wave in zip(readable, read_group(self.reader, [self.entries[i.index] for i in readable]),
+                              strict=True):
+            try:
+                if isinstance(wave, BadAudio):
+                    raise wave
+                item.samples = len(wave)
+                if self.fbank is None:
+                    item.wave = wave
+                else:
+                    item.fbank = self.fbank(wave)
+            except BadAudio as e:
+                item.skipped = str(e)
+        return items
+
+
+def prefetch(decoded: DecodedFiles) -> int:
+    """Runs each worker decodes ahead: WORKER_PREFETCH files, or 2 runs of a parquet row group's rows."""
+    return 2 if getattr(decoded.reader, "group", None) else WORKER_PREFETCH
 
 
 def _as_is(item):
@@ -164,7 +174,8 @@ def end_with_parent(parent: int, worker_id: int) -> None:
 
 
 class FeatureWindows:
-    """The shard's files `relpaths` under `root` as windows of features: `windows(first)` from file `first` on.
+    """The shard's `utterances` (data/audio_sources.py) as windows of features: `windows(first)` from utterance
+    `first` on.
 
     encoder: a W2vBertLayer, or None for the fbank itself; passes: W2vBertLayer's grouping of a window's chunks
     into forward passes. progress(files) is called as work is done, with the share of files done (fractions
@@ -174,12 +185,12 @@ class FeatureWindows:
     file's `features` an array on the host, after `window.ready()`; else a tensor on the device (tools.tokenize
     encodes them there), in the dump's dtype either way."""
 
-    def __init__(self, root: Path, relpaths: list[str], *, fbank: SeamlessFbank, encoder: W2vBertLayer | None,
+    def __init__(self, utterances: Utterances, *, fbank: SeamlessFbank, encoder: W2vBertLayer | None,
                  dtype: str, num_workers: int, commit_files: int, commit_seconds: float,
                  passes: Callable[[np.ndarray], list[np.ndarray]] | None = None,
                  progress: Callable[[float], None] = lambda files: None, weight: float = 1.0,
                  device: torch.device | None = None, fbank_on_device: bool | None = None, on_host: bool = True):
-        self.root, self.relpaths, self.fbank, self.encoder = root, relpaths, fbank, encoder
+        self.utterances, self.fbank, self.encoder = utterances, fbank, encoder
         self.dtype, self.num_workers = np.dtype(dtype), num_workers
         self.torch_dtype = torch_dtype(self.dtype)
         self.commit_files, self.commit_seconds, self.passes = commit_files, commit_seconds, passes
@@ -197,12 +208,12 @@ class FeatureWindows:
     def windows(self, first: int) -> Iterator[Window]:
         """Windows of files first.. to the end, each with every file's features or skip reason (on the host once
         `ready()`)."""
-        if first >= len(self.relpaths):
+        if first >= len(self.utterances.keys):
             return
-        decoded = DecodedFiles(self.root, self.relpaths, first, None if self.device_fbank else self.fbank)
+        decoded = DecodedFiles(self.utterances, first, None if self.device_fbank else self.fbank)
         loader = DataLoader(decoded, batch_size=None,
                             num_workers=self.num_workers, collate_fn=_as_is,
-                            prefetch_factor=WORKER_PREFETCH if self.num_workers else None,
+                            prefetch_factor=prefetch(decoded) if self.num_workers else None,
                             worker_init_fn=functools.partial(end_with_parent, os.getpid()),
                             multiprocessing_context=WORKER_START if self.num_workers else None)
         ahead = WindowThread(iter(loader), self._cut)  # the workers start here, on the caller's thread
@@ -218,16 +229,17 @@ class FeatureWindows:
         finally:
             ahead.stop()
 
-    def _cut(self, files: Iterator[AudioFile]) -> Iterator[Window]:
+    def _cut(self, files: Iterator[list[AudioFile]]) -> Iterator[Window]:
         """Decoded files -> windows (on the window thread)."""
         return cut_windows(self._counted(files), self.commit_files, self.commit_seconds)
 
-    def _counted(self, files: Iterator[AudioFile]) -> Iterator[AudioFile]:
-        for item in files:
-            self.audio_seconds += item.samples / SAMPLE_RATE
-            if self.encoder is None:
-                self.progress(self.weight)  # the fbank is the feature: this file is done
-            yield item
+    def _counted(self, files: Iterator[list[AudioFile]]) -> Iterator[AudioFile]:
+        for run in files:
+            for item in run:
+                self.audio_seconds += item.samples / SAMPLE_RATE
+                if self.encoder is None:
+                    self.progress(self.weight)  # the fbank is the feature: this file is done
+                yield item
 
     def _compute(self, window: Window) -> None:
         """Every readable file's features as the dump's dtype stores them, packed in one tensor on the device and

@@ -17,9 +17,7 @@ import soundfile as sf
 import torch
 
 from data.dump_writer import publish, shard_range
-from data.feature_settings import dump_feature_settings
-from models.codec import CodecConfig, RVQCodec
-from tests.audio_helpers import CORPUS, tiny_w2v_bert, write_corpus
+from tests.audio_helpers import CORPUS, random_codec, tiny_w2v_bert, write_corpus
 from tests.helpers import REPO, TINY, _state, env, run_trainer
 from tools import audio_shard, encode, export, extract, tokenize
 
@@ -35,15 +33,6 @@ CODES = (".codes.npy", ".codes.len", ".codes.tsv", ".km")
 @pytest.fixture(autouse=True)
 def info_logs(caplog):
     caplog.set_level(logging.INFO)
-
-
-def random_codec(path: Path, data_dir: Path) -> Path:
-    """A checkpoint of an untrained codec for the features of `data_dir`, recording them as the trainer does."""
-    torch.manual_seed(0)
-    config = CodecConfig(feature_dim=32, latent_dim=16, num_quantizers=2, codebook_size=16, kmeans_init=False)
-    torch.save({"model": RVQCodec(config).state_dict(), "codec": config.to_dict(), "step": 0,
-                "config": {"features": dump_feature_settings(data_dir, "train")}}, path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import torch
 from data import audio_pipeline
 from data.audio_features import SeamlessFbank
 from data.audio_pipeline import FeatureWindows
+from data.audio_sources import Utterances
 from data.feature_settings import dump_feature_settings
 from models.codec import CodecConfig, RVQCodec
 from tests.audio_helpers import CORPUS, tiny_w2v_bert, write_corpus
@@ -85,7 +86,7 @@ def test_a_window_gets_the_devices_fbank_and_each_file_its_own(corpus, device):
     relpaths = sorted(p.name for p in (corpus / "audio").iterdir() if p.name != "bad.wav")
     windows = {}
     for on_device in (False, True):
-        pipeline = FeatureWindows(corpus / "audio", relpaths, fbank=SeamlessFbank(None), encoder=None,
+        pipeline = FeatureWindows(Utterances.files(corpus / "audio", relpaths), fbank=SeamlessFbank(None), encoder=None,
                                   dtype="float16", num_workers=0, commit_files=4, commit_seconds=1e9,
                                   device=torch.device(device), fbank_on_device=on_device)
         windows[on_device] = list(pipeline.windows(0))
@@ -98,8 +99,9 @@ def test_a_window_gets_the_devices_fbank_and_each_file_its_own(corpus, device):
             np.testing.assert_allclose(g.features.astype(np.float32), w.features.astype(np.float32), rtol=2e-3,
                                        atol=1e-4)  # one float16 step at most
     with pytest.raises(ValueError, match="transformers front-end cannot run on the device"):
-        FeatureWindows(corpus / "audio", relpaths, fbank=SeamlessFbank(None, "transformers"), encoder=None,
-                       dtype="float32", num_workers=0, commit_files=4, commit_seconds=1e9, fbank_on_device=True)
+        FeatureWindows(Utterances.files(corpus / "audio", relpaths), fbank=SeamlessFbank(None, "transformers"),
+                       encoder=None, dtype="float32", num_workers=0, commit_files=4, commit_seconds=1e9,
+                       fbank_on_device=True)
 
 
 @pytest.mark.timeout(120)

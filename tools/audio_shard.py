@@ -25,11 +25,9 @@ import torch
 from tqdm import tqdm
 
 from data.audio_features import FRAME_RATE
-from data.audio_manifest import audio_files
+from data.audio_sources import AUDIO_COLUMN, AUDIO_EXTENSIONS, KEY_COLUMNS, SourceFlags, Utterances, source_share
 from data.audio_pipeline import FeatureWindows, Window
-from data.dump_writer import shard_range
 from data.resumable_shard import ShardWriter
-from errors import BadInputError
 from models.codes import least_cost_passes, length_sorted_batches
 from training.device import shard_device
 from training.faults import FaultInjector
@@ -52,29 +50,45 @@ PASS_FLAGS = ("batch_seconds", "commit_files", "commit_seconds")
 
 @dataclass
 class AudioShare:
-    """This process's files: `relpaths` under `root`, files start..end-1 of the source's `total`."""
+    """This process's utterances (data/audio_sources.py): units start..end-1 of the source's `total`."""
 
-    root: Path
-    relpaths: list[str]
-    start: int
-    end: int
-    total: int
+    utterances: Utterances
     nshard: int
     rank: int
     local_rank: int  # which of the node's GPUs: LOCAL_RANK under a launcher, else RANK
 
     @property
+    def root(self) -> str:
+        return self.utterances.root
+
+    @property
+    def keys(self) -> list[str]:
+        return self.utterances.keys
+
+    @property
     def settings(self) -> dict:
-        """What a shard written from this share is checked against when it is resumed or found finished."""
-        listed = hashlib.sha256("\n".join(self.relpaths).encode("utf-8", "surrogateescape")).hexdigest()[:16]
-        return {"root": str(self.root), "nshard": self.nshard, "rank": self.rank, "first_file": self.start,
-                "files": len(self.relpaths), "file_list": f"sha256:{listed}"}
+        """What a shard written from this share is checked against when it is resumed or found finished (a folder's
+        or a manifest's as before other sources were read)."""
+        u = self.utterances
+        listed = hashlib.sha256("\n".join(u.keys).encode("utf-8", "surrogateescape")).hexdigest()[:16]
+        kind = {} if u.kind in ("folder", "manifest") else {"source_kind": u.kind}
+        return {"root": u.root, **kind, "nshard": self.nshard, "rank": self.rank, "first_file": u.start,
+                "files": len(u.keys), "file_list": f"sha256:{listed}"}
+
+    def describe(self) -> str:
+        """The share, for the log: `files 0-4 of 10`, `tar files 2-3 of 8 (412 utterances)`."""
+        u = self.utterances
+        counted = "" if u.unit == "file" else f" ({len(u.keys)} {u.noun}s)"
+        return f"{u.unit}s {u.start}-{u.end - 1} of {u.total}{counted}"
 
 
 def add_input_args(p: argparse.ArgumentParser) -> None:
     """The positionals SOURCE SPLIT NSHARD RANK OUT_DIR and the input pipeline's flags."""
-    p.add_argument("source", type=Path, help="a fairseq manifest (.tsv: root line, then relpath<TAB>num_samples) "
-                                             "or a folder of .wav/.flac/.ogg files")
+    p.add_argument("source", type=Path,
+                   help="a folder of .wav/.flac/.ogg files, a fairseq manifest (.tsv: root line, then "
+                        "relpath<TAB>num_samples), WebDataset tar shards (a .tar, a brace pattern such as "
+                        "'shards/train-{000000..000099}.tar', or a folder of .tar files), Hugging Face parquet (a "
+                        "folder of .parquet files, or a save_to_disk folder), or a Lhotse CutSet (.jsonl[.gz])")
     p.add_argument("split", help="name of the split written, e.g. train or valid")
     p.add_argument("nshard", type=int, help="number of shards the file list is cut into")
     p.add_argument("rank", type=int, help="which shard this process writes (0 .. nshard-1)")
@@ -100,6 +114,14 @@ def add_input_args(p: argparse.ArgumentParser) -> None:
                    help="audio per commit at most: a commit comes after this much audio or --commit_files files; "
                         "w2v-bert's passes are full and little padded when it is several times --batch_seconds; "
                         "default: " + ", ".join(f"{s:g} on {d}" for d, s in COMMIT_SECONDS.items()))
+    p.add_argument("--audio_ext",
+                   help="WebDataset shards: the extension of a sample's audio member (default: its first member "
+                        f"of {', '.join('.' + e for e in AUDIO_EXTENSIONS)})")
+    p.add_argument("--audio_column", default=AUDIO_COLUMN,
+                   help="parquet: the Audio column ({bytes, path} per row)")
+    p.add_argument("--key_column",
+                   help="parquet: the column that names each utterance in the outputs (default: the first of "
+                        f"{', '.join(KEY_COLUMNS)} the table has, else file:row)")
     p.add_argument("--overwrite", action="store_true",
                    help="delete the shard's output, finished or partial, and write it from the start")
 
@@ -149,14 +171,10 @@ def launched_shard(nshard: int, rank: int) -> tuple[int, int, int]:
 
 
 def audio_share(args: argparse.Namespace) -> AudioShare:
-    """This process's files; BadInputError for a missing or empty source, or an empty share."""
-    root, entries = audio_files(args.source)
+    """This process's utterances; BadInputError for a missing, empty or unknown source, or an empty share."""
     nshard, rank, local_rank = launched_shard(args.nshard, args.rank)
-    start, end = shard_range(len(entries), nshard, rank)
-    if start == end:
-        raise BadInputError(f"shard {rank} of {nshard} is empty: {args.source} lists only {len(entries)} file(s); "
-                            "use fewer shards")
-    return AudioShare(root, entries[start:end], start, end, len(entries), nshard, rank, local_rank)
+    flags = SourceFlags(args.audio_ext, args.audio_column, args.key_column)
+    return AudioShare(source_share(args.source, nshard, rank, flags), nshard, rank, local_rank)
 
 
 def model_device(flag: str, share: AudioShare) -> torch.device:
@@ -214,9 +232,11 @@ def shard_passes(settings: dict) -> Callable[[np.ndarray], list[np.ndarray]]:
 
 
 def progress_bar(desc: str, share: AudioShare, done: int) -> tqdm:
-    """A bar over the share's files that moves with each forward pass (a file of k chunks: 1/k per chunk)."""
-    return tqdm(total=len(share.relpaths), initial=done, desc=desc, unit="file", dynamic_ncols=True, mininterval=1.0,
-                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total} files [{elapsed}<{remaining}{postfix}]")
+    """A bar over the share's utterances that moves with each forward pass (one of k chunks: 1/k per chunk)."""
+    noun = share.utterances.noun
+    return tqdm(total=len(share.keys), initial=done, desc=desc, unit=noun, dynamic_ncols=True, mininterval=1.0,
+                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total} " + noun
+                           + "s [{elapsed}<{remaining}{postfix}]")
 
 
 def write_windows(pipeline: FeatureWindows, writer: ShardWriter, write: Callable[[Window, object], None],
@@ -282,7 +302,7 @@ def written_lengths(log: logging.Logger, writer: ShardWriter, share: AudioShare,
     if not written:
         writer.discard()
         log.error("nothing written: all %d file(s) of shard %d/%d were skipped (reasons above)",
-                  len(share.relpaths), share.rank, share.nshard)
+                  len(share.keys), share.rank, share.nshard)
         return None
     return written, skips
 

@@ -5,9 +5,11 @@
         --checkpoint /models/w2v-bert-2.0 --layer 17
     torchrun --nproc_per_node 8 -m tools.extract MANIFEST_OR_DIR SPLIT 1 0 OUT_DIR ...   # one shard per GPU
 
-The input is a fairseq manifest (first line the root folder, then `relpath<TAB>num_samples` per line) or a
-folder searched for .wav, .flac and .ogg files (data/audio_manifest.py). Rank RANK of NSHARD takes its
-contiguous share of the files, as in fairseq's examples/hubert/simple_kmeans (under torchrun, each process
+The input is a fairseq manifest (first line the root folder, then `relpath<TAB>num_samples` per line), a
+folder searched for .wav, .flac and .ogg files (data/audio_manifest.py), or the corpus as shipped: WebDataset
+tar shards, Hugging Face parquet or a save_to_disk folder, a Lhotse CutSet, read in place
+(data/audio_sources.py). Rank RANK of NSHARD takes its contiguous share of the files (or tars, parquet files,
+cuts), as in fairseq's examples/hubert/simple_kmeans (under torchrun, each process
 its part of that share: tools/audio_shard.py). The audio is read by --num_workers processes ahead of
 the model, which turn it into fbank too on a CPU (on a GPU the device computes it); the features (`fbank`:
 the Seamless front-end, 160-d; `w2v-bert`: a Wav2Vec2BertModel layer, in chunks of at most
@@ -21,7 +23,8 @@ Written into OUT_DIR, for NAME = {split}_{rank}_{nshard}:
 - `NAME.npy`: float32 (or --dtype float16) [frames, dim], every utterance's frames in order;
 - `NAME.len`: one frame count per line;
 - `NAME.tsv`: the files extracted, in order, as a fairseq manifest (root folder, then
-  `relpath<TAB>samples at 16 kHz`), to match features and codes to files;
+  `relpath<TAB>samples at 16 kHz`), to match features and codes to files; for a tar, parquet or Lhotse
+  source, the source, then each utterance's key (the tar key, the key column, the cut id);
 - `NAME.skipped`: `relpath<TAB>reason` for every file that was skipped;
 - `NAME.json`: the settings (feature kind, dim, front-end, checkpoint, layer, precision, dtype, the share) and
   counts.
@@ -172,7 +175,7 @@ def extract(args) -> int:
     try:
         writer = ShardWriter(args.out_dir, name, FEATURE_DUMP, settings, width=settings["dim"], dtype=args.dtype,
                              streams={".len": "", ".tsv": f"{share.root}\n", ".skipped": ""},
-                             inputs=len(share.relpaths))
+                             inputs=len(share.keys))
         try:
             return extract_into(args, share, name, fbank, encoder, settings, writer)
         finally:
@@ -183,14 +186,14 @@ def extract(args) -> int:
 
 def extract_into(args, share: AudioShare, name: str, fbank: SeamlessFbank, encoder: W2vBertLayer | None,
                  settings: dict, writer: ShardWriter) -> int:
-    log.info("%s: files %d-%d of %d from %s -> %s/%s.npy (%s, %d-d)", name, share.start, share.end - 1, share.total,
-             args.source, args.out_dir, name, args.feature, settings["dim"])
+    log.info("%s: %s from %s -> %s/%s.npy (%s, %d-d)", name, share.describe(), args.source, args.out_dir, name,
+             args.feature, settings["dim"])
     if writer.done:
-        log.info("resuming at file %d of %d (%d frames committed; %d bytes written after the last commit dropped)",
-                 writer.done, len(share.relpaths), writer.rows, writer.dropped_bytes)
+        log.info("resuming at %s %d of %d (%d frames committed; %d bytes written after the last commit dropped)",
+                 share.utterances.noun, writer.done, len(share.keys), writer.rows, writer.dropped_bytes)
     began = time.perf_counter()
     with progress_bar(f"extract {name}", share, writer.done) as bar:
-        pipeline = FeatureWindows(share.root, share.relpaths, fbank=fbank, encoder=encoder, dtype=args.dtype,
+        pipeline = FeatureWindows(share.utterances, fbank=fbank, encoder=encoder, dtype=args.dtype,
                                   num_workers=args.num_workers, commit_files=args.commit_files,
                                   commit_seconds=args.commit_seconds,
                                   passes=shard_passes(settings) if encoder else None,
@@ -206,7 +209,7 @@ def extract_into(args, share: AudioShare, name: str, fbank: SeamlessFbank, encod
                 else:
                     writer.write(item.features)
                     writer.append(".len", f"{len(item.features)}\n")
-                    writer.append(".tsv", f"{item.rel}\t{item.samples}\n")
+                    writer.append(".tsv", f"{item.key}\t{item.samples}\n")
 
         write_windows(pipeline, writer, write, FaultInjector(share.rank), bar)
     seconds = time.perf_counter() - began

@@ -3,13 +3,14 @@
     python -m tools.tokenize MANIFEST_OR_DIR SPLIT NSHARD RANK OUT_DIR --checkpoint RUN_DIR_OR_CKPT [--km]
     torchrun --nproc_per_node 8 -m tools.tokenize MANIFEST_OR_DIR SPLIT 1 0 OUT_DIR --checkpoint RUN   # a shard per GPU
 
-The audio and its shards are tools.extract's (a fairseq manifest or a folder; rank RANK of NSHARD takes its
-contiguous share of the files; under torchrun each process its part of it: tools/audio_shard.py). The
-features are those the codec was trained on, as its checkpoint records them (the trainer notes tools.extract's
-settings: fbank, or the w2v-BERT model, layer, chunk length and precision, the fbank's front-end, and the
-dump's dtype); computed as tools.extract computes them (data/audio_pipeline.py), with the codec's fbank
-front-end (transformers' extractor where the checkpoint names none), and encoded as tools.encode encodes a
-dump, so that the codes are those of tools.extract followed by tools.encode, bit for bit on a CPU with the same
+The audio and its shards are tools.extract's (a fairseq manifest, a folder, WebDataset tar shards, Hugging Face
+parquet or a Lhotse CutSet: data/audio_sources.py; rank RANK of NSHARD takes its contiguous share; under
+torchrun each process its part of it: tools/audio_shard.py). The features are those the codec was trained on,
+as its checkpoint records them (the trainer notes tools.extract's settings: fbank, or the w2v-BERT model,
+layer, chunk length and precision, the fbank's front-end, and the dump's dtype); computed as tools.extract
+computes them (data/audio_pipeline.py), with the codec's fbank front-end (transformers' extractor where the
+checkpoint names none), and encoded as tools.encode encodes a dump, so that the codes are those of tools.extract
+followed by tools.encode, bit for bit on a CPU with the same
 --batch_seconds and commit sizes. --feature, --layer and --precision, when given, must be the checkpoint's:
 another value exits 2, naming both. --w2v_bert gives the w2v-BERT folder where it is not where it was at training; its
 files must be the same model.
@@ -161,7 +162,7 @@ def tokenize(args) -> int:
     streams = {".codes.len": "", ".codes.tsv": f"{share.root}\n", ".codes.skipped": "", ".codes.frames": ""}
     begun = begin_code_shard(args.out_dir, name, settings, overwrite=args.overwrite, log=log,
                              redo="tokenize the shard again", width=spec.levels, dtype=spec.dtype,
-                             streams={**streams, **({".km": ""} if spec.km else {})}, inputs=len(share.relpaths))
+                             streams={**streams, **({".km": ""} if spec.km else {})}, inputs=len(share.keys))
     if begun is None:
         return EXIT_OK
     lock, writer = begun
@@ -176,16 +177,16 @@ def tokenize(args) -> int:
 
 def tokenize_into(args, share: AudioShare, name: str, fbank: SeamlessFbank, encoder: W2vBertLayer | None,
                   spec: CodesSpec, settings: dict, writer: ShardWriter) -> int:
-    log.info("%s: files %d-%d of %d from %s -> %s/%s.codes.npy: %s features, %s", name, share.start, share.end - 1,
-             share.total, args.source, args.out_dir, name, settings["features"]["feature"], describe_codes(spec))
+    log.info("%s: %s from %s -> %s/%s.codes.npy: %s features, %s", name, share.describe(), args.source, args.out_dir,
+             name, settings["features"]["feature"], describe_codes(spec))
     if writer.done:
-        log.info("resuming at file %d of %d (%d code frames committed; %d bytes written after the last commit "
-                 "dropped)", writer.done, len(share.relpaths), writer.rows, writer.dropped_bytes)
+        log.info("resuming at %s %d of %d (%d code frames committed; %d bytes written after the last commit "
+                 "dropped)", share.utterances.noun, writer.done, len(share.keys), writer.rows, writer.dropped_bytes)
     downsample = spec.model.config.downsample
     began = time.perf_counter()
     with progress_bar(f"tokenize {name}", share, writer.done) as bar:
         # half of a file's share of the bar is its features, half its codes
-        pipeline = FeatureWindows(share.root, share.relpaths, fbank=fbank, encoder=encoder,
+        pipeline = FeatureWindows(share.utterances, fbank=fbank, encoder=encoder,
                                   dtype=settings["features"]["dtype"], num_workers=args.num_workers,
                                   commit_files=args.commit_files, commit_seconds=args.commit_seconds,
                                   passes=shard_passes(settings) if encoder else None,
@@ -224,7 +225,7 @@ def tokenize_into(args, share: AudioShare, name: str, fbank: SeamlessFbank, enco
             writer.write(codes)
             code_lengths = code_frames(lengths, downsample)
             writer.append(".codes.len", "".join(f"{n}\n" for n in code_lengths))
-            writer.append(".codes.tsv", "".join(f"{item.rel}\t{item.samples}\n" for item in window.files
+            writer.append(".codes.tsv", "".join(f"{item.key}\t{item.samples}\n" for item in window.files
                                                 if item.skipped is None))
             writer.append(".codes.frames", "".join(f"{n}\n" for n in lengths))
             if spec.km:
