@@ -69,7 +69,8 @@ class ShardLayout:
 
 
 FEATURE_DUMP = ShardLayout(".npy", ".json", (".len", ".tsv", ".skipped"))  # tools.extract (decode: .npy, .len)
-CODES = ShardLayout(".codes.npy", ".codes.json", (".codes.len", ".codes.tsv", ".codes.skipped", ".km"),
+CODES = ShardLayout(".codes.npy", ".codes.json", (".codes.len", ".codes.tsv", ".codes.skipped", ".km",
+                                                  ".codes.parquet"),  # --parquet: data/codes_parquet.py
                     scratch=(".codes.frames",))  # tools.encode, tools.tokenize
 
 

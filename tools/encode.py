@@ -17,6 +17,9 @@ in fairseq's simple_kmeans, and opens only the shards of the store that share re
   order (a fairseq manifest);
 - `NAME.km` with `--km [LEVEL]`: fairseq's label file, one line of space-separated codes of one level per
   utterance (HuBERT's dump_km_label.py).
+- `NAME.codes.parquet` with `--parquet`: a row per utterance, its `key` (its .codes.tsv file, else its index in
+  the split) and its codes at each level (`level_1` ... `level_Q`), as datasets.load_dataset("parquet") reads it;
+  written once the shard is finished, or when a finished shard is found without it (data/codes_parquet.py).
 
 `--num_quantizers q` keeps the first q levels (a lower bitrate). An utterance of T frames gives
 ceil(T / downsample) code frames (models/codes.py). Utterances are encoded in chunks of about
@@ -55,6 +58,7 @@ from tqdm import tqdm
 
 from data.audio_features import FEATURES
 from data.audio_manifest import manifest_lines, share_manifest
+from data.codes_parquet import write_codes_parquet
 from data.dump_writer import NpyRowWriter, len_text, publish, shard_range, write_temporary
 from data.feature_settings import (PLAUSIBLE_SHIFT, STATS_FRAMES, dump_feature_settings, feature_shift,
                                    front_ends_differ, settings_differ)
@@ -156,7 +160,8 @@ def encode_store(args) -> int:
                 "frames": store.total_frames, "code_frames": int(code_lengths.sum())}
     begun = begin_code_shard(args.output_dir, name, settings, overwrite=args.overwrite, log=log,
                              redo="encode the shard again", width=spec.levels, dtype=spec.dtype,
-                             rows=int(code_lengths.sum()), streams={".km": ""} if spec.km else {})
+                             rows=int(code_lengths.sum()), streams={".km": ""} if spec.km else {},
+                             parquet=args.parquet)
     if begun is None:
         return EXIT_OK
     lock, writer = begun
@@ -176,6 +181,8 @@ def encode_store(args) -> int:
             if manifest is not None:
                 texts[".codes.tsv"] = manifest_lines(*manifest)
             array = writer.finish(texts)
+            if args.parquet:
+                write_codes_parquet(args.output_dir, name)
         finally:
             writer.close()
     finally:

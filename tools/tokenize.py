@@ -17,7 +17,9 @@ files must be the same model.
 
 Written into OUT_DIR, for NAME = {split}_{rank}_{nshard}, as tools.encode writes them: `NAME.codes.npy`,
 `NAME.codes.len`, `NAME.codes.json` (the settings, counts and each utterance's feature frames),
-`NAME.codes.tsv` (the audio file of each utterance, a fairseq manifest), `NAME.km` with --km; and
+`NAME.codes.tsv` (the audio file of each utterance, a fairseq manifest), `NAME.km` with --km,
+`NAME.codes.parquet` with --parquet (a row per utterance: its .codes.tsv key and its codes at each level,
+data/codes_parquet.py; written also when the shard is found finished without it); and
 `NAME.codes.skipped`, the files skipped and why, as tools.extract lists them. Committed every --commit_files
 files or --commit_seconds of audio (data/resumable_shard.py): the same command run again after a crash goes
 on from the last commit and writes the same bytes as a run never stopped; a finished shard is said to be
@@ -47,6 +49,7 @@ import torch  # noqa: E402
 
 from data.audio_features import FEATURES, FRONT_ENDS, SeamlessFbank, W2vBertLayer  # noqa: E402
 from data.audio_pipeline import FeatureWindows, Window  # noqa: E402
+from data.codes_parquet import write_codes_parquet  # noqa: E402
 from data.feature_settings import RECORDED_BEFORE, describe, front_end, model_fingerprint, settings_differ  # noqa: E402
 from data.resumable_shard import CODES, ShardWriter, shard_settings  # noqa: E402
 from data.transfers import host_copy  # noqa: E402
@@ -162,7 +165,8 @@ def tokenize(args) -> int:
     streams = {".codes.len": "", ".codes.tsv": f"{share.root}\n", ".codes.skipped": "", ".codes.frames": ""}
     begun = begin_code_shard(args.out_dir, name, settings, overwrite=args.overwrite, log=log,
                              redo="tokenize the shard again", width=spec.levels, dtype=spec.dtype,
-                             streams={**streams, **({".km": ""} if spec.km else {})}, inputs=len(share.keys))
+                             streams={**streams, **({".km": ""} if spec.km else {})}, inputs=len(share.keys),
+                             parquet=args.parquet)
     if begun is None:
         return EXIT_OK
     lock, writer = begun
@@ -241,6 +245,8 @@ def tokenize_into(args, share: AudioShare, name: str, fbank: SeamlessFbank, enco
             "code_frames": writer.rows, "skipped": len(skipped),
             "padding": TAIL_PADDING, "feature_frames": frames}
     array = writer.finish({CODES.meta: json.dumps(meta) + "\n"})
+    if args.parquet:
+        write_codes_parquet(args.out_dir, name)
     log_input_wait(log, pipeline, seconds, "the models")
     config = spec.model.config
     log.info("wrote %d utterances, %d code frames (%d levels, %.0f bits/frame of features) to %s; skipped %d "

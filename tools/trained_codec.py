@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from data.codes_parquet import complete_codes_parquet, require_pyarrow
 from data.resumable_shard import CODES, ShardWriter, claim_shard, recorded_settings
 from data.writer_lock import WriterLock
 from errors import BadInputError, TransientFault
@@ -144,12 +145,13 @@ def check_one_codec(folder: Path, name: str, settings: dict, *, overwrite: bool)
 
 
 def begin_code_shard(folder: Path, name: str, settings: dict, *, overwrite: bool, log: logging.Logger, redo: str,
-                     **writer_args) -> tuple[WriterLock, ShardWriter] | None:
+                     parquet: bool = False, **writer_args) -> tuple[WriterLock, ShardWriter] | None:
     """Start (or resume) code shard NAME in `folder` with the codec `settings` name: its writer lock and its
     ShardWriter (data/resumable_shard.py claim_shard, then ShardWriter(**writer_args)), or None when it is finished
-    already. The folder holds the codes of one codec (check_one_codec): the check and the shard's start are made
-    under a lock on the folder, and the shard's settings are on disk once it has started, so two writers started
-    at one instant with two codecs cannot both pass."""
+    already (then, with `parquet`, its NAME.codes.parquet is written if missing: data/codes_parquet.py). The folder
+    holds the codes of one codec (check_one_codec): the check and the shard's start are made under a lock on the
+    folder, and the shard's settings are on disk once it has started, so two writers started at one instant with
+    two codecs cannot both pass."""
     folder.mkdir(parents=True, exist_ok=True)
     try:  # not a WriterLock: a writer refused here must leave the folder's files as they were, this one included
         fd = os.open(folder / CODEC_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -159,15 +161,17 @@ def begin_code_shard(folder: Path, name: str, settings: dict, *, overwrite: bool
         fcntl.flock(fd, fcntl.LOCK_EX)  # held for a check and a shard's start: seconds at most
         check_one_codec(folder, name, settings, overwrite=overwrite)
         lock = claim_shard(folder, name, CODES, settings, overwrite=overwrite, log=log, redo=redo)
-        if lock is None:
-            return None
-        try:
-            return lock, ShardWriter(folder, name, CODES, settings, **writer_args)
-        except BaseException:
-            lock.release()
-            raise
+        if lock is not None:
+            try:
+                return lock, ShardWriter(folder, name, CODES, settings, **writer_args)
+            except BaseException:
+                lock.release()
+                raise
     finally:
         os.close(fd)  # closing the descriptor lets go of the folder's lock
+    if parquet:  # after the folder's lock: a large shard's parquet takes a while
+        complete_codes_parquet(folder, name)
+    return None
 
 
 def add_codes_args(p: argparse.ArgumentParser, km: bool = True) -> None:
@@ -186,6 +190,10 @@ def add_codes_args(p: argparse.ArgumentParser, km: bool = True) -> None:
     p.add_argument("--km", type=int, nargs="?", const=1, metavar="LEVEL",
                    help="also write NAME.km, fairseq's label file (HuBERT's dump_km_label.py): one line per "
                         "utterance, its codes at level LEVEL (from 1; --km alone: 1) (default: no .km)")
+    p.add_argument("--parquet", action="store_true",
+                   help="also write NAME.codes.parquet once the shard is finished (or found finished without it): "
+                        "a row per utterance, its key and its codes at each level, as datasets.load_dataset"
+                        "('parquet') reads it (needs pip install -r requirements-sources.txt)")
 
 
 def check_codes_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -193,6 +201,8 @@ def check_codes_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name} must be positive, got {value}")
+    if getattr(args, "parquet", False):
+        require_pyarrow()  # before any work: exit 2 naming the install line
 
 
 @dataclass
