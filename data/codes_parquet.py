@@ -4,8 +4,9 @@ read as it is by `datasets.load_dataset("parquet", data_files=...)` or any parqu
 One row per utterance, in the shard's order:
 
 - `key` (string): the utterance's first field in `NAME.codes.tsv` (its audio file, relative to the root on the
-  .tsv's first line); with no .codes.tsv (a dump not written by tools.extract), its index in the split as
-  tools.encode numbers it (`first_utterance` of NAME.codes.json plus its place in the shard);
+  .tsv's first line, or its key in a tar, parquet or Lhotse source: data/audio_sources.py); with no .codes.tsv
+  (a dump not written by tools.extract), its index in the split as tools.encode numbers it (`first_utterance`
+  of NAME.codes.json plus its place in the shard);
 - `level_1` ... `level_Q` (list of int16, or int32 when the codebook has more than 32768 codes): its codes at
   each level, one per code frame.
 
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from data.audio_sources import INSTALL
 from data.dump_writer import publish
 from data.resumable_shard import CODES, finished_meta
 from data.writer_lock import WriterLock
@@ -36,7 +38,6 @@ from errors import BadInputError
 PARQUET = ".codes.parquet"
 ROW_GROUP_UTTERANCES = 1024
 ROW_GROUP_FRAMES = 1 << 22  # 4M code frames: 64 MB of int16 codes at 8 levels, a row group's bound in memory
-INSTALL = "pip install -r requirements-sources.txt"
 log = logging.getLogger("parquet")
 # the settings of NAME.codes.json that say what the codes are, kept in the parquet's metadata
 DESCRIBED = ("checkpoint", "step", "codec_digest", "levels", "codebook_size", "downsample", "dtype", "split",
@@ -74,8 +75,8 @@ def write_codes_parquet(folder: Path, name: str, *, group_utterances: int = ROW_
     with open(tsv_path, encoding="utf-8") if tsv_path.is_file() else contextlib.nullcontext() as tsv:
         root = tsv.readline().rstrip("\n") if tsv else None
         described = {k: meta[k] for k in DESCRIBED if k in meta}
-        described.update(shard=name, key="the .codes.tsv's first field (relative to root)" if tsv else
-                         "the utterance's index in the split (tools.encode's numbering)", root=root)
+        described.update(shard=name, root=root, key="the .codes.tsv's first field (a file under root, or the source's "
+                         "key)" if tsv else "the utterance's index in the split (tools.encode's numbering)")
         schema = schema.with_metadata({"rvq_codes": json.dumps(described)})
         tmp = final.with_name(final.name + ".tmp")
         try:
