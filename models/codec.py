@@ -53,6 +53,9 @@ class CodecConfig:
         "help": "steps between dead-code expiries, at the same steps on every rank (1: after every step); the "
                 "steps between run without the expiry's host syncs"})
     quantize_dropout: bool = field(default=False, metadata={"help": "train for variable bitrate (fewer levels)"})
+    rotation_trick: bool = field(default=False, metadata={
+        "help": "carry the gradient through the quantizer by vector-quantize-pytorch's rotation trick (Fifty et al. "
+                "2024) instead of the straight-through copy"})
     commitment_weight: float = field(default=0.25, metadata={
         "kind": "nonnegative", "help": "weight of the commitment loss (encoder output to its codes) in the loss"})
     beam_size: int = field(default=4, metadata={
@@ -166,7 +169,7 @@ class RVQCodec(nn.Module):
             threshold_ema_dead_code=config.dead_code_threshold,
             quantize_dropout=config.quantize_dropout,
             commitment_weight=1.0,
-            rotation_trick=False,
+            rotation_trick=config.rotation_trick,
             beam_score_quantizer_weights=beam_score_weights(config.num_quantizers),
         )
         # The library's per-forward bookkeeping, run when this codec says (see "Bookkeeping" below): no
