@@ -149,9 +149,7 @@ def expand(source: str) -> list[str]:
     """The paths a brace pattern (WebDataset's notation, braceexpand) or a glob names, sorted; [source] else."""
     names = [source]
     if "{" in source:
-        from braceexpand import braceexpand  # webdataset's own dependency
-
-        names = list(braceexpand(source))
+        names = list(_need("braceexpand", "a brace pattern").braceexpand(source))  # webdataset's own dependency
     if any(c in source for c in "*?["):
         names = sorted({p for name in names for p in glob.glob(name, recursive=True)})
     return names

@@ -275,3 +275,19 @@ def test_a_batch_with_no_finite_crop_gives_a_non_finite_gradient():
     out.loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
     assert not torch.isfinite(norm)  # so the trainer skips the step on every rank
+
+
+@pytest.mark.timeout(60)
+def test_rotation_trick_changes_the_gradient_through_the_quantizer_and_nothing_else():
+    """--rotation_trick reaches the library's quantizers: the same codes and loss, another gradient to the encoder."""
+    grads, codes = [], []
+    for rotation in (False, True):
+        torch.manual_seed(0)
+        model = RVQCodec(CodecConfig(feature_dim=8, latent_dim=8, num_quantizers=2, codebook_size=8,
+                                     kmeans_init=False, rotation_trick=rotation))
+        assert all(layer.rotation_trick == rotation for layer in model.rvq.layers)
+        out = model(torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(1)))
+        out.recon_loss.backward()
+        codes.append(out.codes)
+        grads.append(torch.cat([p.grad.flatten() for p in model.encoder.parameters()]))
+    assert torch.equal(codes[0], codes[1]) and not torch.allclose(grads[0], grads[1])
