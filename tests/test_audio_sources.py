@@ -209,3 +209,24 @@ def test_a_killed_tar_run_resumes_to_the_bytes_of_one_never_stopped(corpus, tmp_
     for ext in exts:
         assert (tmp_path / "killed" / f"train_0_1{ext}").read_bytes() == \
             (tmp_path / "unbroken" / f"train_0_1{ext}").read_bytes(), ext
+
+
+def test_a_folder_of_tars_and_a_plain_cutset_are_read_and_audio_ext_picks_the_member(corpus, tmp_path):
+    c = corpus
+    folder = tmp_path / "shards"  # a folder holding tars: WebDataset shards; each sample has two audio members
+    folder.mkdir()
+    with wds.TarWriter(str(folder / "part.tar")) as sink:
+        sink.write({"__key__": "both", "wav": (c.audio / c.rels[0]).read_bytes(),
+                    "flac": (c.audio / c.rels[1]).read_bytes()})
+    for ext, rel in (("wav", c.rels[0]), ("flac", c.rels[1])):
+        out = tmp_path / ext
+        assert extract.main([folder, "train", 1, 0, out, "--audio_ext", ext, "--num_workers", 0]) == 0
+        np.testing.assert_array_equal(features_by_key(out)["both"], c.expected[rel])
+    plain = tmp_path / "cuts.jsonl"  # the CutSet uncompressed
+    lhotse.CutSet.from_file(str(c.cuts)).subset(first=2).to_file(str(plain))
+    out = tmp_path / "cuts"
+    assert extract.main([plain, "train", 1, 0, out, "--num_workers", 0]) == 0
+    got = features_by_key(out)
+    assert [c.cut_rel[k] for k in got] == c.rels[:2]
+    for key, features in got.items():
+        np.testing.assert_array_equal(features, c.expected[c.cut_rel[key]])
