@@ -213,8 +213,9 @@ def _need(module: str, kind: str):
 
     try:
         return importlib.import_module(module)
-    except ImportError:
-        raise BadInputError(f"reading {kind} needs {module.split('.')[0]}: {INSTALL}") from None
+    except ImportError as e:  # not installed, or installed without what it imports (lhotse 1.33: urllib3)
+        raise BadInputError(f"reading {kind} needs {module.split('.')[0]}, which cannot be imported ({e}): "
+                            f"{INSTALL}") from None
 
 
 # ---- a share of a source ---------------------------------------------------------------------------------------

@@ -53,6 +53,9 @@ class CodecConfig:
         "help": "steps between dead-code expiries, at the same steps on every rank (1: after every step); the "
                 "steps between run without the expiry's host syncs"})
     quantize_dropout: bool = field(default=False, metadata={"help": "train for variable bitrate (fewer levels)"})
+    cosine_codebooks: bool = field(default=False, metadata={
+        "help": "vector-quantize-pytorch's cosine-similarity codebooks (each level's input and codes l2-normalised; "
+                "the refit's means too) instead of Euclidean ones"})
     rotation_trick: bool = field(default=False, metadata={
         "help": "carry the gradient through the quantizer by vector-quantize-pytorch's rotation trick (Fifty et al. "
                 "2024) instead of the straight-through copy"})
@@ -170,6 +173,7 @@ class RVQCodec(nn.Module):
             quantize_dropout=config.quantize_dropout,
             commitment_weight=1.0,
             rotation_trick=config.rotation_trick,
+            use_cosine_sim=config.cosine_codebooks,
             beam_score_quantizer_weights=beam_score_weights(config.num_quantizers),
         )
         # The library's per-forward bookkeeping, run when this codec says (see "Bookkeeping" below): no
@@ -521,6 +525,8 @@ class RVQCodec(nn.Module):
                 means, counts = lloyd_step(residual.flatten(0, 1), means, reduce, cut_short)
                 counts = counts.masked_fill(counts < RARE_SHARE * counts.double().mean(), 0)
                 split_empty_codes(means, counts, generator)
+                if self.config.cosine_codebooks:  # unit codes: the nearest is the most similar, the mean's direction
+                    means = torch.nn.functional.normalize(means, dim=-1)
             codebook.embed.copy_(means[None])
             if counts is not None:
                 size = counts.float() * (batch_frames / counts.sum().item())

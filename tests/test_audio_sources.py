@@ -11,9 +11,13 @@ import tarfile
 from pathlib import Path
 from types import SimpleNamespace
 
+import datasets  # requirements-sources.txt, which requirements-dev.txt installs: a missing one fails, never skips
+import lhotse
 import numpy as np
+import pyarrow as pa
 import pytest
 import soundfile as sf
+import webdataset as wds
 
 from data.audio_features import SeamlessFbank, model_input
 from tests.audio_helpers import random_codec, write_corpus
@@ -22,10 +26,6 @@ from tools import encode, extract, tokenize
 
 pytestmark = pytest.mark.timeout(180)
 
-pa = pytest.importorskip("pyarrow")  # requirements-sources.txt, installed by requirements-dev.txt
-wds = pytest.importorskip("webdataset")
-lhotse = pytest.importorskip("lhotse")
-datasets = pytest.importorskip("datasets")
 
 DUMP = (".npy", ".len", ".tsv", ".skipped", ".json")
 

@@ -291,3 +291,28 @@ def test_rotation_trick_changes_the_gradient_through_the_quantizer_and_nothing_e
         codes.append(out.codes)
         grads.append(torch.cat([p.grad.flatten() for p in model.encoder.parameters()]))
     assert torch.equal(codes[0], codes[1]) and not torch.allclose(grads[0], grads[1])
+
+
+@pytest.mark.timeout(60)
+def test_cosine_codebooks_keep_unit_codes_through_the_init_training_expiry_and_refit():
+    """--cosine_codebooks: the library's cosine-similarity codebooks, whose codes stay on the unit sphere through
+    our own codebook operations (the refit's means are normalised)."""
+    torch.manual_seed(0)
+    model = RVQCodec(CodecConfig(feature_dim=8, latent_dim=8, num_quantizers=2, codebook_size=8,
+                                 cosine_codebooks=True, dead_code_threshold=4.0))
+    x = torch.randn(4, 32, 8, generator=torch.Generator().manual_seed(1))
+    model.train()
+    model.init_codebooks(x, 128)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(1, 5):
+        out = model(x)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        model.expire_dead_codes(out.latent, out.codes)
+    model.eval()
+    model.refit_codebooks([x[0], x[1]], 2, 128)
+    for codebook in model._codebooks():
+        torch.testing.assert_close(codebook.embed[0].norm(dim=-1), torch.ones(8), atol=1e-5, rtol=0)
+    codes = model.encode(x[0])
+    assert codes.shape == (32, 2) and 0 <= int(codes.min()) and int(codes.max()) < 8
