@@ -1,7 +1,6 @@
 """Shared helpers: run the trainer as a user would, and make small feature stores."""
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import os
@@ -17,6 +16,9 @@ TRAINER = REPO / "rvq_seamless_gpu_cache_nccl.py"
 # A codec small enough that a step takes milliseconds on a CPU.
 TINY = ["--latent_dim", "32", "--num_quantizers", "2", "--codebook_size", "32", "--batch_size", "4",
         "--segment_length", "32", "--warmup_steps", "2", "--log_every", "1"]
+# Samples for runs whose point is not the k-means init, the refit or the final eval: at their defaults these take
+# most of a tiny run's seconds on the demo corpus (the final eval alone scores 40 whole utterances).
+QUICK = ["--kmeans_init_frames", "1024", "--eval_frames", "1024", "--refit_frames", "4096"]
 
 
 def env(**extra) -> dict:
@@ -67,10 +69,27 @@ def trainer_in_process(args, *, extra_env=None, cwd=None) -> subprocess.Complete
     return subprocess.CompletedProcess(["main", *map(str, args)], code, stdout.getvalue(), stderr.getvalue())
 
 
-@functools.cache
+def help_in_process(*command: str) -> subprocess.CompletedProcess:
+    """What `python COMMAND --help` answers (the trainer's script, or -m MODULE [WORD]), from the command's `main`
+    called in this process: the same parser and text, without an interpreter's start-up. help_output runs the
+    command itself."""
+    import contextlib
+    import importlib
+    import io
+
+    if command[0] != "-m":
+        return trainer_in_process(["--help"])
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            code = importlib.import_module(command[1]).main([*command[2:], "--help"])
+        except SystemExit as e:  # argparse's --help
+            code = e.code if isinstance(e.code, int) else 2
+    return subprocess.CompletedProcess([*command, "--help"], code, stdout.getvalue(), stderr.getvalue())
+
+
 def help_output(*command: str) -> subprocess.CompletedProcess:
-    """`python COMMAND --help` (the trainer's script, or -m MODULE [WORD]), run once per test process: the help
-    tests and the docs tests read the same answers."""
+    """`python COMMAND --help` (the trainer's script, or -m MODULE [WORD]) run as a user runs it."""
     return subprocess.run([sys.executable, *command, "--help"], capture_output=True, text=True, timeout=120,
                           env=env(), cwd=REPO)
 
@@ -189,7 +208,7 @@ class Ranks:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs, self.logs, self.ended, self.stopped = [], [], {}, {}
         for rank in range(world):
-            e = env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS=1, **(extra_env or {}))
+            e = env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **(extra_env or {}))
             if style == "slurm":
                 e.update(SLURM_PROCID=str(rank), SLURM_NTASKS=str(world), SLURM_LOCALID=str(rank))
             else:

@@ -14,7 +14,6 @@ import torch
 from tests.helpers import REPO, TINY, Ranks, events, run_trainer, write_fairseq
 
 pytestmark = pytest.mark.timeout(180)
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # on shared cores, idle OpenMP threads spin
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +32,7 @@ def flags(data, out, *extra):
 @pytest.fixture(scope="module")
 def checkpointed(data, tmp_path_factory):
     out = tmp_path_factory.mktemp("checkpointed")
-    r = run_trainer(flags(data, out, "--max_steps", 8, "--save_every", 4), timeout=120, extra_env=ONE_THREAD)
+    r = run_trainer(flags(data, out, "--max_steps", 8, "--save_every", 4), timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     return out
 
@@ -66,7 +65,7 @@ def test_memory_exhausted_while_reading_a_checkpoint_exits_1_and_keeps_every_fil
     shutil.copytree(checkpointed, out)
     before, metrics = files(out / "checkpoints"), (out / "metrics.jsonl").read_bytes()
     r = run_trainer(flags(data, out, "--max_steps", 10), timeout=120,
-                    extra_env={**patched(tmp_path, LOAD_FAILS.format(error="MemoryError()")), **ONE_THREAD})
+                    extra_env=patched(tmp_path, LOAD_FAILS.format(error="MemoryError()")))
     assert r.returncode == 1, r.stderr[-3000:]
     assert (f"reading checkpoint {out}/checkpoints/step_00000008.pt failed (MemoryError: ); every checkpoint is "
             "kept") in r.stderr, r.stderr[-3000:]
@@ -101,7 +100,7 @@ def test_a_torch_file_without_a_checkpoints_content_is_set_aside_and_the_one_bef
     foreign = out / "checkpoints" / "step_00000012.pt"
     torch.save({"step": 12}, foreign)
     written = foreign.read_bytes()
-    r = run_trainer(flags(data, out, "--max_steps", 10), timeout=120, extra_env=ONE_THREAD)
+    r = run_trainer(flags(data, out, "--max_steps", 10), timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert ("step_00000012.pt is unreadable (a torch file without a checkpoint's content (no 'model', 'codec', "
             "'optimizer', 'samples_seen', 'rng')); moved aside to step_00000012.pt.unreadable") in r.stderr
@@ -126,7 +125,7 @@ SAVE, torch.save = torch.save, save
 def test_a_checkpoint_write_that_fails_removes_its_tmp_logs_a_stop_and_keeps_the_one_before(tmp_path, data):
     out = tmp_path / "run"
     r = run_trainer(flags(data, out, "--max_steps", 12, "--save_every", 4), timeout=120,
-                    extra_env={**patched(tmp_path, SAVE_FAILS), **ONE_THREAD})
+                    extra_env=patched(tmp_path, SAVE_FAILS))
     assert r.returncode == 1, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
     assert f"writing checkpoint {out}/checkpoints/step_00000008.pt failed: [Errno 28] No space left on device" \
@@ -144,8 +143,7 @@ def test_a_failed_write_before_a_compile_ends_the_run_with_that_step_not_taken(t
     out = tmp_path / "run"
     r = run_trainer(flags(data, out, "--max_steps", 4, "--kmeans_init_frames", 0, "--compile", "on",
                           "--refit_iters", 0), timeout=120,
-                    extra_env={**patched(tmp_path, SAVE_FAILS.replace("len(calls) == 2", "len(calls) == 1")),
-                               **ONE_THREAD})
+                    extra_env=patched(tmp_path, SAVE_FAILS.replace("len(calls) == 2", "len(calls) == 1")))
     assert r.returncode == 1, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
     assert "compile: saving step 1 first" in r.stderr

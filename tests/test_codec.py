@@ -15,12 +15,14 @@ def test_forward_encode_decode_agree(downsample):
     torch.manual_seed(0)
     model = RVQCodec(CodecConfig(feature_dim=12, latent_dim=16, num_quantizers=3, codebook_size=16,
                                  downsample=downsample))
-    x = torch.randn(3, 32, 12)
+    # as long as encode's shortest pass (MIN_ENCODE_STEPS codes): it pads a shorter input, which may change the
+    # convolutions' last bits and so a near tie's code
+    x = torch.randn(3, 64, 12)
     out = model(x)  # training forward: k-means init
     assert out.reconstruction.shape == x.shape
-    assert out.codes.shape == (3, 32 // downsample, 3)
+    assert out.codes.shape == (3, 64 // downsample, 3)
     assert set(out._fields) == {"reconstruction", "codes", "recon_loss", "commit_loss", "loss", "latent"}
-    assert out.latent.shape == (3, 32 // downsample, 16) and not out.latent.requires_grad  # the expiry's input
+    assert out.latent.shape == (3, 64 // downsample, 16) and not out.latent.requires_grad  # the expiry's input
     model.eval()
     codes = model.encode(x)  # the codec's beam search (beam_size 4 by default)
     torch.testing.assert_close(model.decode(codes), model(x, beam_size=4).reconstruction)
@@ -28,7 +30,7 @@ def test_forward_encode_decode_agree(downsample):
     greedy = model.encode(x, beam_size=1)
     torch.testing.assert_close(model.decode(greedy), model(x).reconstruction)  # eval forward: training's choice
     assert (((model.decode(codes) - x) ** 2).sum() <= ((model.decode(greedy) - x) ** 2).sum() * 1.001)
-    assert model.encode(x[0]).shape == (32 // downsample, 3)
+    assert model.encode(x[0]).shape == (64 // downsample, 3)
     assert model.encode(x, num_quantizers=2).shape[-1] == 2
     assert model.decode(codes[..., :2]).shape == x.shape
 

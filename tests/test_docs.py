@@ -5,7 +5,7 @@ import shlex
 
 import pytest
 
-from tests.helpers import REPO, help_output
+from tests.helpers import REPO, help_in_process
 from tools import flags_doc
 from training.presets import PRESETS
 
@@ -55,7 +55,7 @@ def invocations(line: str) -> list[tuple[str, list[str]]]:
 
 def help_text(command: str) -> str:
     args = {"trainer": [TRAINER]}.get(command) or ["-m", *command.split()]
-    r = help_output(*map(str, args))
+    r = help_in_process(*map(str, args))
     assert r.returncode == 0, f"{command} --help failed: {r.stderr[-2000:]}"
     return r.stdout
 

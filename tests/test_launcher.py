@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.helpers import REPO, TINY, env, events
+from tests.helpers import QUICK, REPO, TINY, env, events
 from training.nccl_env import TRAINER_NCCL_ENV
 from training.presets import PRESETS
 
@@ -82,7 +82,7 @@ def test_dry_run_prints_each_presets_flags_and_environment_and_starts_nothing(pr
 
 def test_preset_flags_come_first_and_user_flags_win(tmp_path):
     out = tmp_path / "run"
-    r = launch("conservative", *TINY, "--max_steps", "3", "--batch_size", "2", OUTPUT_DIR=out)
+    r = launch("conservative", *TINY, *QUICK, "--max_steps", "3", "--batch_size", "2", OUTPUT_DIR=out)
     assert r.returncode == 0, r.stderr[-3000:]
     config = json.loads((out / "config.json").read_text())
     assert config["batch_size"] == 2  # the user's, after the preset's 16
@@ -208,7 +208,7 @@ def test_max_restarts_uses_torchrun_even_for_one_process_and_resumes(tmp_path):
 def test_two_gloo_ranks_on_this_cpu(tmp_path):
     """NPROC_PER_NODE=2 bash run_nccl_optimized.sh basic --max_steps 20, on the demo corpus."""
     out = tmp_path / "run"
-    r = launch("basic", *TINY, "--max_steps", "20", timeout=240, OUTPUT_DIR=out, NPROC_PER_NODE=2)
+    r = launch("basic", *TINY, *QUICK, "--max_steps", "20", timeout=240, OUTPUT_DIR=out, NPROC_PER_NODE=2)
     assert r.returncode == 0, r.stderr[-4000:]
     assert "torch.distributed.run --nproc_per_node 2" in r.stderr
     assert "process group up: gloo, world size 2" in r.stderr
@@ -219,7 +219,7 @@ def test_max_restarts_restarts_a_killed_rank_and_resumes_from_the_checkpoint(tmp
     """Rank 1 is SIGKILLed at step 12; torchrun restarts both ranks, which resume from step 10 and finish."""
     out = tmp_path / "run"
     start = time.monotonic()
-    r = launch("basic", *TINY, "--max_steps", "20", "--save_every", "5", "--sync_check_every", "2",
+    r = launch("basic", *TINY, *QUICK, "--max_steps", "20", "--save_every", "5", "--sync_check_every", "2",
                "--nccl_timeout", "60", "--sync_timeout", "30", timeout=280, OUTPUT_DIR=out, NPROC_PER_NODE=2,
                MAX_RESTARTS=1, RVQ_FAULT="kill:rank=1:step=12")
     seconds = time.monotonic() - start
@@ -235,7 +235,7 @@ def test_a_rank_aborted_by_signal_6_is_reported_as_a_distributed_failure(tmp_pat
     """Rank 1 ends by SIGABRT at step 4, as NCCL's watchdog ends a rank whose collective timed out: the launcher
     reads torchrun's summary, names the rank and the flight-recorder dumps, and exits 3."""
     out = tmp_path / "run"
-    r = launch("basic", *TINY, "--max_steps", "20", "--sync_timeout", "30", timeout=240, OUTPUT_DIR=out,
+    r = launch("basic", *TINY, *QUICK, "--max_steps", "20", "--sync_timeout", "30", timeout=240, OUTPUT_DIR=out,
                NPROC_PER_NODE=2, RVQ_FAULT="kill:rank=1:step=4:sig=ABRT")
     assert r.returncode == 3, r.stderr[-4000:]
     assert re.search(r"exitcode\s*: -6", r.stderr), r.stderr[-4000:]  # torchrun's own summary passed through

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.helpers import REPO, TINY, events, free_port
+from tests.helpers import QUICK, REPO, TINY, events, free_port
 from tests.test_launcher import launch_env
 from tools.launch import child_processes
 from training import distributed
@@ -103,7 +103,7 @@ def test_two_nodes_on_this_host_stop_together_on_sigterm_and_resume(tmp_path):
     checkpoint; both launchers exit 0 and nothing restarts (MAX_RESTARTS=1, a c10d rendezvous). Relaunched
     with a static master (the README's two-node command), both resume from that step and finish."""
     out = tmp_path / "run"
-    flags = [*TINY, "--sync_check_every", "2", "--save_every", "1000", "--eval_every", "1000"]
+    flags = [*TINY, *QUICK, "--sync_check_every", "2", "--save_every", "1000", "--eval_every", "1000"]
     first = TwoNodes(tmp_path / "first", out, [*flags, "--max_steps", "1000"], MAX_RESTARTS=1)
     try:
         wait_for_train_step(out, 4, first, timeout=90)

@@ -13,7 +13,6 @@ import pytest
 
 from tests.helpers import REPO, TINY, TRAINER, Ranks, env, events, run_trainer, tree, write_fairseq
 
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # on shared cores, idle OpenMP threads spin
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +34,7 @@ def test_a_second_run_into_a_busy_output_dir_exits_2_naming_the_first_and_touche
     with open(tmp_path / "first.log", "w+") as log:
         first = subprocess.Popen([sys.executable, str(TRAINER), *map(str, flags(data, out, "--max_steps", 12,
                                                                                   "--save_every", 4))],
-                                 stdout=log, stderr=subprocess.STDOUT, env=env(**ONE_THREAD), cwd=REPO)
+                                 stdout=log, stderr=subprocess.STDOUT, env=env(), cwd=REPO)
         others = None
         try:
             deadline = time.monotonic() + 120
@@ -47,7 +46,7 @@ def test_a_second_run_into_a_busy_output_dir_exits_2_naming_the_first_and_touche
             started = time.monotonic()
             # a job submitted twice: as one process, and as two ranks whose rank 0 finds the lock taken
             others = Ranks(flags(data, out, "--max_steps", 12), log_dir=tmp_path / "ranks")
-            second = run_trainer(flags(data, out, "--max_steps", 12), timeout=120, extra_env=ONE_THREAD)
+            second = run_trainer(flags(data, out, "--max_steps", 12), timeout=120)
             assert others.wait(timeout=120) == [2, 2], others.output(0) + others.output(1)
             took = time.monotonic() - started
             assert tree(out) == before  # no config.json, metrics line, checkpoint or manifest of theirs
@@ -91,7 +90,7 @@ def test_an_output_dir_that_cannot_be_written_exits_2_and_writes_nothing(tmp_pat
         out.mkdir(mode=0o555)
         message = "Permission denied"
     before = tree(tmp_path)
-    r = run_trainer(flags(data, out, "--max_steps", 2), timeout=120, extra_env=ONE_THREAD)
+    r = run_trainer(flags(data, out, "--max_steps", 2), timeout=120)
     assert r.returncode == 2, r.stderr[-3000:]
     assert message in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert tree(tmp_path) == before

@@ -13,7 +13,6 @@ import torch
 from tests.helpers import REPO, TINY, TRAINER, Ranks, env, events, run_trainer, write_fairseq
 
 SLOW_REFIT = ["--refit_iters", "20000"]  # minutes of Lloyd steps: a stop must cut it short
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # on shared cores, idle OpenMP threads spin: times would mean little
 LOG_LINE = re.compile(r"\d\d:\d\d:\d\d \[rank\d\] (INFO|WARNING|ERROR) ")
 
 
@@ -36,7 +35,7 @@ class Run:
         self.log = log
         with open(log, "w") as f:
             self.proc = subprocess.Popen([sys.executable, str(TRAINER), *map(str, args)], stdout=f,
-                                         stderr=subprocess.STDOUT, env=env(**ONE_THREAD), cwd=REPO)
+                                         stderr=subprocess.STDOUT, env=env(), cwd=REPO)
 
     def text(self) -> str:
         return self.log.read_text()
@@ -80,7 +79,7 @@ def assert_not_glued(text: str) -> None:
 @pytest.mark.timeout(240)
 def test_sigterm_during_the_refit_saves_the_trained_weights_and_a_resume_does_the_refit(tmp_path, data):
     straight = tmp_path / "straight"
-    r = run_trainer(flags(data, straight, "--max_steps", 6), timeout=120, extra_env=ONE_THREAD)
+    r = run_trainer(flags(data, straight, "--max_steps", 6), timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
 
     out = tmp_path / "split"
@@ -105,7 +104,7 @@ def test_sigterm_during_the_refit_saves_the_trained_weights_and_a_resume_does_th
     assert newest(out)["end_of_schedule"] == []  # the trained weights: a resume does the refit
     assert_not_glued(run.text())
 
-    r = run_trainer(flags(data, out, "--max_steps", 6), timeout=120, extra_env=ONE_THREAD)
+    r = run_trainer(flags(data, out, "--max_steps", 6), timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stderr and "at step 6" in r.stderr
     assert "codebooks: refit of" in r.stderr and "final eval at step 6: " in r.stderr  # each says so as it starts
@@ -197,7 +196,7 @@ def test_a_compile_after_a_trained_step_saves_it_first_and_a_sigterm_in_it_ends_
     once with nothing to save, the codebooks' updates of the forward that was compiling not applied."""
     one_step = tmp_path / "one_step"
     r = run_trainer(flags(data, one_step, "--max_steps", 1, "--kmeans_init_frames", 0, "--refit_iters", 0),
-                    timeout=120, extra_env=ONE_THREAD)
+                    timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     out = tmp_path / "run"
     run = Run(flags(data, out, "--max_steps", 6, "--kmeans_init_frames", 0, *COMPILED), tmp_path / "run.log")
