@@ -39,9 +39,10 @@ def run_trainer(args, *, timeout=240, extra_env=None, cwd=None) -> subprocess.Co
 
 
 def trainer_in_process(args, *, extra_env=None, cwd=None) -> subprocess.CompletedProcess:
-    """The trainer's `main()` run in this process, for runs that end before a step (bad flags, bad data, --help):
-    the code the command runs, without a second interpreter's 2-3 s start-up. Returns what run_trainer returns;
-    the process's environment, folder, signal handlers and logging are as they were after it."""
+    """The trainer's `main()` run in this process: the code the command runs, without a second interpreter's 3 s
+    start-up. For one-process runs that no signal reaches (a signal would reach the test process); run_trainer
+    runs the command itself. Returns what run_trainer returns; the process's environment, folder, signal handlers
+    and logging are as they were before it."""
     import contextlib
     import io
     import logging

@@ -80,8 +80,8 @@ def test_an_eval_that_fails_after_the_sums_are_reduced_is_skipped_and_training_g
     valid[::16] = np.nan
     np.save(d / "valid_0_1.npy", valid)
     out = tmp_path / "run"
-    r = run_trainer(["--data_dir", d, "--output_dir", out, *TINY, "--max_steps", "4", "--eval_every", "2",
-                     "--refit_iters", "0"], timeout=120)
+    r = trainer_in_process(["--data_dir", d, "--output_dir", out, *TINY, "--max_steps", "4", "--eval_every", "2",
+                            "--refit_iters", "0"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "eval at step 2 failed on every rank" in r.stderr and "Traceback" not in r.stderr
     assert [(e["step"], e["ranks"]) for e in events(out, "eval_failed")] == [(2, [0]), (4, [0])]
@@ -194,7 +194,7 @@ def test_stop_and_resume_gives_identical_weights(tmp_path, small_data):
     common = ["--data_dir", small_data, *TINY, "--max_steps", "24", "--eval_every", "8", "--save_every", "100",
               "--multi_length_training", "--segment_lengths", "16,32,64", "--quantize_dropout"]
     straight = tmp_path / "straight"
-    r = run_trainer([*common, "--output_dir", straight])
+    r = trainer_in_process([*common, "--output_dir", straight])
     assert r.returncode == 0, r.stderr[-3000:]
 
     split = tmp_path / "split"
@@ -205,7 +205,7 @@ def test_stop_and_resume_gives_identical_weights(tmp_path, small_data):
     assert stops[-1]["step"] == 13 and "SIGTERM" in stops[-1]["reason"]
     assert [e["step"] for e in events(split, "checkpoint")] == [13]
 
-    r = run_trainer([*common, "--output_dir", split])
+    r = trainer_in_process([*common, "--output_dir", split])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stderr and "at step 13" in r.stderr
 
@@ -215,15 +215,15 @@ def test_stop_and_resume_gives_identical_weights(tmp_path, small_data):
         torch.testing.assert_close(a["model"][key], b["model"][key], rtol=0, atol=0, msg=key)
 
     trained = len(events(split, "train"))  # the same command once more: a finished run says so, and trains nothing
-    r = run_trainer([*common, "--output_dir", split])
+    r = trainer_in_process([*common, "--output_dir", split])
     assert r.returncode == 0 and "holds a finished run (step 24" in r.stderr, r.stderr[-3000:]
     assert "give another --output_dir" in r.stderr and len(events(split, "train")) == trained
 
 
 def test_outputs_of_a_run(tmp_path, small_data):
     out = tmp_path / "run"
-    r = run_trainer(["--data_dir", small_data, *TINY, "--max_steps", "10", "--eval_every", "5", "--save_every", "4",
-                     "--keep_checkpoints", "2", "--output_dir", out])
+    r = trainer_in_process(["--data_dir", small_data, *TINY, "--max_steps", "10", "--eval_every", "5",
+                            "--save_every", "4", "--keep_checkpoints", "2", "--output_dir", out])
     assert r.returncode == 0, r.stderr[-3000:]
     import json
 
@@ -245,11 +245,11 @@ def test_outputs_of_a_run(tmp_path, small_data):
 def test_eval_frames_bound_every_eval(tmp_path, small_data):
     """6 held-out utterances of 64 frames make 12 windows of 32; --eval_frames 128 evaluates 4 of them."""
     common = ["--data_dir", small_data, *TINY, "--max_steps", "4", "--eval_every", "2", "--refit_iters", "0"]
-    r = run_trainer([*common, "--eval_frames", "128", "--output_dir", tmp_path / "bounded"])
+    r = trainer_in_process([*common, "--eval_frames", "128", "--output_dir", tmp_path / "bounded"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "eval: 4 of this rank's 12 held-out windows" in r.stderr
     assert [e["frames"] for e in events(tmp_path / "bounded", "eval")] == [128, 128]
-    r = run_trainer([*common, "--eval_frames", "0", "--output_dir", tmp_path / "every"])
+    r = trainer_in_process([*common, "--eval_frames", "0", "--output_dir", tmp_path / "every"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert [e["frames"] for e in events(tmp_path / "every", "eval")] == [384, 384]
 
@@ -257,10 +257,10 @@ def test_eval_frames_bound_every_eval(tmp_path, small_data):
 def test_truncated_checkpoint_falls_back_to_the_previous(tmp_path, small_data):
     out = tmp_path / "run"
     common = ["--data_dir", small_data, *TINY, "--eval_every", "100", "--save_every", "4", "--output_dir", out]
-    assert run_trainer([*common, "--max_steps", "8"]).returncode == 0
+    assert trainer_in_process([*common, "--max_steps", "8"]).returncode == 0
     newest = out / "checkpoints" / "step_00000008.pt"
     newest.write_bytes(newest.read_bytes()[:1000])
-    r = run_trainer([*common, "--max_steps", "10"])
+    r = trainer_in_process([*common, "--max_steps", "10"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "unreadable" in r.stderr and "at step 4" in r.stderr
 
@@ -270,16 +270,17 @@ def test_a_run_that_would_start_behind_the_checkpoints_in_its_output_dir_exits_2
     pruned first under --keep_checkpoints, and a later --resume auto would pick the old run's."""
     out = tmp_path / "run"
     common = ["--data_dir", small_data, *TINY, "--eval_every", "100", "--refit_iters", "0", "--output_dir", out]
-    assert run_trainer([*common, "--max_steps", "12", "--save_every", "4"]).returncode == 0
+    assert trainer_in_process([*common, "--max_steps", "12", "--save_every", "4"]).returncode == 0
     folder = out / "checkpoints"
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
     for resume, start in (("none", 0), (str(folder / "step_00000004.pt"), 4)):
-        r = run_trainer([*common, "--max_steps", "14", "--save_every", "2", "--resume", resume])
+        r = trainer_in_process([*common, "--max_steps", "14", "--save_every", "2", "--resume", resume])
         assert r.returncode == 2, r.stderr[-3000:]
         assert (f"holds checkpoints of another run, up to step_00000012.pt, ahead of step {start} where this run "
                 f"starts (--resume {resume})") in r.stderr
         assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
-    r = run_trainer([*common, "--max_steps", "14", "--save_every", "2", "--resume", str(folder / "step_00000012.pt")])
+    r = trainer_in_process([*common, "--max_steps", "14", "--save_every", "2", "--resume",
+                            str(folder / "step_00000012.pt")])
     assert r.returncode == 0 and "at step 12" in r.stderr, r.stderr[-3000:]  # the newest: nothing ahead of it
 
 
@@ -288,14 +289,14 @@ def test_unreadable_checkpoints_are_moved_aside_and_never_push_new_ones_out(tmp_
     not the unreadable ones (which sort newer); those are kept, renamed, and never overwritten."""
     out = tmp_path / "run"
     common = ["--data_dir", small_data, *TINY, "--eval_every", "100", "--refit_iters", "0", "--output_dir", out]
-    assert run_trainer([*common, "--max_steps", "12", "--save_every", "4"]).returncode == 0
+    assert trainer_in_process([*common, "--max_steps", "12", "--save_every", "4"]).returncode == 0
     folder = out / "checkpoints"
     cut = {}
     for step in (4, 8, 12):
         path = folder / f"step_{step:08d}.pt"
         cut[step] = path.read_bytes()[:path.stat().st_size // 2]
         path.write_bytes(cut[step])
-    r = run_trainer([*common, "--max_steps", "10", "--save_every", "2"])
+    r = trainer_in_process([*common, "--max_steps", "10", "--save_every", "2"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stderr.count("is unreadable (RuntimeError: PytorchStreamReader failed") == 3
     assert r.stderr.count("moved aside") == 3 and "resumed from" not in r.stderr
@@ -306,7 +307,7 @@ def test_unreadable_checkpoints_are_moved_aside_and_never_push_new_ones_out(tmp_
     assert all((folder / f"step_{step:08d}.pt.unreadable").read_bytes() == cut[step] for step in cut)
     assert weights(out)["step"] == 10  # the newest readable one is what --resume auto continues from
 
-    r = run_trainer([*common, "--max_steps", "12", "--save_every", "2"])  # moved aside once: no warning again
+    r = trainer_in_process([*common, "--max_steps", "12", "--save_every", "2"])  # moved aside once: no warning again
     assert r.returncode == 0 and "is unreadable" not in r.stderr and "at step 10" in r.stderr, r.stderr[-3000:]
 
 
@@ -330,8 +331,8 @@ def test_an_empty_or_truncated_checkpoint_is_reported_with_the_reason(tmp_path, 
 
 def test_nan_loss_step_is_skipped_and_counted(tmp_path, small_data):
     out = tmp_path / "run"
-    r = run_trainer(["--data_dir", small_data, *TINY, "--max_steps", "8", "--output_dir", out],
-                    extra_env={"RVQ_FAULT": "nan:step=3"})
+    r = trainer_in_process(["--data_dir", small_data, *TINY, "--max_steps", "8", "--output_dir", out],
+                           extra_env={"RVQ_FAULT": "nan:step=3"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert [e["step"] for e in events(out, "skipped_step")] == [4]
     assert events(out, "train")[-1]["bad_steps"] == 1
@@ -345,7 +346,7 @@ def test_a_nan_frame_in_the_data_is_dropped_named_once_and_never_used_again(tmp_
         arr[bad_row, 5] = np.nan  # every 32-frame crop of train utterance 3 covers its frame 20
         np.save(data / f"{split}_0_1.npy", arr)
     out = tmp_path / "run"
-    r = run_trainer(["--data_dir", data, *TINY, "--max_steps", "12", "--eval_every", "6", "--output_dir", out])
+    r = trainer_in_process(["--data_dir", data, *TINY, "--max_steps", "12", "--eval_every", "6", "--output_dir", out])
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stderr.count("train_0_1.npy utterance 3 (rows 120-160)") == 1
     train = events(out, "train")
@@ -377,7 +378,7 @@ def test_utterances_with_nan_rows_are_dropped_and_named_once_by_every_batch_sour
                 u[5:-5, 0] = np.nan  # every 32-frame crop of it has a NaN frame
             np.save(data / split / f"u{i:03d}.npy", u)
     out = tmp_path / "run"
-    r = run_trainer(["--data_dir", data, *TINY, "--max_steps", "24", "--output_dir", out, *source])
+    r = trainer_in_process(["--data_dir", data, *TINY, "--max_steps", "24", "--output_dir", out, *source])
     assert r.returncode == 0, r.stderr[-3000:]
     named = [line.split(" in ", 1)[1].split(":", 1)[0] for line in r.stderr.splitlines()
              if "non-finite values (NaN or Inf) in" in line]
@@ -398,8 +399,8 @@ def test_float16_and_float32_dumps_of_the_same_features_train_alike(tmp_path):
     losses = {}
     for dtype, extra in (("float32", []), ("float16", []), ("float16", ["--use_gpu_cache"])):
         out = tmp_path / f"run_{dtype}_{len(extra)}"
-        r = run_trainer(["--data_dir", tmp_path / dtype, *TINY, "--max_steps", "4", "--refit_iters", "0",
-                         "--output_dir", out, *extra])
+        r = trainer_in_process(["--data_dir", tmp_path / dtype, *TINY, "--max_steps", "4", "--refit_iters", "0",
+                                "--output_dir", out, *extra])
         assert r.returncode == 0, r.stderr[-3000:]
         losses[(dtype, len(extra))] = [e["loss"] for e in events(out, "train")]
     assert losses[("float16", 0)] == pytest.approx(losses[("float32", 0)], rel=1e-6)

@@ -17,7 +17,7 @@ from data.demo_corpus import default_demo_dir
 from data.feature_settings import describe, dump_feature_settings, settings_differ
 from models.codec import CodecConfig, RVQCodec
 from tests.audio_helpers import CORPUS, write_corpus
-from tests.helpers import REPO, TRAINER, TINY, _state, env, events, run_trainer
+from tests.helpers import REPO, TRAINER, TINY, _state, env, events, trainer_in_process
 from tools import encode, extract, tokenize
 from tools.trained_codec import TRUSTED_STEPS, codec_doubts
 
@@ -36,7 +36,7 @@ def demo(tmp_path_factory):
     """A codec trained 3 steps on the demo corpus, and a fbank dump of the same width from three audio files."""
     root = tmp_path_factory.mktemp("codec_identity")
     d = SimpleNamespace(root=root, run=root / "run", audio=root / "audio", fbank=root / "fbank")
-    r = run_trainer(["--output_dir", d.run, "--max_steps", 3, *DEMO], timeout=120)
+    r = trainer_in_process(["--output_dir", d.run, "--max_steps", 3, *DEMO])
     assert r.returncode == 0, r.stderr[-3000:]
     d.data = default_demo_dir()
     write_corpus(d.audio, CORPUS[:3])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from models.unit_quality import quality_from_counts, unit_quality
-from tests.helpers import TINY, events, run_gloo_ranks, run_torchrun, run_trainer, trainer_in_process, write_fairseq
+from tests.helpers import TINY, events, run_gloo_ranks, run_torchrun, trainer_in_process, write_fairseq
 from tools import evaluate, report
 
 VALID = [50, 37, 64, 45, 33]
@@ -62,7 +62,7 @@ def test_phone_measures_from_counts_are_unit_qualitys():
 @pytest.mark.timeout(90)
 def test_one_rank_run_reports_per_level_pnmi_as_tools_evaluate_scores_it(feats, tmp_path):
     run = tmp_path / "run"
-    r = run_trainer(["--data_dir", feats, "--output_dir", run, *RUN], timeout=80)
+    r = trainer_in_process(["--data_dir", feats, "--output_dir", run, *RUN])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "per level against the 4 phones of" in r.stderr and "PNMI" in r.stderr
     assert all("pnmi" not in e for e in events(run, "eval")[:-1])  # the evals during training: windows, no phones

@@ -3,13 +3,14 @@ import pytest
 import torch
 
 from models.codec import CodecConfig, RVQCodec
-from tests.helpers import QUICK, TINY, events, run_trainer
+from tests.helpers import QUICK, TINY, events, trainer_in_process
 from training.throughput import StepTimer, training_flops_per_frame
 
 
 @pytest.mark.parametrize("source", [["--use_gpu_cache"], ["--prefetch", "--prefetch_depth", "2"]])
 def test_train_events_report_data_wait_and_mfu(tmp_path, source):
-    run = run_trainer([*TINY, *QUICK, "--max_steps", "4", "--eval_every", "100", "--output_dir", tmp_path, *source])
+    run = trainer_in_process([*TINY, *QUICK, "--max_steps", "4", "--eval_every", "100", "--output_dir", tmp_path,
+                              *source])
     assert run.returncode == 0, run.stderr[-2000:]
     train = events(tmp_path, "train")
     assert len(train) == 4
