@@ -43,8 +43,6 @@ def trainer_in_process(args, *, extra_env=None, cwd=None) -> subprocess.Complete
     start-up. For one-process runs that no signal reaches (a signal would reach the test process); run_trainer
     runs the command itself. Returns what run_trainer returns; the process's environment, folder, signal handlers
     and logging are as they were before it."""
-    import contextlib
-    import io
     import logging
 
     import rvq_seamless_gpu_cache_nccl as trainer
@@ -52,41 +50,44 @@ def trainer_in_process(args, *, extra_env=None, cwd=None) -> subprocess.Complete
     saved_env, saved_cwd = dict(os.environ), os.getcwd()
     root = logging.getLogger()
     saved_logging = (root.handlers[:], root.level)
-    stdout, stderr = io.StringIO(), io.StringIO()
     try:
         os.environ.pop("RVQ_FAULT", None)
         os.environ.update({k: str(v) for k, v in (extra_env or {}).items()})
         os.chdir(cwd or REPO)
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-            try:
-                code = trainer.main([str(a) for a in args])
-            except SystemExit as e:  # argparse: --help, a bad flag
-                code = e.code if isinstance(e.code, int) else 2
+        code, out, err = _captured(trainer.main, [str(a) for a in args])
     finally:
         os.chdir(saved_cwd)
         os.environ.clear()
         os.environ.update(saved_env)
         root.handlers[:], root.level = saved_logging
-    return subprocess.CompletedProcess(["main", *map(str, args)], code, stdout.getvalue(), stderr.getvalue())
+    return subprocess.CompletedProcess(["main", *map(str, args)], code, out, err)
+
+
+def _captured(main, argv) -> tuple[int, str, str]:
+    """A command's `main(argv)` called in this process: (exit code, stdout, stderr); argparse's exits (--help, a
+    bad flag) are exit codes as the command would return them."""
+    import contextlib
+    import io
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 2
+    return code, stdout.getvalue(), stderr.getvalue()
 
 
 def help_in_process(*command: str) -> subprocess.CompletedProcess:
     """What `python COMMAND --help` answers (the trainer's script, or -m MODULE [WORD]), from the command's `main`
     called in this process: the same parser and text, without an interpreter's start-up. help_output runs the
     command itself."""
-    import contextlib
     import importlib
-    import io
 
     if command[0] != "-m":
         return trainer_in_process(["--help"])
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        try:
-            code = importlib.import_module(command[1]).main([*command[2:], "--help"])
-        except SystemExit as e:  # argparse's --help
-            code = e.code if isinstance(e.code, int) else 2
-    return subprocess.CompletedProcess([*command, "--help"], code, stdout.getvalue(), stderr.getvalue())
+    code, out, err = _captured(importlib.import_module(command[1]).main, [*command[2:], "--help"])
+    return subprocess.CompletedProcess([*command, "--help"], code, out, err)
 
 
 def help_output(*command: str) -> subprocess.CompletedProcess:
