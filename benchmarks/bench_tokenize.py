@@ -37,6 +37,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -234,6 +235,15 @@ def child(spec_path: str) -> int:
         modules.append(self.model)
 
     layer_class.__init__ = recording_init
+    import logging
+
+    warnings = []  # the tool's warnings (a kernel given up, say), for the result
+
+    class Recorder(logging.Handler):
+        def emit(self, record):
+            warnings.append(f"{record.name}: {record.getMessage()}"[:2000])
+
+    logging.getLogger().addHandler(Recorder(logging.WARNING))
     began = time.perf_counter()
     stopped = False
     try:
@@ -242,7 +252,7 @@ def child(spec_path: str) -> int:
         code, stopped = 0, True
     result = {"rc": code, "stopped": stopped, "seconds_total": time.perf_counter() - began,
               "commits": [(t - began, done) for t, done in commits],
-              "passes": [(tag, *pass_shape(a, kw)) for tag, a, kw in passes]}
+              "passes": [(tag, *pass_shape(a, kw)) for tag, a, kw in passes], "warnings": warnings}
     if spec.get("model") and modules and code == 0:
         result["model"] = replay(modules[0], [(a, kw) for tag, a, kw in passes if tag >= 1], device)
     Path(spec["result"]).write_text(json.dumps(result))
@@ -351,6 +361,7 @@ def figures(result: dict, corpus: dict, cfg: dict, layers: int, max_chunk: int, 
     out = {"audio_s_per_s": audio / seconds, "gflop_per_s": flops / seconds / 1e9, "steady_audio_s": audio,
            "steady_s": seconds, "startup_s": t0, "commits": len(commits), "stopped_early": result["stopped"],
            "passes": len(result["passes"]), "padding": padded / real - 1 if real else None,
+           "warnings": result.get("warnings", []),
            "gflop_per_audio_s": flops / audio / 1e9 if audio else None}
     if peak:
         out["mfu"] = flops / seconds / (peak * 1e12)
@@ -381,9 +392,12 @@ def run_benchmark(*, device: str = "cpu", model: str = "small", layer: int | Non
                   work_seconds: float | None = None, commit_seconds: float | None = None,
                   batch_seconds: float | None = None, num_workers: int | None = None, threads: int | None = None,
                   peak: float | None = None, scratch_root: str | None = None, timeout: float = 1800,
+                  tool_flags: dict[str, list[str]] | None = None, label_modes: dict[str, list[str]] | None = None,
                   out: Path | None = None, say=print) -> dict:
     """Every (repo, mix, mode) run `repeats` times, taking turns; each keeps its fastest steady state. Returns
-    the figures, also written to `out` after every run (a run cut short keeps what it measured)."""
+    the figures, also written to `out` after every run (a run cut short keeps what it measured). tool_flags: more
+    flags for the tools of a repo's label (e.g. two labels of one tree with --compile on and off); label_modes:
+    a label's own modes instead of `modes` (e.g. an earlier tree's extraction alone)."""
     import torch
 
     from benchmarks.demo_run import machine
@@ -403,6 +417,7 @@ def run_benchmark(*, device: str = "cpu", model: str = "small", layer: int | Non
             "layer": layer, "precision": precision, "threads": threads, "num_workers": num_workers,
             "commit_seconds": commit_seconds, "batch_seconds": batch_seconds, "work_seconds": work_seconds,
             "audio_minutes": audio_minutes, "repeats": repeats, "peak_tflops": peak, "repos": repos,
+            "tool_flags": tool_flags or {}, "label_modes": label_modes or {},
             "load_average_before": [round(x, 2) for x in os.getloadavg()], "mixes": {}, "runs": {}}
     with tempfile.TemporaryDirectory(prefix="bench_tokenize_", dir=scratch_root) as tmp:
         tmp = Path(tmp)
@@ -427,16 +442,17 @@ def run_benchmark(*, device: str = "cpu", model: str = "small", layer: int | Non
                 common += [flag, value]
         extract_flags = ["--feature", "w2v-bert", "--checkpoint", tmp / "w2v", "--layer", layer,
                          "--precision", precision, *common]
-        jobs = [m for m in ("extract", "tokenize") if m in modes or (m == "extract" and "model" in modes)]
         best: dict[tuple, dict] = {}
         for r in range(repeats):
             for mix in mixes:
                 for label, repo in repos.items():
-                    for mode in jobs:
+                    wanted = (label_modes or {}).get(label, modes)
+                    for mode in [m for m in ("extract", "tokenize") if m in wanted or (m == "extract" and
+                                                                                      "model" in wanted)]:
                         argv = [corpora[mix]["manifest"], "train", 1, 0, "OUT",
-                                *(extract_flags if mode == "extract" else common)]
+                                *(extract_flags if mode == "extract" else common), *(tool_flags or {}).get(label, [])]
                         spec = {"repo": repo, "mode": mode, "argv": argv, "device": device, "threads": threads,
-                                "work_seconds": work_seconds, "model": mode == "extract" and "model" in modes,
+                                "work_seconds": work_seconds, "model": mode == "extract" and "model" in wanted,
                                 "extract_flags": [str(a) for a in extract_flags], "scratch_root": scratch_root}
                         result = run_child(spec, timeout)
                         row = result if "error" in result else figures(result, corpora[mix], cfg, layer, max_chunk,
@@ -536,15 +552,33 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, help="torch threads in the tools (default: 1 on a CPU)")
     p.add_argument("--peak_tflops", type=float, help="the device's peak for MFU (default: PEAK_TFLOPS for known GPUs)")
     p.add_argument("--scratch", help="folder for the corpus and the outputs (default: the system's temporary one)")
+    p.add_argument("--tool_flags", action="append", metavar="LABEL=FLAGS",
+                   help="more flags for the tools of --repo LABEL, e.g. 'compiled=--compile on' (repeatable)")
+    p.add_argument("--label_modes", action="append", metavar="LABEL=MODES",
+                   help="--modes for the tree of --repo LABEL alone, e.g. 'before=extract,model' (repeatable)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--out", type=Path, default=HERE / "benchmarks" / "results" / "bench_tokenize.json")
     args = p.parse_args(argv)
     if args.child:
         return child(args.child)
     sys.path.insert(0, str(HERE))
+    repos = parse_repos(args.repo)
+    tool_flags = {}
+    for value in args.tool_flags or []:
+        label, _, flags = value.partition("=")
+        if label not in repos:
+            p.error(f"--tool_flags {value!r}: no --repo is labelled {label!r} (labels: {', '.join(repos)})")
+        tool_flags[label] = shlex.split(flags)
+    label_modes = {}
+    for value in args.label_modes or []:
+        label, _, modes = value.partition("=")
+        if label not in repos:
+            p.error(f"--label_modes {value!r}: no --repo is labelled {label!r} (labels: {', '.join(repos)})")
+        label_modes[label] = modes.split(",")
     info = run_benchmark(device=args.device, model=args.model, layer=args.layer, precision=args.precision,
                          mixes=args.mixes.split(","), modes=args.modes.split(","), audio_minutes=args.audio_minutes,
-                         base_minutes=args.base_minutes, repeats=args.repeats, repos=parse_repos(args.repo),
+                         base_minutes=args.base_minutes, repeats=args.repeats, repos=repos, tool_flags=tool_flags,
+                         label_modes=label_modes,
                          work_seconds=args.work_seconds, commit_seconds=args.commit_seconds,
                          batch_seconds=args.batch_seconds, num_workers=args.num_workers, threads=args.threads,
                          peak=args.peak_tflops, scratch_root=args.scratch, timeout=args.timeout, out=args.out)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Steady-state audio seconds per second and MFU of tools.extract, tools.tokenize and the model alone on one GPU:
-# a w2v-BERT-2.0-sized random model to layer 17 in bf16, this tree and (with --before) an earlier one side by side,
+# a w2v-BERT-2.0-sized random model to layer 17 in bf16, this tree's encoder eager and compiled (--compile) and
+# (with --before) an earlier tree side by side,
 # through benchmarks/bench_tokenize.py. About 5 minutes on an H100 (30 s of steady-state work a run).
 #
 #   bash benchmarks/gpu_tokenize.sh [--before DIR] [--wheels DIR] [--cpu-only] [bench_tokenize.py flags...]
@@ -36,8 +37,11 @@ if ! "$PYTHON" -c "import soundfile, soxr, vector_quantize_pytorch" 2>/dev/null;
         "$wheels"/*.whl
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-repos=(--repo "after=$PWD")
-[[ -n $before ]] && repos+=(--repo "before=$(cd "$before" && pwd)")
+# this tree twice, the encoder eager and under torch.compile (--compile), and the earlier tree's extraction and
+# model alone (the device time goes to this tree's runs), in that order: the compiled runs, the longest, come last
+repos=(--repo "after=$PWD" --tool_flags "after=--compile off")
+[[ -n $before ]] && repos+=(--repo "before=$(cd "$before" && pwd)" --label_modes "before=extract,model")
+repos+=(--repo "compiled=$PWD" --tool_flags "compiled=--compile on")
 mkdir -p "$OUT"
 if [[ $cpu_only == 1 ]]; then
     flags=(--device cpu --model small --layer 4 --precision fp32 --mixes 5s --audio_minutes 0.5 --base_minutes 0.5

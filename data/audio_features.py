@@ -18,10 +18,12 @@ they are used, so that importing this module needs none of them.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import BinaryIO
 from pathlib import Path
@@ -32,6 +34,8 @@ import torch
 from data.fbank import FRAME_LENGTH, HOP_LENGTH, NUM_MEL_BINS, SAMPLE_RATE, STRIDE, TorchFbank
 from data.transfers import to_device
 from errors import BadInputError
+
+log = logging.getLogger(__name__)
 
 FRAME_RATE = SAMPLE_RATE // (HOP_LENGTH * STRIDE)  # features per second: 10 ms fbank hop, stacked by 2
 MIN_SAMPLES = FRAME_LENGTH + HOP_LENGTH  # two 25 ms fbank windows: the fewest samples that give one stacked frame
@@ -174,10 +178,13 @@ class W2vBertLayer:
     `device` and `dtype` are the caller's choice (training/device.py resolves the flags); `flag` names the
     model's folder in messages (tools.extract's --checkpoint, tools.tokenize's --w2v_bert). `attention`: "fast"
     puts data/w2v_attention.py's relative-position attention (no T x T table, same outputs) in place of
-    transformers' one; "stock" keeps transformers' module (for comparison)."""
+    transformers' one; "stock" keeps transformers' module (for comparison). `compile`: the truncated encoder
+    under torch.compile with dynamic shapes (a pass's rows and length are symbolic, so a new pass shape reuses
+    the graph); each graph compiled is counted and logged (`graphs`)."""
 
     def __init__(self, checkpoint: Path, layer: int, *, device: torch.device, dtype: torch.dtype,
-                 max_chunk_seconds: float, flag: str = "--checkpoint", attention: str = "fast"):
+                 max_chunk_seconds: float, flag: str = "--checkpoint", attention: str = "fast",
+                 compile: bool = False):
         from transformers import Wav2Vec2BertModel
 
         if attention not in ("fast", "stock"):
@@ -212,6 +219,9 @@ class W2vBertLayer:
             use_fast_attention(model)
         self.device, self.dtype = device, dtype
         self.model = model.to(device, dtype).eval()
+        self.compiled, self.graphs = compile, 0
+        if compile:
+            self.model = torch.compile(self.model, dynamic=True)
         self.layer = layer
         self.dim = model.config.hidden_size
         self.max_chunk = max(1, int(max_chunk_seconds * FRAME_RATE))
@@ -237,9 +247,15 @@ class W2vBertLayer:
         for row, chunk in enumerate(chunks):
             x[row, : len(chunk)] = torch.as_tensor(chunk)
             mask[row, : len(chunk)] = 1
+        graphs = compiled_graphs() if self.compiled else 0
+        began = time.perf_counter()
         with torch.inference_mode():
             out = self.model(input_features=to_device(x, self.device).to(self.dtype),
                              attention_mask=to_device(mask, self.device), output_hidden_states=True)
+        if self.compiled and compiled_graphs() > graphs:
+            self.graphs += compiled_graphs() - graphs
+            log.info("w2v-bert: compiled graph %d, for a pass of %d x %d frames (%.1f s)", self.graphs, len(chunks),
+                     longest, time.perf_counter() - began)
         return out.hidden_states[self.layer]
 
     def forward(self, chunks: list[np.ndarray]) -> list[np.ndarray]:
@@ -279,3 +295,10 @@ class W2vBertLayer:
         """encode's layer outputs as one float32 [frames, dim] array per file, on the host."""
         out = self.encode(fbanks, passes, on_batch).cpu().numpy()
         return np.split(out, np.cumsum([len(f) for f in fbanks])[:-1])
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process so far (dynamo's count)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])

@@ -88,6 +88,8 @@ class RelativeKeySelfAttention(nn.Module):
             return "gather"
         if self.kernel != "auto":
             return self.kernel
+        if torch.compiler.is_compiling():  # the encoder compiled (--compile): the gathered bias traces on any
+            return "gather"  # device; flex attention inside it failed to compile on an H100 (benchmarks/README.md)
         if q.is_cuda:
             return "flex" if compiled_flex_attention() is not None else "gather"
         return "fold" if _cpu_attention_with_lse() is not None else "gather"
@@ -213,39 +215,86 @@ def folded_relative_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 def flex_relative_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, embedding: torch.Tensor,
                                 valid: torch.Tensor | None, scaling: float, left: int, right: int) -> torch.Tensor:
     """Flex attention whose score_mod adds table[b, h, i, clamp(j - i) + left] and drops padded keys: the bias is
-    read inside the kernel, never materialised. Compiled on CUDA (falling back to the gathered bias, with a
-    warning, where it cannot be); eager elsewhere."""
+    read inside the kernel, never materialised. Compiled on CUDA once a probe has proven it (flex_proven); the
+    gathered bias, exact, where it is not, with a warning; eager elsewhere."""
     table = distance_table(q, embedding, scaling)
+    score_mod = relative_key_score_mod(table, valid, left, right)
+    if torch.compiler.is_compiling():  # inside a compiled model: the outer compile traces flex attention itself
+        from torch.nn.attention.flex_attention import flex_attention
+        return flex_attention(q, k, v, score_mod=score_mod, scale=scaling)
+    if not q.is_cuda:
+        from torch.nn.attention.flex_attention import flex_attention
+        return flex_attention(q, k, v, score_mod=score_mod, scale=scaling)
+    kernel = compiled_flex_attention()
+    if kernel is not None and flex_proven(kernel, q, embedding, valid is not None, scaling, left, right):
+        try:
+            return kernel(q, k, v, score_mod=score_mod, scale=scaling)
+        except Exception as e:  # noqa: BLE001 - a shape the probe did not cover failed to compile: stay exact
+            give_up_flex(e)
+    return gathered_relative_key_attention(q, k, v, table, valid, scaling, left, right)
 
+
+def relative_key_score_mod(table: torch.Tensor, valid: torch.Tensor | None, left: int, right: int):
+    """flex attention's score_mod for the bias in `table` ([B, H, T, left + right + 1]) and the keys `valid`
+    ([B, T] bool or None). One code object for every call, so that compiled graphs are reused."""
     def score_mod(score, b, h, q_idx, kv_idx):
         biased = score + table[b, h, q_idx, torch.clamp(kv_idx - q_idx, -left, right) + left]
         if valid is None:
             return biased
         return torch.where(valid[b, kv_idx], biased, float("-inf"))
 
-    if torch.compiler.is_compiling():  # inside a compiled model: the outer compile traces flex attention itself
-        from torch.nn.attention.flex_attention import flex_attention
-        return flex_attention(q, k, v, score_mod=score_mod, scale=scaling)
-    kernel = compiled_flex_attention() if q.is_cuda else None
-    if kernel is None:
-        if q.is_cuda:
-            return gathered_relative_key_attention(q, k, v, table, valid, scaling, left, right)
-        from torch.nn.attention.flex_attention import flex_attention
-        return flex_attention(q, k, v, score_mod=score_mod, scale=scaling)
-    if _FLEX_STATE["proven"]:
-        return kernel(q, k, v, score_mod=score_mod, scale=scaling)
+    return score_mod
+
+
+# shapes (rows, frames) the probe runs: a first shape compiles a static graph, a second of other sizes the dynamic
+# one every later pass reuses, one row the graph of a single-row pass (a size of 1 is compiled on its own)
+PROBE_SHAPES = ((2, 96), (3, 130), (1, 160))
+# the probe's largest error against the gathered bias, relative to the output's largest value, by dtype
+PROBE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+_FLEX_STATE: dict = {"kernel": None, "failed": False, "proven": set()}
+
+
+def flex_proven(kernel, q: torch.Tensor, embedding: torch.Tensor, padded: bool, scaling: float, left: int,
+                right: int) -> bool:
+    """Whether compiled flex attention computes this layout's attention (q's dtype, heads, head size and device):
+    before its first use, a probe compiles every graph later passes need (PROBE_SHAPES) on random inputs and
+    checks each output against the gathered bias. Decided once per process and layout, before any pass, so that
+    every pass of a run, and of a resumed one, takes the same kernel. False (flex given up, with a warning) where
+    any of it fails."""
+    if _FLEX_STATE["failed"]:
+        return False
+    key = (q.dtype, q.shape[1], q.shape[3], q.device, padded, scaling, left, right)
+    if key in _FLEX_STATE["proven"]:
+        return True
+    generator = torch.Generator(device=q.device).manual_seed(0)
     try:
-        out = kernel(q, k, v, score_mod=score_mod, scale=scaling)
-    except Exception as e:  # noqa: BLE001 - any compile failure leaves the exact gathered path
-        log.warning("flex attention failed to compile (%s: %s); w2v-BERT attention falls back to a gathered "
-                    "bias, exact but slower", type(e).__name__, e)
-        _FLEX_STATE["kernel"], _FLEX_STATE["failed"] = None, True
-        return gathered_relative_key_attention(q, k, v, table, valid, scaling, left, right)
-    _FLEX_STATE["proven"] = True
-    return out
+        for rows, frames in PROBE_SHAPES:
+            x = torch.randn(3, rows, q.shape[1], frames, q.shape[3], generator=generator, device=q.device,
+                            dtype=torch.float32).to(q.dtype)
+            valid = None
+            if padded:
+                valid = torch.ones(rows, frames, dtype=torch.bool, device=q.device)
+                valid[-1, frames - frames // 3:] = False
+            table = distance_table(x[0], embedding, scaling)
+            got = kernel(x[0], x[1], x[2], score_mod=relative_key_score_mod(table, valid, left, right), scale=scaling)
+            want = gathered_relative_key_attention(x[0], x[1], x[2], table, valid, scaling, left, right)
+            error = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+            if not error <= PROBE_TOLERANCE.get(q.dtype, 2e-2):
+                raise ArithmeticError(f"{rows} x {frames} frames differ from the gathered bias by {error:.1e} "
+                                      "relative")
+    except Exception as e:  # noqa: BLE001 - any failure leaves the exact gathered path
+        give_up_flex(e)
+        return False
+    _FLEX_STATE["proven"].add(key)
+    return True
 
 
-_FLEX_STATE: dict = {"kernel": None, "failed": False, "proven": False}
+def give_up_flex(error: Exception) -> None:
+    """Compiled flex attention failed: the rest of the process uses the gathered bias (exact, slower)."""
+    message = str(error).strip().splitlines()
+    log.warning("flex attention failed (%s: %s); w2v-BERT attention falls back to a gathered bias, exact but "
+                "slower", type(error).__name__, " | ".join(message[-3:])[:500] if message else "")
+    _FLEX_STATE["kernel"], _FLEX_STATE["failed"] = None, True
 
 
 def compiled_flex_attention():

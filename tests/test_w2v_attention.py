@@ -179,3 +179,60 @@ def test_w2v_bert_layer_fast_and_stock_attention_agree(tmp_path, stock_model, ca
         W2vBertLayer(tmp_path, 2, device=torch.device("cpu"), dtype=torch.float32, max_chunk_seconds=5.0,
                      attention="flash")
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_w2v_bert_layer_compiled_equals_eager_and_counts_its_graphs(tmp_path, stock_model, caplog):
+    """--compile: the truncated encoder under torch.compile gives eager's layer output; the graphs it compiles are
+    counted and logged, and a pass of a shape already compiled compiles nothing more."""
+    from data.audio_features import W2vBertLayer
+
+    stock_model.save_pretrained(tmp_path)
+    layers = {compiled: W2vBertLayer(tmp_path, 1, device=torch.device("cpu"), dtype=torch.float32,
+                                     max_chunk_seconds=5.0, compile=compiled) for compiled in (False, True)}
+    caplog.set_level(logging.INFO, logger="data.audio_features")
+    rng = np.random.default_rng(0)
+    for lengths in ((120, 100, 60), (120, 80, 40)):  # one pass shape, 3 x 120, with other paddings
+        chunks = [rng.standard_normal((n, 160)).astype(np.float32) for n in lengths]
+        for got, want in zip(layers[True].forward(chunks), layers[False].forward(chunks), strict=True):
+            assert got.shape == want.shape
+            assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+    assert layers[True].graphs == 1 and layers[False].graphs == 0
+    assert [r.getMessage().split(" (")[0] for r in caplog.records if "compiled graph" in r.getMessage()] == \
+        ["w2v-bert: compiled graph 1, for a pass of 3 x 120 frames"]
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_kernel_is_proven_before_use_and_given_up_when_wrong_or_failing(monkeypatch, caplog):
+    """A flex kernel is used only after a probe of the shapes later passes compile agrees with the gathered bias;
+    a kernel that fails or computes something else is given up for the process, with a warning."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention").flex_attention
+    q = torch.randn(2, 4, 50, 16)
+    embedding = torch.randn(64 + 8 + 1, 16)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[:3])
+        return flex(*args, **kwargs)
+
+    monkeypatch.setitem(w2v_attention._FLEX_STATE, "proven", set())
+    monkeypatch.setitem(w2v_attention._FLEX_STATE, "failed", False)
+    try:
+        assert w2v_attention.flex_proven(counted, q, embedding, True, 0.25, 64, 8)
+    except (RuntimeError, NotImplementedError) as e:  # a torch whose flex attention has no eager CPU path
+        pytest.skip(f"flex attention does not run eagerly on this CPU: {e}")
+    assert calls == [(rows, 4, frames) for rows, frames in w2v_attention.PROBE_SHAPES]
+    assert w2v_attention.flex_proven(counted, q, embedding, True, 0.25, 64, 8) and len(calls) == 3  # once a layout
+
+    def wrong(*args, **kwargs):
+        return flex(*args, **kwargs) * 1.1
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("triton compilation failed")
+
+    for kernel, says in ((wrong, "differ from the gathered bias"), (failing, "triton compilation failed")):
+        monkeypatch.setitem(w2v_attention._FLEX_STATE, "failed", False)
+        monkeypatch.setitem(w2v_attention._FLEX_STATE, "proven", set())
+        caplog.clear()
+        assert not w2v_attention.flex_proven(kernel, q, embedding, True, 0.25, 64, 8)
+        assert w2v_attention._FLEX_STATE["failed"] and w2v_attention.compiled_flex_attention() is None
+        assert [r for r in caplog.records if r.levelno == logging.WARNING and says in r.getMessage()]

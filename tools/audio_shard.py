@@ -122,6 +122,10 @@ def add_input_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--key_column",
                    help="parquet: the column that names each utterance in the outputs (default: the first of "
                         f"{', '.join(KEY_COLUMNS)} the table has, else file:row)")
+    p.add_argument("--compile", choices=("on", "off"), default="off",
+                   help="w2v-bert: run the truncated encoder under torch.compile, with dynamic shapes (the graphs "
+                        "compiled are logged); not shown to pay yet (benchmarks/README.md, \"Tokenization at steady "
+                        "state\")")
     p.add_argument("--overwrite", action="store_true",
                    help="delete the shard's output, finished or partial, and write it from the start")
 

@@ -138,12 +138,13 @@ def feature_maker(args, share: AudioShare, recorded: dict | None,
     device = model_device(args.device, share)  # shards on one node spread over its GPUs
     encoder = W2vBertLayer(args.checkpoint, args.layer, device=device,
                            dtype=compute_dtype(args.precision, device) or torch.float32,
-                           max_chunk_seconds=args.max_chunk_seconds, attention=w2v_attention(before_pass_rules))
+                           max_chunk_seconds=args.max_chunk_seconds, attention=w2v_attention(before_pass_rules),
+                           compile=args.compile == "on")
     settings.update(dim=encoder.dim, checkpoint=str(args.checkpoint.resolve()),
                     model=model_fingerprint(args.checkpoint), layer=args.layer,
                     max_chunk_seconds=args.max_chunk_seconds, precision=str(encoder.dtype).replace("torch.", ""))
-    log.info("w2v-bert layer %d of %s on %s (%s), %d-d", args.layer, args.checkpoint, encoder.device, encoder.dtype,
-             encoder.dim)
+    log.info("w2v-bert layer %d of %s on %s (%s), %d-d%s", args.layer, args.checkpoint, encoder.device, encoder.dtype,
+             encoder.dim, ", under torch.compile" if encoder.compiled else "")
     return fbank, encoder, settings
 
 

@@ -127,14 +127,15 @@ def feature_maker(trained: dict, args, device: torch.device, ckpt_path: Path,
                             "folder here: give the model's folder with --w2v_bert")
     encoder = W2vBertLayer(folder, trained["layer"], device=device, dtype=getattr(torch, trained["precision"]),
                            max_chunk_seconds=trained["max_chunk_seconds"], flag="--w2v_bert",
-                           attention=w2v_attention(before_pass_rules))
+                           attention=w2v_attention(before_pass_rules),
+                           compile=args.compile == "on")
     now = {**trained, "dim": encoder.dim, "checkpoint": str(folder.resolve()), "model": model_fingerprint(folder)}
     differ = settings_differ(trained, now)
     if differ:
         raise BadInputError(f"the codec in {ckpt_path} was trained on {describe(trained)}; --w2v_bert {folder} "
                             f"gives {describe(now)} ({differ})")
-    log.info("w2v-bert layer %d of %s on %s (%s), %d-d", encoder.layer, folder, encoder.device, encoder.dtype,
-             encoder.dim)
+    log.info("w2v-bert layer %d of %s on %s (%s), %d-d%s", encoder.layer, folder, encoder.device, encoder.dtype,
+             encoder.dim, ", under torch.compile" if encoder.compiled else "")
     return SeamlessFbank(folder, computed), encoder, now
 
 
