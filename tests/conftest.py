@@ -12,3 +12,13 @@ os.environ["OMP_NUM_THREADS"] = "1"
 import torch  # noqa: E402  (after the variable, which torch reads when it is first imported)
 
 torch.set_num_threads(1)
+
+import pytest  # noqa: E402
+
+from tests.helpers import write_dump  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory):
+    """A fairseq dump of 60 training utterances of 40-199 frames and 6 held-out ones of 64, 16-d."""
+    return write_dump(tmp_path_factory.mktemp("data"), train=60, valid=6, seed=1)

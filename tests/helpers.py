@@ -182,6 +182,27 @@ def write_fairseq(folder: Path, split: str, lengths, dim=16, nshard=1, seed=0, d
     return utts
 
 
+def write_dump(folder: Path, train: int, valid: int, seed: int, dim: int = 16) -> Path:
+    """A fairseq dump in `folder`: `train` training utterances of 40-199 frames (lengths and values drawn with
+    `seed`) and `valid` held-out ones of 64 frames."""
+    lengths = np.random.default_rng(seed).integers(40, 200, size=train).tolist()
+    write_fairseq(folder, "train", lengths, dim=dim, seed=seed)
+    write_fairseq(folder, "valid", [64] * valid, dim=dim, seed=seed + 1)
+    return folder
+
+
+def run_flags(data, out, *extra) -> list:
+    """The trainer's flags for a TINY run on `data` into `out`, then `extra`."""
+    return ["--data_dir", data, "--output_dir", out, *TINY, *map(str, extra)]
+
+
+def newest_checkpoint(run_dir: Path) -> dict:
+    """The newest checkpoint in a run's output dir, loaded."""
+    from training.checkpoint import list_checkpoints, load_checkpoint
+
+    return load_checkpoint(list_checkpoints(Path(run_dir) / "checkpoints")[0])
+
+
 def _state(pid: int) -> str:
     """A process's state letter from /proc (T: stopped), or '' when it cannot be read."""
     try:

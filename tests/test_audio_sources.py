@@ -192,6 +192,7 @@ def run_killed(module: str, args: list) -> None:
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", ["tools.extract", "tools.tokenize"])
 def test_a_killed_tar_run_resumes_to_the_bytes_of_one_never_stopped(corpus, tmp_path, caplog, module):
     c = corpus

@@ -21,7 +21,7 @@ from tests.audio_helpers import CORPUS, random_codec, tiny_w2v_bert, write_corpu
 from tests.helpers import REPO, TINY, _state, env, run_trainer
 from tools import audio_shard, encode, export, extract, tokenize
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 SHARD = "train_0_1"
 COMMIT = ["--commit_files", 2]  # 7 files (one of them bad): 4 commits

@@ -7,26 +7,22 @@ The faults are injected by a `sitecustomize.py` on the subprocess's PYTHONPATH (
 patches torch.load or torch.save at start-up: the trainer's code runs unchanged."""
 import shutil
 
-import numpy as np
 import pytest
 import torch
 
-from tests.helpers import REPO, TINY, Ranks, events, run_trainer, write_fairseq
+from tests.helpers import (REPO, Ranks, TINY, events, newest_checkpoint, run_flags, run_trainer, trainer_in_process,
+                           write_dump)
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    write_fairseq(d, "train", np.random.default_rng(7).integers(40, 200, size=40).tolist(), seed=7)
-    write_fairseq(d, "valid", [64] * 4, seed=8)
-    return d
+    return write_dump(tmp_path_factory.mktemp("data"), train=40, valid=4, seed=7)
 
 
 def flags(data, out, *extra):
-    return ["--data_dir", data, "--output_dir", out, *TINY, "--eval_every", "100", "--refit_iters", "0",
-            *map(str, extra)]
+    return run_flags(data, out, "--eval_every", "100", "--refit_iters", "0", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +148,93 @@ def test_a_failed_write_before_a_compile_ends_the_run_with_that_step_not_taken(t
     assert not list((out / "checkpoints").iterdir())
     stop = events(out, "stop")
     assert len(stop) == 1 and stop[0]["step"] == 1 and "No space left on device" in stop[0]["reason"]
+
+
+def test_truncated_checkpoint_falls_back_to_the_previous(tmp_path, small_data):
+    out = tmp_path / "run"
+    common = ["--data_dir", small_data, *TINY, "--eval_every", "100", "--save_every", "4", "--output_dir", out]
+    assert trainer_in_process([*common, "--max_steps", "8"]).returncode == 0
+    newest = out / "checkpoints" / "step_00000008.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    r = trainer_in_process([*common, "--max_steps", "10"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "unreadable" in r.stderr and "at step 4" in r.stderr
+
+
+def test_a_run_that_would_start_behind_the_checkpoints_in_its_output_dir_exits_2_and_keeps_them(tmp_path, small_data):
+    """--resume none in a run dir, or an older --resume path: the new run's checkpoints would be the oldest there,
+    pruned first under --keep_checkpoints, and a later --resume auto would pick the old run's."""
+    out = tmp_path / "run"
+    common = ["--data_dir", small_data, *TINY, "--eval_every", "100", "--refit_iters", "0", "--output_dir", out]
+    assert trainer_in_process([*common, "--max_steps", "12", "--save_every", "4"]).returncode == 0
+    folder = out / "checkpoints"
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    for resume, start in (("none", 0), (str(folder / "step_00000004.pt"), 4)):
+        r = trainer_in_process([*common, "--max_steps", "14", "--save_every", "2", "--resume", resume])
+        assert r.returncode == 2, r.stderr[-3000:]
+        assert (f"holds checkpoints of another run, up to step_00000012.pt, ahead of step {start} where this run "
+                f"starts (--resume {resume})") in r.stderr
+        assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    r = trainer_in_process([*common, "--max_steps", "14", "--save_every", "2", "--resume",
+                            str(folder / "step_00000012.pt")])
+    assert r.returncode == 0 and "at step 12" in r.stderr, r.stderr[-3000:]  # the newest: nothing ahead of it
+
+
+def test_unreadable_checkpoints_are_moved_aside_and_never_push_new_ones_out(tmp_path, small_data):
+    """Every checkpoint truncated: the run starts at step 0, and the retention window holds its own checkpoints,
+    not the unreadable ones (which sort newer); those are kept, renamed, and never overwritten."""
+    out = tmp_path / "run"
+    common = ["--data_dir", small_data, *TINY, "--eval_every", "100", "--refit_iters", "0", "--output_dir", out]
+    assert trainer_in_process([*common, "--max_steps", "12", "--save_every", "4"]).returncode == 0
+    folder = out / "checkpoints"
+    cut = {}
+    for step in (4, 8, 12):
+        path = folder / f"step_{step:08d}.pt"
+        cut[step] = path.read_bytes()[:path.stat().st_size // 2]
+        path.write_bytes(cut[step])
+    r = trainer_in_process([*common, "--max_steps", "10", "--save_every", "2"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.count("is unreadable (RuntimeError: PytorchStreamReader failed") == 3
+    assert r.stderr.count("moved aside") == 3 and "resumed from" not in r.stderr
+    assert [e["step"] for e in events(out, "checkpoint")[-5:]] == [2, 4, 6, 8, 10]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "step_00000004.pt.unreadable", "step_00000006.pt", "step_00000008.pt", "step_00000008.pt.unreadable",
+        "step_00000010.pt", "step_00000012.pt.unreadable"]
+    assert all((folder / f"step_{step:08d}.pt.unreadable").read_bytes() == cut[step] for step in cut)
+    assert newest_checkpoint(out)["step"] == 10  # the newest readable one is what --resume auto continues from
+
+    r = trainer_in_process([*common, "--max_steps", "12", "--save_every", "2"])  # moved aside once: no warning again
+    assert r.returncode == 0 and "is unreadable" not in r.stderr and "at step 10" in r.stderr, r.stderr[-3000:]
+
+
+def test_an_empty_or_truncated_checkpoint_is_reported_with_the_reason(tmp_path, caplog):
+    from training.checkpoint import load_latest, save_checkpoint
+
+    good = {"step": 2, "model": {}, "codec": {}}
+    save_checkpoint(tmp_path, 2, good, keep=4)
+    (tmp_path / "step_00000004.pt").write_bytes(b"")
+    (tmp_path / "step_00000006.pt").write_bytes(b"not a checkpoint")
+    save_checkpoint(tmp_path, 8, {"step": 8}, keep=4)  # a well-formed torch file, but no checkpoint
+    path, state = load_latest(tmp_path)
+    assert path.name == "step_00000002.pt" and state == good
+    assert "step_00000004.pt is unreadable (empty file)" in caplog.text
+    assert "step_00000006.pt is unreadable (not a torch checkpoint, or one holding objects other than tensors" \
+        in caplog.text
+    assert "step_00000008.pt is unreadable (a torch file without a checkpoint's content (no 'model', 'codec'))" \
+        in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir())[-1] == "step_00000008.pt"  # load_latest only reads
+
+
+def test_a_checkpoint_resumes_into_its_own_codec_and_a_field_it_predates_counts_at_its_default(tmp_path):
+    import dataclasses
+
+    from errors import BadInputError
+    from models.codec import CodecConfig
+    from training.checkpoint import check_codec
+
+    codec = CodecConfig(feature_dim=16)
+    older = {k: v for k, v in codec.to_dict().items() if k != "beam_size"}  # saved before --beam_size existed
+    check_codec(tmp_path / "a.pt", {"codec": older}, codec)
+    for other in (dataclasses.replace(codec, beam_size=1), dataclasses.replace(codec, codebook_size=512)):
+        with pytest.raises(BadInputError, match="differs from this run's flags"):
+            check_codec(tmp_path / "a.pt", {"codec": older}, other)

@@ -41,6 +41,7 @@ def test_encode_refuses_training_mode():
         model.encode(torch.randn(8, 4))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("downsample", [1, 2, 4])
 def test_a_batch_encodes_each_utterance_bit_for_bit_as_alone(downsample):
     """The default codec size, random weights: the padding and the neighbours in a batch change no bit of an

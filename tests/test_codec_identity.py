@@ -21,6 +21,8 @@ from tests.helpers import REPO, TRAINER, TINY, _state, env, events, trainer_in_p
 from tools import encode, extract, tokenize
 from tools.trained_codec import TRUSTED_STEPS, codec_doubts
 
+pytestmark = pytest.mark.slow  # end to end: processes, ranks or compiles (pytest.ini)
+
 # the demo codec: no refit, a short eval, a small k-means init, so that a run takes seconds
 DEMO = [*TINY, "--refit_iters", 0, "--eval_frames", 256, "--kmeans_init_frames", 512, "--compile", "off"]
 SHARDS = ["--nshard", 40, "--beam_size", 1]  # 10 demo utterances a shard

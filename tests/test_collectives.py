@@ -1,9 +1,14 @@
 """The chunked all-reduce equals a plain all-reduce, element for element, on 2 gloo ranks."""
+import pytest
+
 from tests.helpers import run_gloo_ranks
+
+pytestmark = pytest.mark.slow  # end to end: processes, ranks or compiles (pytest.ini)
 
 SCRIPT = r"""
 import torch, torch.distributed as dist
 from training.distributed import DistContext, all_reduce_sum
+
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 ctx = DistContext(rank, 2, rank, torch.device("cpu"))

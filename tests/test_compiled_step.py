@@ -10,9 +10,11 @@ import torch
 from data.bad_crops import finite_crops
 from errors import BadInputError
 from models.codec import CodecConfig, RVQCodec
-from tests.helpers import TINY, events, run_gloo_ranks, run_torchrun, run_trainer, write_fairseq
+from tests.helpers import TINY, events, newest_checkpoint, run_gloo_ranks, run_torchrun, run_trainer
 from training.device import CPU_COMPILE_MIN_STEPS, compile_mode
 from training.step_guard import StepOutcome, guarded_step
+
+pytestmark = pytest.mark.slow  # end to end: processes, ranks or compiles (pytest.ini)
 
 # Compiled against eager, in float32 on a CPU: inductor fuses and reorders sums, so values differ in the last bits
 # and the difference grows a little with every step that feeds on the last; these bounds leave ~10x margin.
@@ -297,20 +299,6 @@ def test_auto_compiles_on_a_gpu_and_on_a_cpu_only_for_a_long_run(monkeypatch):
     assert mode is None and "no C++ compiler" in why
 
 
-@pytest.fixture(scope="module")
-def small_data(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    write_fairseq(d, "train", np.random.default_rng(1).integers(40, 200, size=60).tolist(), dim=16, seed=1)
-    write_fairseq(d, "valid", [64] * 6, dim=16, seed=2)
-    return d
-
-
-def final_state(run_dir) -> dict:
-    from training.checkpoint import list_checkpoints, load_checkpoint
-
-    return load_checkpoint(list_checkpoints(run_dir / "checkpoints")[0])["model"]
-
-
 @pytest.mark.timeout(420)
 def test_the_compiled_trainer_resumes_bit_for_bit_and_follows_eager(tmp_path, small_data):
     """Two segment lengths (a graph each), dead codes expired every 3 steps, a NaN loss at step 5 skipped, a
@@ -333,7 +321,7 @@ def test_the_compiled_trainer_resumes_bit_for_bit_and_follows_eager(tmp_path, sm
     assert r.returncode == 0 and "at step 9" in r.stderr, r.stderr[-3000:]
 
     assert [e["step"] for e in events(runs["compiled"], "skipped_step")] == [6]
-    whole, resumed, eager = final_state(runs["compiled"]), final_state(split), final_state(runs["eager"])
+    whole, resumed, eager = (newest_checkpoint(run)["model"] for run in (runs["compiled"], split, runs["eager"]))
     for key in whole:
         torch.testing.assert_close(resumed[key], whole[key], rtol=0, atol=0, msg=key)
     losses = {name: [e["loss"] for e in events(run, "train")] for name, run in runs.items()}
@@ -443,6 +431,7 @@ def compile_training(self, mode="default", variants=1):
 
 RVQCodec.compile_training = compile_training
 import rvq_seamless_gpu_cache_nccl as trainer
+
 sys.exit(trainer.main(sys.argv[1:]))
 """
 
@@ -466,6 +455,6 @@ def test_the_trainer_reads_a_steps_outputs_before_the_next_forward(tmp_path, sma
     assert proxy.returncode == 0, proxy.stderr[-3000:]
     assert [e["loss"] for e in events(tmp_path / "proxy", "train")] == \
         [e["loss"] for e in events(tmp_path / "plain", "train")]
-    a, b = final_state(tmp_path / "plain"), final_state(tmp_path / "proxy")
+    a, b = (newest_checkpoint(tmp_path / run)["model"] for run in ("plain", "proxy"))
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)

@@ -104,6 +104,7 @@ def test_a_window_gets_the_devices_fbank_and_each_file_its_own(corpus, device):
                        fbank_on_device=True)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_killed_shard_on_the_devices_fbank_resumes_to_the_bytes_of_one_never_stopped(corpus, tmp_path,
                                                                                        monkeypatch, caplog):

@@ -25,6 +25,7 @@ def run_doctor(*command, **extra):
     return subprocess.run(list(command), capture_output=True, text=True, timeout=120, env=clean_env(**extra), cwd=REPO)
 
 
+@pytest.mark.slow
 def test_launcher_doctor_explains_nccl_timeout_and_renamed_variables_and_passes():
     r = run_doctor("bash", str(REPO / "run_nccl_optimized.sh"), "doctor", NCCL_TIMEOUT="1800",
                    NCCL_ASYNC_ERROR_HANDLING="1", NCCL_BLOCKING_WAIT="1", NPROC_PER_NODE="2",
@@ -43,6 +44,7 @@ def test_launcher_doctor_explains_nccl_timeout_and_renamed_variables_and_passes(
     assert "ok: nothing found that would stop a launch" in out
 
 
+@pytest.mark.slow
 def test_unresolvable_master_addr_exits_1_with_the_reason():
     r = run_doctor(NPROC_PER_NODE="2", MASTER_ADDR="no-such-host.invalid", MASTER_PORT="29500")
     assert r.returncode == 1, r.stdout + r.stderr
@@ -50,6 +52,7 @@ def test_unresolvable_master_addr_exits_1_with_the_reason():
     assert "a launch would fail (1 problem(s))" in r.stdout
 
 
+@pytest.mark.slow
 def test_master_port_in_use_on_this_host_exits_1():
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))

@@ -20,7 +20,7 @@ from tools import encode, export
 from tests.audio_helpers import run_module, write_corpus
 from tests.helpers import REPO, TINY, env, run_trainer
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 @pytest.fixture(autouse=True)

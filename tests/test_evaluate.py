@@ -218,6 +218,7 @@ def test_the_json_holds_every_figure_and_the_phone_measures_of_the_codes_encode_
     assert fewer["levels"][0]["usage"] == result["levels"][0]["usage"]  # level 1's codes alike
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_the_kmeans_baseline_is_scored_beside_the_codec(data, tmp_path):
     d = data

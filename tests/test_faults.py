@@ -7,22 +7,22 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import EXIT_PROBE, TINY, Ranks, events, run_trainer, write_fairseq
+from tests.helpers import (EXIT_PROBE, Ranks, TINY, events, newest_checkpoint, run_flags, run_trainer,
+                           trainer_in_process, write_dump, write_fairseq)
+
+pytestmark = pytest.mark.slow  # end to end: processes, ranks or compiles (pytest.ini)
 
 SYNC_TIMEOUT = 10
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    write_fairseq(d, "train", np.random.default_rng(3).integers(40, 200, size=61).tolist(), seed=3)
-    write_fairseq(d, "valid", [64] * 7, seed=4)
-    return d
+    return write_dump(tmp_path_factory.mktemp("data"), train=61, valid=7, seed=3)
 
 
 def flags(data, out, *extra):
-    return ["--data_dir", data, "--output_dir", out, *TINY, "--sync_check_every", "4", "--sync_timeout",
-            SYNC_TIMEOUT, "--nccl_timeout", "600", "--eval_every", "8", *map(str, extra)]
+    return run_flags(data, out, "--sync_check_every", "4", "--sync_timeout", SYNC_TIMEOUT, "--nccl_timeout", "600",
+                     "--eval_every", "8", *extra)
 
 
 @pytest.fixture
@@ -37,12 +37,6 @@ def ranks():
     yield start
     for r in started:
         r.close()
-
-
-def final_weights(run_dir):
-    from training.checkpoint import list_checkpoints, load_checkpoint
-
-    return load_checkpoint(list_checkpoints(run_dir / "checkpoints")[0])
 
 
 def assert_same_weights(a, b):
@@ -176,7 +170,7 @@ def test_sigterm_to_one_rank_stops_both_at_one_step_and_resumes_exactly(tmp_path
 
     again = ranks(flags(data, out, "--max_steps", 16))
     assert again.wait(timeout=200) == [0, 0], again.output(0)
-    assert_same_weights(final_weights(straight), final_weights(out))
+    assert_same_weights(newest_checkpoint(straight), newest_checkpoint(out))
 
 
 def test_eval_error_on_one_rank_is_skipped_by_all_and_training_goes_on(tmp_path, data, ranks):
@@ -326,3 +320,21 @@ def test_a_peer_killed_while_the_other_is_inside_the_compiled_step_is_named(tmp_
     assert "rank 0 at step 2 (forward): " in job.output(0), job.output(0)
     assert "rank(s) [1] lost: the process is gone" in job.output(0)
     assert "training failed" not in job.output(0)
+
+
+def test_an_eval_that_fails_after_the_sums_are_reduced_is_skipped_and_training_goes_on(tmp_path):
+    """Every held-out window has a NaN frame, so none is evaluated: the metrics of the reduced sums fail."""
+    d = tmp_path / "data"
+    write_fairseq(d, "train", np.random.default_rng(0).integers(40, 200, size=20).tolist())
+    utts = write_fairseq(d, "valid", [64, 64], seed=1)
+    valid = np.concatenate(utts)
+    valid[::16] = np.nan
+    np.save(d / "valid_0_1.npy", valid)
+    out = tmp_path / "run"
+    r = trainer_in_process(["--data_dir", d, "--output_dir", out, *TINY, "--max_steps", "4", "--eval_every", "2",
+                            "--refit_iters", "0"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "eval at step 2 failed on every rank" in r.stderr and "Traceback" not in r.stderr
+    assert [(e["step"], e["ranks"]) for e in events(out, "eval_failed")] == [(2, [0]), (4, [0])]
+    assert [e["step"] for e in events(out, "checkpoint")] == [4]
+    assert events(out, "stop")[-1]["reason"] == "max_steps"

@@ -11,6 +11,8 @@ from models.unit_quality import quality_from_counts, unit_quality
 from tests.helpers import TINY, events, run_gloo_ranks, run_torchrun, trainer_in_process, write_fairseq
 from tools import evaluate, report
 
+pytestmark = pytest.mark.slow  # end to end: processes, ranks or compiles (pytest.ini)
+
 VALID = [50, 37, 64, 45, 33]
 # a short run whose end-of-schedule work is cheap: the final eval scores every held-out utterance whole
 RUN = [*TINY, "--max_steps", "3", "--eval_frames", "0", "--refit_iters", "0", "--kmeans_init_frames", "1024"]
@@ -128,6 +130,7 @@ from data.training_data import EvalPhones
 from errors import BadInputError
 from training.distributed import DistContext
 from training.evaluate import agree_on_phones
+
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 ctx = DistContext(rank, 2, rank, torch.device("cpu"))

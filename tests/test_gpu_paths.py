@@ -147,6 +147,7 @@ def test_shards_extracted_at_different_precisions_are_named_in_a_warning(tmp_pat
     assert not [r for r in caplog.records if "precisions" in r.getMessage()]
 
 
+@pytest.mark.slow
 def test_deterministic_flag_sets_cublas_workspace_before_cuda_and_deterministic_kernels():
     code = ("import os, torch; from training.config import parse_args; from training.device import make_deterministic\n"
             "cfg = parse_args(['--data_dir', 'x', '--deterministic'])\n"

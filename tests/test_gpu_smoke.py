@@ -9,6 +9,8 @@ import pytest
 
 from benchmarks.gpu_smoke import STEPS
 
+pytestmark = pytest.mark.slow  # end to end: processes, ranks or compiles (pytest.ini)
+
 REPO = Path(__file__).resolve().parents[1]
 
 

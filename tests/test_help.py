@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, help_output
+from tests.helpers import REPO, TRAINER, help_output, trainer_in_process
 from tests.test_launcher import launch_env
 from tools import flags_doc
 from tools.launch import EXAMPLES
@@ -17,7 +17,7 @@ from tools.launch_rules import LAUNCH_VARIABLES
 from training.flag_help import FlagHelpFormatter
 from training.presets import PRESETS
 
-TRAINER = REPO / "rvq_seamless_gpu_cache_nccl.py"
+pytestmark = pytest.mark.slow  # end to end: processes, ranks or compiles (pytest.ini)
 
 
 def commands() -> list[list[str]]:
@@ -165,3 +165,13 @@ def test_doctor_help_explains_its_option_and_what_it_reads():
     r = subprocess.run([sys.executable, "-m", "tools.doctor", "--envv"], capture_output=True, text=True, timeout=60,
                        cwd=REPO, env=launch_env())
     assert r.returncode == 2 and "unrecognized arguments: --envv" in r.stderr
+
+
+def test_help_lists_every_flag():
+    from training.config import build_parser
+
+    r = trainer_in_process(["--help"])  # `python rvq_seamless_gpu_cache_nccl.py --help` itself: tests/test_help.py
+    assert r.returncode == 0, r.stderr[-2000:]
+    flags = [o for a in build_parser()._actions if a.help != argparse.SUPPRESS for o in a.option_strings]
+    assert len(flags) > 50 and all(f in r.stdout for f in flags), [f for f in flags if f not in r.stdout]
+    assert "2% of training utterances are held out" in " ".join(r.stdout.split())  # a % shows as it is

@@ -21,6 +21,7 @@ def test_how_the_ranks_meet(environ, gpus, expected):
     assert (rdzv and (rdzv.backend, rdzv.variable, rdzv.host, rdzv.port, rdzv.node_rank)) == expected
 
 
+@pytest.mark.slow
 def test_every_problem_is_told_at_once_and_the_launcher_and_the_doctor_tell_the_same(capsys):
     environ = {"NNODES": "2", "MASTER_PORT": "70000", "NPROC_PER_NODE": "two"}
     with pytest.raises(LaunchEnvError) as raised:

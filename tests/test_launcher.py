@@ -8,9 +8,11 @@ import time
 
 import pytest
 
-from tests.helpers import QUICK, REPO, TINY, env, events
+from tests.helpers import QUICK, REPO, TINY, env, events, run_trainer
 from training.nccl_env import TRAINER_NCCL_ENV
 from training.presets import PRESETS
+
+pytestmark = pytest.mark.slow  # end to end: processes, ranks or compiles (pytest.ini)
 
 # variables of this machine that would change what the launcher prints
 LAUNCH_VARS = ("NPROC_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "RDZV_ENDPOINT", "RDZV_ID",
@@ -252,3 +254,16 @@ def test_the_launcher_reads_only_signal_6_in_torchruns_summary():
                b"Failures:\n[1]:\n  rank      : 3 (local_rank: 3)\n  exitcode  : -9 (pid: 77)\n")
     assert aborted_ranks(summary) == [12]
     assert aborted_ranks(b"rank      : 3 (local_rank: 3)\n  exitcode  : 1 (pid: 5)\n") == []
+
+
+def test_single_process_fallback_command(tmp_path):
+    """One process without a launcher, on the demo corpus: the default codec, several segment lengths (the
+    end-of-schedule refit, a large k-means sample and a large eval, tested elsewhere, left out: the final eval's
+    beam search on 8 levels of 1024 codes takes seconds)."""
+    out = tmp_path / "run"
+    r = run_trainer(["--batch_size", "16", "--multi_length_training", "--max_steps", "4", "--output_dir", out,
+                     "--refit_iters", "0", "--kmeans_init_frames", "2048", "--eval_frames", "512"], timeout=280)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "DEMO corpus" in r.stderr
+    assert events(out, "stop")[-1]["step"] == 4
+    assert {e["segment_length"] for e in events(out, "train")} <= {64, 128, 256, 512}

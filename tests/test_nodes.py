@@ -15,6 +15,8 @@ from tools.launch import child_processes
 from training import distributed
 from training.distributed import bind_gloo_across_nodes, detect_launch
 
+pytestmark = pytest.mark.slow  # end to end: processes, ranks or compiles (pytest.ini)
+
 ADDRS = {"lo": ["127.0.0.1/8"], "docker0": ["172.17.0.1/16"], "eth0": ["10.0.0.2/24"], "eth1": ["10.2.0.2/24"]}
 
 

@@ -8,24 +8,22 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from tests.helpers import REPO, TINY, TRAINER, Ranks, env, events, run_trainer, tree, write_fairseq
+from tests.helpers import (REPO, Ranks, TINY, TRAINER, env, events, run_flags, run_trainer, trainer_in_process, tree,
+                           write_dump)
+
+pytestmark = pytest.mark.slow  # end to end: processes, ranks or compiles (pytest.ini)
 
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    write_fairseq(d, "train", np.random.default_rng(5).integers(40, 200, size=40).tolist(), seed=5)
-    write_fairseq(d, "valid", [64] * 4, seed=6)
-    return d
+    return write_dump(tmp_path_factory.mktemp("data"), train=40, valid=4, seed=5)
 
 
 def flags(data, out, *extra):
-    return ["--data_dir", data, "--output_dir", out, *TINY, "--eval_every", "100", "--refit_iters", "0",
-            *map(str, extra)]
+    return run_flags(data, out, "--eval_every", "100", "--refit_iters", "0", *extra)
 
 
 @pytest.mark.timeout(200)
@@ -94,3 +92,37 @@ def test_an_output_dir_that_cannot_be_written_exits_2_and_writes_nothing(tmp_pat
     assert r.returncode == 2, r.stderr[-3000:]
     assert message in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert tree(tmp_path) == before
+
+
+def test_outputs_of_a_run(tmp_path, small_data):
+    out = tmp_path / "run"
+    r = trainer_in_process(["--data_dir", small_data, *TINY, "--max_steps", "10", "--eval_every", "5",
+                            "--save_every", "4", "--keep_checkpoints", "2", "--output_dir", out])
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["max_steps"] == 10 and config["data_dir"] == str(small_data)
+    train = events(out, "train")
+    assert [e["step"] for e in train] == list(range(1, 11))
+    assert all({"loss", "lr", "frames_per_sec"} <= e.keys() for e in train)
+    evals = events(out, "eval")
+    assert [e["step"] for e in evals] == [5, 10]
+    for e in evals:
+        assert len(e["code_usage"]) == len(e["perplexity"]) == 2
+        assert e["bits_per_frame"] == 10 and 0 < e["rel_mse"] and -1 <= e["cosine"] <= 1
+    assert [e["step"] for e in events(out, "checkpoint")] == [4, 8, 10]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000008.pt", "step_00000010.pt"]
+    assert events(out, "stop")[-1] == {**events(out, "stop")[-1], "step": 10, "reason": "max_steps"}
+
+
+def test_eval_frames_bound_every_eval(tmp_path, small_data):
+    """6 held-out utterances of 64 frames make 12 windows of 32; --eval_frames 128 evaluates 4 of them."""
+    common = ["--data_dir", small_data, *TINY, "--max_steps", "4", "--eval_every", "2", "--refit_iters", "0"]
+    r = trainer_in_process([*common, "--eval_frames", "128", "--output_dir", tmp_path / "bounded"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "eval: 4 of this rank's 12 held-out windows" in r.stderr
+    assert [e["frames"] for e in events(tmp_path / "bounded", "eval")] == [128, 128]
+    r = trainer_in_process([*common, "--eval_frames", "0", "--output_dir", tmp_path / "every"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [e["frames"] for e in events(tmp_path / "every", "eval")] == [384, 384]

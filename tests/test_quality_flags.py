@@ -1,18 +1,16 @@
 """--max_minutes (a clean stop with the final eval and checkpoint, agreed across ranks) and codebook health in evals."""
 import time
 
-import numpy as np
 import pytest
 
-from tests.helpers import TINY, Ranks, events, run_trainer, write_fairseq
+from tests.helpers import Ranks, TINY, events, run_trainer, write_dump
+
+pytestmark = pytest.mark.slow  # end to end: processes, ranks or compiles (pytest.ini)
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    write_fairseq(d, "train", np.random.default_rng(5).integers(40, 200, size=41).tolist(), seed=5)
-    write_fairseq(d, "valid", [64] * 6, seed=6)
-    return d
+    return write_dump(tmp_path_factory.mktemp("data"), train=41, valid=6, seed=5)
 
 
 def assert_stopped_on_time(out):

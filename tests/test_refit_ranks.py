@@ -1,10 +1,15 @@
 """The codebook refit on 2 gloo ranks: each rank fits on its own frames, and every rank ends with the same codebooks."""
+import pytest
+
 from tests.helpers import run_gloo_ranks
+
+pytestmark = pytest.mark.slow  # end to end: processes, ranks or compiles (pytest.ini)
 
 SCRIPT = r"""
 import torch, torch.distributed as dist
 from models.codec import CodecConfig, RVQCodec
 from training.distributed import DistContext, all_reduce_sum
+
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 ctx = DistContext(rank, 2, rank, torch.device("cpu"))

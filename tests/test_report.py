@@ -39,6 +39,7 @@ def write_run(run_dir, steps=40, levels=3):
     (run_dir / "config.json").write_text(json.dumps({"codebook_size": 32, "num_quantizers": levels, "lr": 1e-3}))
 
 
+@pytest.mark.slow
 def test_report_writes_png_plots_and_a_summary(tmp_path):
     from tools import report
 
@@ -83,6 +84,7 @@ JUNK = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_report_on_a_folder_named_in_no_utf8_with_junk_lines_reports_what_it_can(tmp_path):
     import os
@@ -179,6 +181,7 @@ def test_tensorboard_scalars_per_event_field_and_level(tmp_path):
     assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 4  # the JSON log is still written
 
 
+@pytest.mark.slow
 def test_final_evals_with_phone_measures_get_a_plot_per_level_and_rows(tmp_path):
     from tools import report
 

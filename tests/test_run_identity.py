@@ -15,6 +15,8 @@ from training.checkpoint import list_checkpoints
 from training.config import parse_args, save_config
 from training.output_dir import LOCK_FILE, MARKER, OutputDirLock
 
+pytestmark = pytest.mark.slow  # end to end: processes, ranks or compiles (pytest.ini)
+
 QUICK = [*TINY, "--eval_every", "100", "--refit_iters", "0", "--eval_frames", "256"]  # a small final eval
 
 

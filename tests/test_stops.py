@@ -6,11 +6,13 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 import torch
 
-from tests.helpers import REPO, TINY, TRAINER, Ranks, env, events, run_trainer, write_fairseq
+from tests.helpers import (REPO, Ranks, TINY, TRAINER, env, events, newest_checkpoint, run_flags, run_trainer,
+                           trainer_in_process, write_dump)
+
+pytestmark = pytest.mark.slow  # end to end: processes, ranks or compiles (pytest.ini)
 
 SLOW_REFIT = ["--refit_iters", "20000"]  # minutes of Lloyd steps: a stop must cut it short
 LOG_LINE = re.compile(r"\d\d:\d\d:\d\d \[rank\d\] (INFO|WARNING|ERROR) ")
@@ -18,14 +20,11 @@ LOG_LINE = re.compile(r"\d\d:\d\d:\d\d \[rank\d\] (INFO|WARNING|ERROR) ")
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    write_fairseq(d, "train", np.random.default_rng(11).integers(40, 200, size=40).tolist(), seed=11)
-    write_fairseq(d, "valid", [64] * 4, seed=12)
-    return d
+    return write_dump(tmp_path_factory.mktemp("data"), train=40, valid=4, seed=11)
 
 
 def flags(data, out, *extra):
-    return ["--data_dir", data, "--output_dir", out, *TINY, "--eval_every", "100", *map(str, extra)]
+    return run_flags(data, out, "--eval_every", "100", *extra)
 
 
 class Run:
@@ -63,12 +62,6 @@ class Run:
             self.proc.wait(timeout=30)
 
 
-def newest(folder):
-    from training.checkpoint import list_checkpoints, load_checkpoint
-
-    return load_checkpoint(list_checkpoints(folder / "checkpoints")[0])
-
-
 def assert_not_glued(text: str) -> None:
     """Each log line starts a line of the file, or follows the carriage return of a bar cleared before it."""
     for line in text.split("\n"):
@@ -101,7 +94,7 @@ def test_sigterm_during_the_refit_saves_the_trained_weights_and_a_resume_does_th
     assert "stopped during the refit: the codebooks are put back as training left them" in run.text()
     assert events(out, "stop")[-1]["reason"] == "signal SIGTERM during the refit"
     assert not events(out, "refit")
-    assert newest(out)["end_of_schedule"] == []  # the trained weights: a resume does the refit
+    assert newest_checkpoint(out)["end_of_schedule"] == []  # the trained weights: a resume does the refit
     assert_not_glued(run.text())
 
     r = run_trainer(flags(data, out, "--max_steps", 6), timeout=120)
@@ -110,7 +103,7 @@ def test_sigterm_during_the_refit_saves_the_trained_weights_and_a_resume_does_th
     assert "codebooks: refit of" in r.stderr and "final eval at step 6: " in r.stderr  # each says so as it starts
     assert [e["step"] for e in events(out, "refit")] == [6]
     assert events(out, "eval")[-1]["beam_size"] == 4 and events(out, "stop")[-1]["reason"] == "max_steps"
-    a, b = newest(straight), newest(out)
+    a, b = newest_checkpoint(straight), newest_checkpoint(out)
     assert a["end_of_schedule"] == b["end_of_schedule"] == ["refit", "final eval"]
     for key in a["model"]:  # a refit from the trained weights, as if never stopped
         torch.testing.assert_close(a["model"][key], b["model"][key], rtol=0, atol=0, msg=key)
@@ -157,7 +150,7 @@ def test_sighup_to_one_rank_during_the_refit_stops_every_rank_with_the_trained_w
     assert saved < 10
     assert "SIGHUP received" in job.output(1)
     assert events(out, "stop")[-1]["reason"] == "signal on rank(s) [1] during the refit"
-    assert newest(out)["step"] == 8 and newest(out)["end_of_schedule"] == []
+    assert newest_checkpoint(out)["step"] == 8 and newest_checkpoint(out)["end_of_schedule"] == []
 
 
 def test_a_stop_requested_during_an_eval_leaves_it_between_two_batches(tmp_path, data):
@@ -218,7 +211,7 @@ def test_a_compile_after_a_trained_step_saves_it_first_and_a_sigterm_in_it_ends_
     assert [e["step"] for e in events(out, "checkpoint")] == [1]
     assert events(out, "stop")[-1] == {**events(out, "stop")[-1], "step": 1,
                                        "reason": "signal SIGTERM during the compile"}
-    a, b = newest(one_step), newest(out)
+    a, b = newest_checkpoint(one_step), newest_checkpoint(out)
     assert b["samples_seen"] == a["samples_seen"]
     for key in a["model"]:  # the quantizer's buffers (codebooks, EMA sums) among them
         torch.testing.assert_close(b["model"][key], a["model"][key], rtol=0, atol=0, msg=key)
@@ -256,7 +249,7 @@ def test_sigterm_to_one_rank_in_a_compile_after_trained_steps_ends_every_rank_at
             "stops too, with nothing to save. Exit code 0") in rank0
     assert [e["step"] for e in events(out, "checkpoint")] == [1]
     assert [e["step"] for e in events(out, "stop")] == [1]
-    assert newest(out)["step"] == 1 and len(newest(out)["rng"]) == 2
+    assert newest_checkpoint(out)["step"] == 1 and len(newest_checkpoint(out)["rng"]) == 2
 
 
 @pytest.mark.timeout(240)
@@ -274,3 +267,53 @@ def test_sigterm_to_one_rank_in_the_first_compile_ends_every_rank_at_once_with_n
     stops = events(out, "stop")  # rank 0 records it
     assert [e["step"] for e in stops] == [0] and stops[0]["reason"].startswith("rank(s) [1] stopped on request")
     assert not events(out, "train") and not list((out / "checkpoints").iterdir())
+
+
+def test_stop_and_resume_gives_identical_newest_checkpoint(tmp_path, small_data):
+    common = ["--data_dir", small_data, *TINY, "--max_steps", "24", "--eval_every", "8", "--save_every", "100",
+              "--multi_length_training", "--segment_lengths", "16,32,64", "--quantize_dropout"]
+    straight = tmp_path / "straight"
+    r = trainer_in_process([*common, "--output_dir", straight])
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    split = tmp_path / "split"
+    r = run_trainer([*common, "--output_dir", split], extra_env={"RVQ_FAULT": "signal:step=12:sig=TERM"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "SIGTERM received" in r.stderr
+    stops = events(split, "stop")  # the signal lands during step 13: the run stops when that step is done
+    assert stops[-1]["step"] == 13 and "SIGTERM" in stops[-1]["reason"]
+    assert [e["step"] for e in events(split, "checkpoint")] == [13]
+
+    r = trainer_in_process([*common, "--output_dir", split])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stderr and "at step 13" in r.stderr
+
+    a, b = newest_checkpoint(straight), newest_checkpoint(split)
+    assert a["step"] == b["step"] == 24
+    for key in a["model"]:
+        torch.testing.assert_close(a["model"][key], b["model"][key], rtol=0, atol=0, msg=key)
+
+    trained = len(events(split, "train"))  # the same command once more: a finished run says so, and trains nothing
+    r = trainer_in_process([*common, "--output_dir", split])
+    assert r.returncode == 0 and "holds a finished run (step 24" in r.stderr, r.stderr[-3000:]
+    assert "give another --output_dir" in r.stderr and len(events(split, "train")) == trained
+
+
+def test_first_sigint_requests_a_stop_and_the_second_exits_at_once():
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO, env
+
+    script = (
+        "import os, signal\n"
+        "from training.signals import StopRequest\n"
+        "stop = StopRequest().install()\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "print('stop requested:', stop.reason, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "print('still running', flush=True)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env(), cwd=REPO)
+    assert r.returncode == 130
+    assert "stop requested: SIGINT" in r.stdout and "still running" not in r.stdout

@@ -7,7 +7,7 @@ import torch
 
 from data.stores import find_split, open_stores
 from errors import BadInputError
-from tests.helpers import REPO, env, write_fairseq
+from tests.helpers import REPO, TINY, env, events, trainer_in_process, write_fairseq
 
 
 def test_fairseq_dump_reads_every_shard_in_order(tmp_path):
@@ -172,3 +172,23 @@ def test_a_read_only_folder_keeps_its_manifest_in_the_output_dir_once_the_data_p
     monkeypatch.setattr(stores, "_load_array", lambda path: pytest.fail(f"{path} opened at start"))
     again = open_training_data(cfg, rank=0, world_size=1, seed=0, multiple_of=1, device_type="cpu", manifest_dir=tmp_path / "out")
     assert again.train.total_frames + again.eval.store.total_frames == sum(64 + i for i in range(6))
+
+
+@pytest.mark.slow
+def test_float16_and_float32_dumps_of_the_same_features_train_alike(tmp_path):
+    """Features with float16 values, stored as float32 and as float16: the same batches, the same losses."""
+    for dtype in ("float32", "float16"):
+        d = tmp_path / dtype
+        write_fairseq(d, "train", [120] * 12, seed=7, dtype=np.float16)
+        write_fairseq(d, "valid", [64] * 2, seed=8, dtype=np.float16)
+        for split in ("train", "valid"):
+            np.save(d / f"{split}_0_1.npy", np.load(d / f"{split}_0_1.npy").astype(dtype))
+    losses = {}
+    for dtype, extra in (("float32", []), ("float16", []), ("float16", ["--use_gpu_cache"])):
+        out = tmp_path / f"run_{dtype}_{len(extra)}"
+        r = trainer_in_process(["--data_dir", tmp_path / dtype, *TINY, "--max_steps", "4", "--refit_iters", "0",
+                                "--output_dir", out, *extra])
+        assert r.returncode == 0, r.stderr[-3000:]
+        losses[(dtype, len(extra))] = [e["loss"] for e in events(out, "train")]
+    assert losses[("float16", 0)] == pytest.approx(losses[("float32", 0)], rel=1e-6)
+    assert losses[("float16", 1)] == pytest.approx(losses[("float32", 0)], rel=1e-6)

@@ -6,6 +6,8 @@ from models.codec import CodecConfig, RVQCodec
 from tests.helpers import QUICK, TINY, events, trainer_in_process
 from training.throughput import StepTimer, training_flops_per_frame
 
+pytestmark = pytest.mark.slow  # end to end: processes, ranks or compiles (pytest.ini)
+
 
 @pytest.mark.parametrize("source", [["--use_gpu_cache"], ["--prefetch", "--prefetch_depth", "2"]])
 def test_train_events_report_data_wait_and_mfu(tmp_path, source):

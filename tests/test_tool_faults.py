@@ -19,6 +19,8 @@ from tests.audio_helpers import CORPUS, write_corpus
 from tests.helpers import REPO, _state, env
 from tools import audio_shard, extract
 
+pytestmark = pytest.mark.slow  # end to end: processes, ranks or compiles (pytest.ini)
+
 SHARD = "train_0_1"
 # longer than the tool reads ahead (files the window thread, the writer's queue and the workers hold: about 20 at
 # --commit_files 2), so that a stop at an early commit finds the workers still decoding

@@ -181,6 +181,7 @@ def test_w2v_bert_layer_fast_and_stock_attention_agree(tmp_path, stock_model, ca
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+@pytest.mark.slow
 def test_w2v_bert_layer_compiled_equals_eager_and_counts_its_graphs(tmp_path, stock_model, caplog):
     """--compile: the truncated encoder under torch.compile gives eager's layer output; the graphs it compiles are
     counted and logged, and a pass of a shape already compiled compiles nothing more."""
