@@ -84,6 +84,6 @@ def test_commit_seconds_default_follows_the_device_and_a_given_one_is_kept(tool,
     flags = ["src", "train", 1, 0, tmp_path, *(["--checkpoint", tmp_path] if tool is tokenize else [])]
     for device in ("cpu", "cuda", "cuda:1"):
         kind = "cpu" if device == "cpu" else "cuda"
-        assert tool.parse_args([*flags, "--device", device]).commit_seconds == COMMIT_SECONDS[kind]
-    assert tool.parse_args([*flags, "--device", "cuda", "--commit_seconds", 90]).commit_seconds == 90
+        assert tool.parse_args([*flags, "--device", device]).pipeline.commit_seconds == COMMIT_SECONDS[kind]
+    assert tool.parse_args([*flags, "--device", "cuda", "--commit_seconds", 90]).pipeline.commit_seconds == 90
     assert f"{COMMIT_SECONDS['cuda']:g} on cuda" in " ".join(tool.build_parser().format_help().split())

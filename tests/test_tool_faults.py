@@ -249,8 +249,8 @@ def test_num_workers_defaults_to_the_cpus_this_process_may_use(monkeypatch):
     assert audio_shard.default_workers() == 3
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert audio_shard.default_workers() == 0
-    assert extract.parse_args(["x", "train", 1, 0, "o"]).num_workers == 0
-    assert extract.parse_args(["x", "train", 1, 0, "o", "--num_workers", 2]).num_workers == 2
+    assert extract.parse_args(["x", "train", 1, 0, "o"]).pipeline.num_workers == 0
+    assert extract.parse_args(["x", "train", 1, 0, "o", "--num_workers", 2]).pipeline.num_workers == 2
 
 
 @pytest.mark.timeout(60)

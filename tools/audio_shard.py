@@ -10,6 +10,7 @@ as train_8_16 ... train_15_16. SLURM's variables are not read: a user of srun pa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -17,7 +18,6 @@ import os
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +48,7 @@ COMMIT_FILES = 1000  # --commit_files by default
 PASS_FLAGS = ("batch_seconds", "commit_files", "commit_seconds")
 
 
-@dataclass
+@dataclasses.dataclass
 class AudioShare:
     """This process's utterances (data/audio_sources.py): units start..end-1 of the source's `total`."""
 
@@ -130,23 +130,65 @@ def add_input_args(p: argparse.ArgumentParser) -> None:
                    help="delete the shard's output, finished or partial, and write it from the start")
 
 
-def check_input_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """argparse's exit 2 for values out of range."""
+@dataclasses.dataclass(frozen=True)
+class AudioInput:
+    """The audio a process reads: the source, the split it is written as, and shard RANK of NSHARD (before a
+    launcher's processes split it: launched_shard)."""
+
+    source: Path
+    split: str
+    nshard: int
+    rank: int
+    flags: SourceFlags  # how to read a container source
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSettings:
+    """The input pipeline: the device, the decoding workers, w2v-BERT's passes and the commits."""
+
+    device: str  # --device as given (auto, cpu, cuda, cuda:1 ...)
+    num_workers: int
+    batch_seconds: float | None  # None: BATCH_SECONDS by the device
+    commit_files: int
+    commit_seconds: float
+    compile: bool  # w2v-bert: the truncated encoder under torch.compile
+    pass_flags_given: frozenset[str]  # the PASS_FLAGS named on the command line
+
+    def batch_seconds_on(self, device: torch.device) -> float:
+        return self.batch_seconds or BATCH_SECONDS.get(device.type, BATCH_SECONDS["cpu"])
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardOutput:
+    """Where a shard is written, and whether what is there is started over."""
+
+    out_dir: Path
+    overwrite: bool
+
+
+def input_settings(p: argparse.ArgumentParser,
+                   args: argparse.Namespace) -> tuple[AudioInput, PipelineSettings, ShardOutput]:
+    """The flags of add_input_args as settings, their defaults filled in; argparse's exit 2 for values out of
+    range."""
     if args.nshard < 1 or not 0 <= args.rank < args.nshard:
         p.error(f"need nshard >= 1 and 0 <= rank < nshard, got nshard {args.nshard}, rank {args.rank}")
-    if args.num_workers is None:
-        args.num_workers = default_workers()
-    args.pass_flags_given = frozenset(name for name in PASS_FLAGS if getattr(args, name) is not None)
-    if args.commit_files is None:
-        args.commit_files = COMMIT_FILES
-    if args.commit_seconds is None:
-        args.commit_seconds = COMMIT_SECONDS[device_kind(args.device)]
-    if args.num_workers < 0:
-        p.error(f"--num_workers must be 0 or more, got {args.num_workers}")
+    num_workers = default_workers() if args.num_workers is None else args.num_workers
+    if num_workers < 0:
+        p.error(f"--num_workers must be 0 or more, got {num_workers}")
     for name in ("batch_seconds", "max_chunk_seconds", "commit_files", "commit_seconds"):
         value = getattr(args, name, None)
         if value is not None and not value > 0:
             p.error(f"--{name} must be positive, got {value}")
+    pipeline = PipelineSettings(
+        device=args.device, num_workers=num_workers, batch_seconds=args.batch_seconds,
+        commit_files=COMMIT_FILES if args.commit_files is None else args.commit_files,
+        commit_seconds=(COMMIT_SECONDS[device_kind(args.device)] if args.commit_seconds is None
+                        else args.commit_seconds),
+        compile=args.compile == "on",
+        pass_flags_given=frozenset(name for name in PASS_FLAGS if getattr(args, name) is not None))
+    share = AudioInput(args.source, args.split, args.nshard, args.rank,
+                       SourceFlags(args.audio_ext, args.audio_column, args.key_column))
+    return share, pipeline, ShardOutput(args.out_dir, args.overwrite)
 
 
 def default_workers() -> int:
@@ -174,11 +216,10 @@ def launched_shard(nshard: int, rank: int) -> tuple[int, int, int]:
     return nshard, rank, rank
 
 
-def audio_share(args: argparse.Namespace) -> AudioShare:
+def audio_share(given: AudioInput) -> AudioShare:
     """This process's utterances; BadInputError for a missing, empty or unknown source, or an empty share."""
-    nshard, rank, local_rank = launched_shard(args.nshard, args.rank)
-    flags = SourceFlags(args.audio_ext, args.audio_column, args.key_column)
-    return AudioShare(source_share(args.source, nshard, rank, flags), nshard, rank, local_rank)
+    nshard, rank, local_rank = launched_shard(given.nshard, given.rank)
+    return AudioShare(source_share(given.source, nshard, rank, given.flags), nshard, rank, local_rank)
 
 
 def model_device(flag: str, share: AudioShare) -> torch.device:
@@ -186,33 +227,31 @@ def model_device(flag: str, share: AudioShare) -> torch.device:
     return shard_device(flag, share.local_rank)
 
 
-def batch_seconds(args: argparse.Namespace, device: torch.device) -> float:
-    return args.batch_seconds or BATCH_SECONDS.get(device.type, BATCH_SECONDS["cpu"])
-
-
-def begun_before_pass_rules(args: argparse.Namespace, recorded: dict | None, log: logging.Logger) -> bool:
-    """Whether `recorded`, a w2v-bert shard's settings, are those of a shard begun (or finished) before pass rules
-    and attention were recorded (batch_seconds, and no passes): it was made with passes filled in length order
-    and transformers' own attention. Such a shard goes on with them, and with its own --batch_seconds,
-    --commit_files and --commit_seconds where no flag names others (a flag that does is refused with the shard's
-    other settings), so that it resumes to the bytes of an unbroken run, or is found complete; --overwrite starts
-    it over with today's."""
+def begun_before_pass_rules(pipeline: PipelineSettings, recorded: dict | None,
+                            log: logging.Logger) -> tuple[PipelineSettings, bool]:
+    """(the `pipeline` a shard goes on with, whether `recorded`, a w2v-bert shard's settings, are those of a shard
+    begun (or finished) before pass rules and attention were recorded (batch_seconds, and no passes)): such a shard
+    was made with passes filled in length order and transformers' own attention. It goes on with them, and with
+    its own --batch_seconds, --commit_files and --commit_seconds where no flag names others (a flag that does is
+    refused with the shard's other settings), so that it resumes to the bytes of an unbroken run, or is found
+    complete; --overwrite starts it over with today's."""
     if not (isinstance(recorded, dict) and "batch_seconds" in recorded and "passes" not in recorded):
-        return False
-    for name in PASS_FLAGS:
-        if name not in args.pass_flags_given and name in recorded:
-            setattr(args, name, recorded[name])
+        return pipeline, False
+    pipeline = dataclasses.replace(pipeline, **{name: recorded[name] for name in PASS_FLAGS
+                                                if name not in pipeline.pass_flags_given and name in recorded})
     log.info("the shard was begun before pass rules were recorded: it goes on with its own (passes filled in length "
              "order, %s s of padded audio each, windows of %s files or %s s; transformers' attention); "
-             "--overwrite starts it over with today's", args.batch_seconds, args.commit_files, args.commit_seconds)
-    return True
+             "--overwrite starts it over with today's", pipeline.batch_seconds, pipeline.commit_files,
+             pipeline.commit_seconds)
+    return pipeline, True
 
 
-def pass_settings(args: argparse.Namespace, device: torch.device, before_pass_rules: bool = False) -> dict:
+def pass_settings(pipeline: PipelineSettings, device: torch.device, before_pass_rules: bool = False) -> dict:
     """What decides w2v-BERT's passes, for a shard's settings: the passes change a layer's last bits, so a resumed
     shard keeps them. A shard begun before pass rules were recorded records none (begun_before_pass_rules)."""
-    return {"batch_seconds": batch_seconds(args, device), **({} if before_pass_rules else {"passes": PASS_RULE}),
-            "commit_files": args.commit_files, "commit_seconds": args.commit_seconds}
+    return {"batch_seconds": pipeline.batch_seconds_on(device),
+            **({} if before_pass_rules else {"passes": PASS_RULE}),
+            "commit_files": pipeline.commit_files, "commit_seconds": pipeline.commit_seconds}
 
 
 def w2v_attention(before_pass_rules: bool) -> str:

@@ -51,6 +51,7 @@ import logging
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -69,8 +70,8 @@ from errors import EXIT_OK, BadInputError
 from models.codec import CodecConfig
 from models.codes import TAIL_PADDING, code_frames, decode_utterance, encode_in_batches, km_lines
 from tools.cli import bad_input_exits_2, run
-from tools.trained_codec import (CodesSpec, add_codes_args, begin_code_shard, check_codes_args, codec_digest,
-                                 codes_spec, describe_codes, load_codec)
+from tools.trained_codec import (CodesRequest, CodesSpec, add_codes_args, begin_code_shard, codec_digest,
+                                 codes_request, codes_spec, describe_codes, load_codec)
 from training.device import select_device
 from training.faults import FaultInjector
 from training.flag_help import FlagHelpFormatter
@@ -78,33 +79,75 @@ from training.flag_help import FlagHelpFormatter
 log = logging.getLogger("encode")
 
 
-def open_share(args, config: CodecConfig, ckpt_path: Path) -> tuple[FeatureStore, int, int, int]:
+@dataclass(frozen=True)
+class SplitShare:
+    """Shard RANK of NSHARD of a split in a folder: a feature store (--data_dir), or the codes tools.encode wrote of
+    it (decode's --codes_dir)."""
+
+    folder: Path
+    split: str
+    nshard: int
+    rank: int
+
+    @property
+    def name(self) -> str:
+        """The shard's NAME in its outputs."""
+        return f"{self.split}_{self.rank}_{self.nshard}"
+
+
+@dataclass(frozen=True)
+class EncodeSettings:
+    """What tools.encode's flags ask for."""
+
+    checkpoint: Path  # a checkpoint file or a run's --output_dir
+    data: SplitShare
+    codes: CodesRequest
+    allow_feature_mismatch: bool
+    commit_frames: int
+    output_dir: Path
+    overwrite: bool
+    device: str
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """What tools.encode decode's flags ask for: a shard's codes, decoded into `output_dir`."""
+
+    checkpoint: Path
+    codes: SplitShare
+    output_dir: Path
+    overwrite: bool
+    device: str
+
+
+def open_share(data: SplitShare, config: CodecConfig, ckpt_path: Path) -> tuple[FeatureStore, int, int, int]:
     """(this rank's share of the split, its first utterance, its end, the split's utterances), checked against the
     codec. The split's metadata are read; only the share's sources stay open."""
-    if not args.data_dir.is_dir():
-        raise BadInputError(f"--data_dir {args.data_dir} is not a folder")
-    split = find_split(args.data_dir, args.split)  # utterance files directly in --data_dir: 'train', as trained
+    if not data.folder.is_dir():
+        raise BadInputError(f"--data_dir {data.folder} is not a folder")
+    split = find_split(data.folder, data.split)  # utterance files directly in --data_dir: 'train', as trained
     if split is None:
-        raise missing_split(args.data_dir, args.split, "--split")
+        raise missing_split(data.folder, data.split, "--split")
     if len(split) == 0:
         raise BadInputError(f"{split.description} holds no utterances")
     if split.dim != config.feature_dim:
         raise BadInputError(f"{split.description} has {split.dim}-d features; the codec in {ckpt_path} was "
                             f"trained on {config.feature_dim}-d")
-    start, end = shard_range(len(split), args.nshard, args.rank)
+    start, end = shard_range(len(split), data.nshard, data.rank)
     if start == end:
-        raise BadInputError(f"shard {args.rank} of {args.nshard} is empty: the split has {len(split)} utterances")
+        raise BadInputError(f"shard {data.rank} of {data.nshard} is empty: the split has {len(split)} utterances")
     return split.share(start, end), start, end, len(split)
 
 
-def check_features(args, state: dict, model, store: FeatureStore, ckpt_path: Path) -> tuple[dict, str]:
+def check_features(data: SplitShare, state: dict, model, store: FeatureStore, ckpt_path: Path, *,
+                   allow_mismatch: bool) -> tuple[dict, str]:
     """(the dump's features as the codes record them, how they were found to be the codec's). BadInputError when
     they are not: tools.extract's settings that differ from the checkpoint's record, or else first frames whose
     statistics are further than PLAUSIBLE_SHIFT from the codec's (--allow_feature_mismatch: warned, and encoded)."""
-    dump = dump_feature_settings(args.data_dir, args.split)
+    dump = dump_feature_settings(data.folder, data.split)
     features = {k: v for k, v in dump.items() if k not in ("checkpoint", "note")}  # the model by its fingerprint
     trained = (state.get("config") or {}).get("features") or {}
-    where = f"split '{args.split}' of {args.data_dir}"
+    where = f"split '{data.split}' of {data.folder}"
     if dump["feature"] == "mixed":
         problem = dump["note"]
     elif dump["feature"] in FEATURES and trained.get("feature") in (*FEATURES, "demo"):
@@ -129,7 +172,7 @@ def check_features(args, state: dict, model, store: FeatureStore, ckpt_path: Pat
             return features, check + f" (at most {PLAUSIBLE_SHIFT})"
         problem = (f"the first {n} frames of {where} are {shift:.2f} nats per dimension from the statistics of the "
                    f"features the codec in {ckpt_path} was trained on (at most {PLAUSIBLE_SHIFT} for its own)")
-    if args.allow_feature_mismatch:
+    if allow_mismatch:
         log.warning("%s; encoding anyway (--allow_feature_mismatch)", problem)
         return features, f"not the codec's, encoded under --allow_feature_mismatch: {problem}"
     raise BadInputError(f"{problem}: its codes of other features would be meaningless. Encode the features the codec "
@@ -147,42 +190,44 @@ def commit_chunks(lengths: np.ndarray, commit_frames: int, done: int) -> list[tu
     return [(k + 1, max(int(firsts[k]), done), int(ends[k])) for k in range(len(ends)) if ends[k] > done]
 
 
-def encode_store(args) -> int:
-    device = select_device(args.device)
-    model, state, ckpt_path = load_codec(args.checkpoint, device)
-    store, start, end, total = open_share(args, model.config, ckpt_path)
-    spec = codes_spec(args, model, state, ckpt_path, device)
-    features, feature_check = check_features(args, state, model, store, ckpt_path)
+def encode_store(cfg: EncodeSettings) -> int:
+    device = select_device(cfg.device)
+    model, state, ckpt_path = load_codec(cfg.checkpoint, device)
+    data = cfg.data
+    store, start, end, total = open_share(data, model.config, ckpt_path)
+    spec = codes_spec(cfg.codes, model, state, ckpt_path, device)
+    features, feature_check = check_features(data, state, model, store, ckpt_path,
+                                             allow_mismatch=cfg.allow_feature_mismatch)
     code_lengths = code_frames(store.lengths, model.config.downsample)
-    name = f"{args.split}_{args.rank}_{args.nshard}"
-    settings = {**spec.settings, "features": features, "split": args.split, "rank": args.rank,
-                "nshard": args.nshard, "first_utterance": start, "utterances": end - start,
+    name = data.name
+    settings = {**spec.settings, "features": features, "split": data.split, "rank": data.rank,
+                "nshard": data.nshard, "first_utterance": start, "utterances": end - start,
                 "frames": store.total_frames, "code_frames": int(code_lengths.sum())}
-    begun = begin_code_shard(args.output_dir, name, settings, overwrite=args.overwrite, log=log,
+    begun = begin_code_shard(cfg.output_dir, name, settings, overwrite=cfg.overwrite, log=log,
                              redo="encode the shard again", width=spec.levels, dtype=spec.dtype,
                              rows=int(code_lengths.sum()), streams={".km": ""} if spec.km else {},
-                             parquet=args.parquet)
+                             parquet=cfg.codes.parquet)
     if begun is None:
         return EXIT_OK
     lock, writer = begun
     try:
         try:
             log.info("%s: utterances %d-%d of %d in %s -> %s/%s.codes.npy, %s", name, start, end - 1, total,
-                     args.data_dir, args.output_dir, name, describe_codes(spec))
+                     data.folder, cfg.output_dir, name, describe_codes(spec))
             if writer.done:
                 log.info("resuming at utterance %d of %d (%d code frames committed; %d bytes written after the last "
                          "commit dropped)", writer.done, end - start, writer.rows, writer.dropped_bytes)
-            encode_chunks(spec, store, writer, name=name, faults=FaultInjector(args.rank),
-                          commit_frames=args.commit_frames)
+            encode_chunks(spec, store, writer, name=name, faults=FaultInjector(data.rank),
+                          commit_frames=cfg.commit_frames)
             meta = {**settings, "feature_check": feature_check, "store": store.description, "padding": TAIL_PADDING,
                     "feature_frames": store.lengths.tolist()}
             texts = {".codes.len": (f"{n}\n" for n in code_lengths), ".codes.json": json.dumps(meta) + "\n"}
-            manifest = share_manifest(args.data_dir, args.split, total, start, end)
+            manifest = share_manifest(data.folder, data.split, total, start, end)
             if manifest is not None:
                 texts[".codes.tsv"] = manifest_lines(*manifest)
             array = writer.finish(texts)
-            if args.parquet:
-                write_codes_parquet(args.output_dir, name)
+            if cfg.codes.parquet:
+                write_codes_parquet(cfg.output_dir, name)
         finally:
             writer.close()
     finally:
@@ -217,10 +262,10 @@ def encode_chunks(spec: CodesSpec, store: FeatureStore, writer: ShardWriter, *, 
         log.info("encoded %d feature frames in %.1f s: %.0f frames/s", frames, seconds, frames / max(seconds, 1e-9))
 
 
-def decode_codes(args) -> int:
-    model, state, ckpt_path = load_codec(args.checkpoint, select_device(args.device))
-    name = f"{args.split}_{args.rank}_{args.nshard}"
-    array, lens = args.codes_dir / f"{name}.codes.npy", args.codes_dir / f"{name}.codes.len"
+def decode_codes(cfg: DecodeSettings) -> int:
+    model, state, ckpt_path = load_codec(cfg.checkpoint, select_device(cfg.device))
+    name, codes_dir, output_dir = cfg.codes.name, cfg.codes.folder, cfg.output_dir
+    array, lens = codes_dir / f"{name}.codes.npy", codes_dir / f"{name}.codes.len"
     if not array.is_file() or not lens.is_file():
         raise BadInputError(f"{array} or {lens.name} is missing: run python -m tools.encode first")
     codes = np.load(array, mmap_mode="r")
@@ -230,7 +275,7 @@ def decode_codes(args) -> int:
     if not 1 <= codes.shape[1] <= model.config.num_quantizers:
         raise BadInputError(f"{array.name} has {codes.shape[1]} levels; the codec in {ckpt_path} has "
                             f"{model.config.num_quantizers}")
-    meta_path = args.codes_dir / f"{name}.codes.json"
+    meta_path = codes_dir / f"{name}.codes.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     if meta.get("codec_digest") not in (None, codec_digest(state["model"])):  # another codec's codes: noise
         raise BadInputError(f"{array} holds codes of the codec {meta.get('checkpoint')} (step {meta.get('step')}); "
@@ -239,11 +284,11 @@ def decode_codes(args) -> int:
     frames = meta.get("feature_frames")
     if frames is not None and len(frames) != len(counts):
         frames = None
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    with WriterLock(FEATURE_DUMP.lock_path(args.output_dir, name), f"shard {args.output_dir / name}.npy"):
-        if not args.overwrite:
-            refuse_to_shadow(args.output_dir, name)
-        writer = NpyRowWriter(args.output_dir / f"{name}.npy", model.config.feature_dim)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    with WriterLock(FEATURE_DUMP.lock_path(output_dir, name), f"shard {output_dir / name}.npy"):
+        if not cfg.overwrite:
+            refuse_to_shadow(output_dir, name)
+        writer = NpyRowWriter(output_dir / f"{name}.npy", model.config.feature_dim)
         lengths, row = [], 0
         try:
             for i, n in enumerate(tqdm(counts, desc=f"decode {name}", unit="utt", dynamic_ncols=True,
@@ -252,7 +297,7 @@ def decode_codes(args) -> int:
                 writer.append(out)
                 lengths.append(len(out))
                 row += n
-            len_path = args.output_dir / f"{name}.len"
+            len_path = output_dir / f"{name}.len"
             publish([(write_temporary(len_path, len_text(lengths)), len_path)], (writer.finish(), writer.path))
         except BaseException:
             writer.discard()
@@ -305,25 +350,28 @@ def build_parser(decoding: bool) -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None) -> EncodeSettings | DecodeSettings:
     argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
     decoding = bool(argv) and argv[0] == "decode"
     p = build_parser(decoding)
     args = p.parse_args(argv[1:] if decoding else argv)
     if args.nshard < 1 or not 0 <= args.rank < args.nshard:
         p.error(f"need nshard >= 1 and 0 <= rank < nshard, got nshard {args.nshard}, rank {args.rank}")
-    if not decoding:
-        check_codes_args(p, args)
-        if args.commit_frames < 1:
-            p.error(f"--commit_frames must be positive, got {args.commit_frames}")
-    args.decode = decoding
-    return args
+    if decoding:
+        codes = SplitShare(args.codes_dir, args.split, args.nshard, args.rank)
+        return DecodeSettings(args.checkpoint, codes, args.output_dir, args.overwrite, args.device)
+    data = SplitShare(args.data_dir, args.split, args.nshard, args.rank)
+    codes = codes_request(p, args)
+    if args.commit_frames < 1:
+        p.error(f"--commit_frames must be positive, got {args.commit_frames}")
+    return EncodeSettings(args.checkpoint, data, codes, args.allow_feature_mismatch, args.commit_frames,
+                          args.output_dir, args.overwrite, args.device)
 
 
 @bad_input_exits_2(log)
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    return decode_codes(args) if args.decode else encode_store(args)
+    cfg = parse_args(argv)
+    return decode_codes(cfg) if isinstance(cfg, DecodeSettings) else encode_store(cfg)
 
 
 if __name__ == "__main__":

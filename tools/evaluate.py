@@ -37,6 +37,7 @@ import logging
 import math
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -54,8 +55,9 @@ from models.kmeans import KMEANS_ITERS, fit_kmeans, nearest_centroids
 from models.metrics import EvalSums
 from models.unit_quality import phone_information, unit_quality
 from tools.cli import bad_input_exits_2, run
-from tools.encode import check_features, open_share
-from tools.trained_codec import CodesSpec, add_codes_args, check_codes_args, codes_spec, describe_codes, load_codec
+from tools.encode import SplitShare, check_features, open_share
+from tools.trained_codec import (CodesRequest, CodesSpec, add_codes_args, codes_request, codes_spec, describe_codes,
+                                 load_codec)
 from training.codebooks import refit_utterances
 from training.device import select_device
 from training.evaluate import add_whole_utterance
@@ -67,10 +69,32 @@ KMEANS_FRAMES = 100_000  # training frames the k-means baseline is fitted on, at
 PHONE_KEYS = ("pnmi", "phone_purity", "cluster_purity")
 
 
-def open_baseline_split(args, dim: int) -> FeatureStore:
-    split = find_split(args.data_dir, args.baseline_split)
+@dataclass(frozen=True)
+class KmeansBaseline:
+    """Plain k-means of the codebook size, fitted on a split of the same store (--baseline_split), seeded."""
+
+    split: str
+    seed: int
+
+
+@dataclass(frozen=True)
+class EvaluateSettings:
+    """What tools.evaluate's flags ask for."""
+
+    checkpoint: Path  # a checkpoint file or a run's --output_dir
+    data: SplitShare  # the split scored, whole
+    codes: CodesRequest
+    alignments: Path | None
+    baseline: KmeansBaseline | None
+    json: Path | None
+    allow_feature_mismatch: bool
+    device: str
+
+
+def open_baseline_split(data_dir: Path, name: str, dim: int) -> FeatureStore:
+    split = find_split(data_dir, name)
     if split is None:
-        raise missing_split(args.data_dir, args.baseline_split, "--baseline_split")
+        raise missing_split(data_dir, name, "--baseline_split")
     if split.dim != dim:
         raise BadInputError(f"{split.description} has {split.dim}-d features; the evaluated split has {dim}-d")
     return split
@@ -95,7 +119,7 @@ def encode_split(spec: CodesSpec, store: FeatureStore) -> np.ndarray:
                                  on_batch=lambda batch: bar.update(int(store.lengths[batch].sum())))
 
 
-def score(args, spec: CodesSpec, store: FeatureStore, codes: np.ndarray, alignments: Alignments | None,
+def score(data: SplitShare, spec: CodesSpec, store: FeatureStore, codes: np.ndarray, alignments: Alignments | None,
           centroids: torch.Tensor | None, fitted: dict | None, device: torch.device) -> dict:
     """Every figure of the printout and the JSON; `fitted`: how the k-means baseline's `centroids` were fitted."""
     config = spec.model.config
@@ -128,7 +152,7 @@ def score(args, spec: CodesSpec, store: FeatureStore, codes: np.ndarray, alignme
     except ValueError as e:  # every utterance left out
         raise BadInputError(f"{store.description}: {e} (every utterance has a NaN or Inf frame)") from None
     result = {"checkpoint": spec.settings["checkpoint"], "step": spec.settings["step"],
-              "data_dir": str(args.data_dir), "split": args.split, "utterances": len(store) - len(skipped),
+              "data_dir": str(data.folder), "split": data.split, "utterances": len(store) - len(skipped),
               "skipped_utterances": len(skipped), "frames": figures["frames"],
               "code_frames": int(lengths.sum() - lengths[skipped].sum()),
               "codebook_size": config.codebook_size, "downsample": s, "beam_size": spec.beam,
@@ -186,40 +210,42 @@ def printout(result: dict) -> str:
     return "\n".join(lines)
 
 
-def evaluate_codec(args) -> int:
-    if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):
-        raise BadInputError(f"--json {args.json}: give a file in a folder that exists")
-    device = select_device(args.device)
-    model, state, ckpt_path = load_codec(args.checkpoint, device)
-    store = open_share(args, model.config, ckpt_path)[0]
-    spec = codes_spec(args, model, state, ckpt_path, device)
-    check_features(args, state, model, store, ckpt_path)
+def evaluate_codec(cfg: EvaluateSettings) -> int:
+    if cfg.json is not None and (cfg.json.is_dir() or not cfg.json.parent.is_dir()):
+        raise BadInputError(f"--json {cfg.json}: give a file in a folder that exists")
+    device = select_device(cfg.device)
+    model, state, ckpt_path = load_codec(cfg.checkpoint, device)
+    data = cfg.data
+    store = open_share(data, model.config, ckpt_path)[0]
+    spec = codes_spec(cfg.codes, model, state, ckpt_path, device)
+    check_features(data, state, model, store, ckpt_path, allow_mismatch=cfg.allow_feature_mismatch)
     alignments = None
-    if args.alignments is not None:  # everything a user can get wrong is checked before the long work
-        rate = dump_feature_settings(args.data_dir, args.split).get("frame_rate_hz") or FRAME_RATE
-        alignments = read_alignments(args.alignments, store.lengths, utterance_names(args.data_dir, args.split, store),
+    if cfg.alignments is not None:  # everything a user can get wrong is checked before the long work
+        rate = dump_feature_settings(data.folder, data.split).get("frame_rate_hz") or FRAME_RATE
+        alignments = read_alignments(cfg.alignments, store.lengths, utterance_names(data.folder, data.split, store),
                                      float(rate), describe=store.name)
         log.info("%s: %d phones over %d utterances, at %g frames/s", alignments.source, len(alignments.phones),
                  len(alignments.labels), rate)
-    train = open_baseline_split(args, store.dim) if args.baseline else None
+    baseline = cfg.baseline
+    train = open_baseline_split(data.folder, baseline.split, store.dim) if baseline else None
     centroids = fitted = None
     if train is not None:
         size = model.config.codebook_size
-        sample = kmeans_sample(train, size, args.seed)
-        fitted = {"method": "kmeans", "clusters": size, "split": args.baseline_split, "train_frames": len(sample),
-                  "iterations": KMEANS_ITERS, "seed": args.seed}
+        sample = kmeans_sample(train, size, baseline.seed)
+        fitted = {"method": "kmeans", "clusters": size, "split": baseline.split, "train_frames": len(sample),
+                  "iterations": KMEANS_ITERS, "seed": baseline.seed}
         log.info("k-means baseline: %d clusters on %d frames of %s (seed %d), k-means++ then %d Lloyd iterations",
-                 size, len(sample), train.description, args.seed, KMEANS_ITERS)
+                 size, len(sample), train.description, baseline.seed, KMEANS_ITERS)
         with tqdm(total=KMEANS_ITERS + 1, desc="k-means", unit="iter", dynamic_ncols=True, mininterval=1.0) as bar:
-            centroids = fit_kmeans(sample.to(device), size, seed=args.seed, on_iteration=lambda: bar.update(1))
+            centroids = fit_kmeans(sample.to(device), size, seed=baseline.seed, on_iteration=lambda: bar.update(1))
     log.info("%s: %d utterances, %d frames, %s", store.description, len(store), store.total_frames,
              describe_codes(spec))
     codes = encode_split(spec, store)
-    result = score(args, spec, store, codes, alignments, centroids, fitted, device)
+    result = score(data, spec, store, codes, alignments, centroids, fitted, device)
     print(printout(result), flush=True)
-    if args.json is not None:
-        os.replace(write_temporary(args.json, json.dumps(result, indent=1) + "\n"), args.json)
-        log.info("wrote %s", args.json)
+    if cfg.json is not None:
+        os.replace(write_temporary(cfg.json, json.dumps(result, indent=1) + "\n"), cfg.json)
+        log.info("wrote %s", cfg.json)
     log.info("finished successfully")
     return EXIT_OK
 
@@ -250,12 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None) -> EvaluateSettings:
     p = build_parser()
     args = p.parse_args([str(a) for a in (sys.argv[1:] if argv is None else argv)])
-    args.km, args.nshard, args.rank = None, 1, 0  # tools.encode's codes of the whole split, no .km
-    check_codes_args(p, args)
-    return args
+    codes = codes_request(p, args)  # tools.encode's codes of the whole split, no .km
+    baseline = KmeansBaseline(args.baseline_split, args.seed) if args.baseline else None
+    return EvaluateSettings(args.checkpoint, SplitShare(args.data_dir, args.split, 1, 0), codes, args.alignments,
+                            baseline, args.json, args.allow_feature_mismatch, args.device)
 
 
 @bad_input_exits_2(log)

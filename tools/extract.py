@@ -50,6 +50,7 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import re  # noqa: E402
@@ -65,9 +66,9 @@ from data.dump_writer import DUMP_DTYPES  # noqa: E402
 from data.feature_settings import RECORDED_BEFORE, model_fingerprint  # noqa: E402
 from data.resumable_shard import FEATURE_DUMP, ShardWriter, claim_shard, shard_settings  # noqa: E402
 from errors import EXIT_FAILURE, EXIT_OK, BadInputError  # noqa: E402
-from tools.audio_shard import (AudioShare, add_input_args, audio_share, begun_before_pass_rules,  # noqa: E402
-                               check_input_args, log_input_wait, model_device, pass_settings, progress_bar,
-                               shard_passes, w2v_attention, write_windows,
+from tools.audio_shard import (AudioInput, AudioShare, PipelineSettings, ShardOutput, add_input_args,  # noqa: E402
+                               audio_share, begun_before_pass_rules, input_settings, log_input_wait, model_device,
+                               pass_settings, progress_bar, shard_passes, w2v_attention, write_windows,
                                written_lengths)
 from tools.cli import bad_input_exits_2, run  # noqa: E402
 from training.device import compute_dtype  # noqa: E402
@@ -105,46 +106,73 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+@dataclasses.dataclass(frozen=True)
+class FeatureRequest:
+    """The features asked for: their kind, the fbank's front-end (None: FRONT_END, or a shard's own), w2v-bert's
+    model, layer, chunks and precision, and the dump's dtype."""
+
+    feature: str
+    front_end: str | None
+    checkpoint: Path | None
+    layer: int | None
+    max_chunk_seconds: float
+    precision: str
+    dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtractSettings:
+    """What tools.extract's flags ask for."""
+
+    audio: AudioInput
+    pipeline: PipelineSettings
+    output: ShardOutput
+    features: FeatureRequest
+
+
+def parse_args(argv=None) -> ExtractSettings:
     p = build_parser()
     args = p.parse_args(None if argv is None else [str(a) for a in argv])
-    check_input_args(p, args)
+    audio, pipeline, output = input_settings(p, args)
     if args.feature == "w2v-bert" and (args.checkpoint is None or args.layer is None):
         p.error("--feature w2v-bert needs --checkpoint DIR (a local Wav2Vec2BertModel) and --layer L")
-    return args
+    features = FeatureRequest(args.feature, args.front_end, args.checkpoint, args.layer, args.max_chunk_seconds,
+                              args.precision, args.dtype)
+    return ExtractSettings(audio, pipeline, output, features)
 
 
-def shard_front_end(args, recorded: dict | None) -> tuple[str, bool]:
+def shard_front_end(flag: str | None, recorded: dict | None) -> tuple[str, bool]:
     """(the fbank front-end of a shard begun with settings `recorded`, whether its settings name it): --front_end,
     else FRONT_END; a shard begun or written before front-ends were recorded (its settings name none) goes on with
     its own, unnamed as before, so that it resumes, or is found complete (unless --overwrite starts it over)."""
     legacy = isinstance(recorded, dict) and "feature" in recorded and "front_end" not in recorded
-    front_end = args.front_end or (RECORDED_BEFORE if legacy else FRONT_END)
+    front_end = flag or (RECORDED_BEFORE if legacy else FRONT_END)
     return front_end, not (legacy and front_end == RECORDED_BEFORE)
 
 
-def feature_maker(args, share: AudioShare, recorded: dict | None,
+def feature_maker(request: FeatureRequest, pipeline: PipelineSettings, share: AudioShare, recorded: dict | None,
                   before_pass_rules: bool) -> tuple[SeamlessFbank, W2vBertLayer | None, dict]:
     """(the fbank, the w2v-BERT layer or None, the feature settings noted in NAME.json), for a shard begun with
     settings `recorded` (None: a new one), `before_pass_rules` or not (tools/audio_shard.py)."""
-    front_end, named = shard_front_end(args, recorded)
-    fbank = SeamlessFbank(args.checkpoint, front_end)
-    settings = {"feature": args.feature, "dim": fbank.dim, "frame_rate_hz": FRAME_RATE, "sample_rate": SAMPLE_RATE,
-                **({"front_end": front_end} if named else {}), "precision": "float32", "dtype": args.dtype}
+    front_end, named = shard_front_end(request.front_end, recorded)
+    fbank = SeamlessFbank(request.checkpoint, front_end)
+    settings = {"feature": request.feature, "dim": fbank.dim, "frame_rate_hz": FRAME_RATE,
+                "sample_rate": SAMPLE_RATE, **({"front_end": front_end} if named else {}), "precision": "float32",
+                "dtype": request.dtype}
     log.info("fbank front-end: %s%s", front_end, "" if named else " (the shard's, begun before front-ends were "
                                                                   "recorded)")
-    if args.feature != "w2v-bert":
+    if request.feature != "w2v-bert":
         return fbank, None, settings
-    device = model_device(args.device, share)  # shards on one node spread over its GPUs
-    encoder = W2vBertLayer(args.checkpoint, args.layer, device=device,
-                           dtype=compute_dtype(args.precision, device) or torch.float32,
-                           max_chunk_seconds=args.max_chunk_seconds, attention=w2v_attention(before_pass_rules),
-                           compile=args.compile == "on")
-    settings.update(dim=encoder.dim, checkpoint=str(args.checkpoint.resolve()),
-                    model=model_fingerprint(args.checkpoint), layer=args.layer,
-                    max_chunk_seconds=args.max_chunk_seconds, precision=str(encoder.dtype).replace("torch.", ""))
-    log.info("w2v-bert layer %d of %s on %s (%s), %d-d%s", args.layer, args.checkpoint, encoder.device, encoder.dtype,
-             encoder.dim, ", under torch.compile" if encoder.compiled else "")
+    device = model_device(pipeline.device, share)  # shards on one node spread over its GPUs
+    encoder = W2vBertLayer(request.checkpoint, request.layer, device=device,
+                           dtype=compute_dtype(request.precision, device) or torch.float32,
+                           max_chunk_seconds=request.max_chunk_seconds, attention=w2v_attention(before_pass_rules),
+                           compile=pipeline.compile)
+    settings.update(dim=encoder.dim, checkpoint=str(request.checkpoint.resolve()),
+                    model=model_fingerprint(request.checkpoint), layer=request.layer,
+                    max_chunk_seconds=request.max_chunk_seconds, precision=str(encoder.dtype).replace("torch.", ""))
+    log.info("w2v-bert layer %d of %s on %s (%s), %d-d%s", request.layer, request.checkpoint, encoder.device,
+             encoder.dtype, encoder.dim, ", under torch.compile" if encoder.compiled else "")
     return fbank, encoder, settings
 
 
@@ -159,47 +187,51 @@ def check_split_shards(out_dir: Path, split: str, nshard: int) -> None:
                             "be read; write elsewhere, or remove them")
 
 
-def extract(args) -> int:
-    share = audio_share(args)
-    name = f"{args.split}_{share.rank}_{share.nshard}"
-    recorded = None if args.overwrite else shard_settings(args.out_dir, name, FEATURE_DUMP)
-    before_pass_rules = args.feature == "w2v-bert" and begun_before_pass_rules(args, recorded, log)
-    fbank, encoder, features = feature_maker(args, share, recorded, before_pass_rules)
-    settings = {**features, "split": args.split, **share.settings}
+def extract(cfg: ExtractSettings) -> int:
+    share = audio_share(cfg.audio)
+    out_dir, split = cfg.output.out_dir, cfg.audio.split
+    name = f"{split}_{share.rank}_{share.nshard}"
+    recorded = None if cfg.output.overwrite else shard_settings(out_dir, name, FEATURE_DUMP)
+    before_pass_rules = False
+    if cfg.features.feature == "w2v-bert":  # such a shard goes on with its own passes and commits
+        pipeline, before_pass_rules = begun_before_pass_rules(cfg.pipeline, recorded, log)
+        cfg = dataclasses.replace(cfg, pipeline=pipeline)
+    fbank, encoder, features = feature_maker(cfg.features, cfg.pipeline, share, recorded, before_pass_rules)
+    settings = {**features, "split": split, **share.settings}
     if encoder is not None:
-        settings.update(pass_settings(args, encoder.device, before_pass_rules))
-    check_split_shards(args.out_dir, args.split, share.nshard)
-    lock = claim_shard(args.out_dir, name, FEATURE_DUMP, settings, overwrite=args.overwrite, log=log,
+        settings.update(pass_settings(cfg.pipeline, encoder.device, before_pass_rules))
+    check_split_shards(out_dir, split, share.nshard)
+    lock = claim_shard(out_dir, name, FEATURE_DUMP, settings, overwrite=cfg.output.overwrite, log=log,
                        redo="extract the shard again")
     if lock is None:
         return EXIT_OK
     try:
-        writer = ShardWriter(args.out_dir, name, FEATURE_DUMP, settings, width=settings["dim"], dtype=args.dtype,
+        writer = ShardWriter(out_dir, name, FEATURE_DUMP, settings, width=settings["dim"], dtype=cfg.features.dtype,
                              streams={".len": "", ".tsv": f"{share.root}\n", ".skipped": ""},
                              inputs=len(share.keys))
         try:
-            return extract_into(args, share, name, fbank, encoder, settings, writer)
+            return extract_into(cfg, share, name, fbank, encoder, settings, writer)
         finally:
             writer.close()
     finally:
         lock.release()
 
 
-def extract_into(args, share: AudioShare, name: str, fbank: SeamlessFbank, encoder: W2vBertLayer | None,
-                 settings: dict, writer: ShardWriter) -> int:
-    log.info("%s: %s from %s -> %s/%s.npy (%s, %d-d)", name, share.describe(), args.source, args.out_dir, name,
-             args.feature, settings["dim"])
+def extract_into(cfg: ExtractSettings, share: AudioShare, name: str, fbank: SeamlessFbank,
+                 encoder: W2vBertLayer | None, settings: dict, writer: ShardWriter) -> int:
+    log.info("%s: %s from %s -> %s/%s.npy (%s, %d-d)", name, share.describe(), cfg.audio.source, cfg.output.out_dir,
+             name, cfg.features.feature, settings["dim"])
     if writer.done:
         log.info("resuming at %s %d of %d (%d frames committed; %d bytes written after the last commit dropped)",
                  share.utterances.noun, writer.done, len(share.keys), writer.rows, writer.dropped_bytes)
     began = time.perf_counter()
     with progress_bar(f"extract {name}", share, writer.done) as bar:
-        pipeline = FeatureWindows(share.utterances, fbank=fbank, encoder=encoder, dtype=args.dtype,
-                                  num_workers=args.num_workers, commit_files=args.commit_files,
-                                  commit_seconds=args.commit_seconds,
+        pipeline = FeatureWindows(share.utterances, fbank=fbank, encoder=encoder, dtype=cfg.features.dtype,
+                                  num_workers=cfg.pipeline.num_workers, commit_files=cfg.pipeline.commit_files,
+                                  commit_seconds=cfg.pipeline.commit_seconds,
                                   passes=shard_passes(settings) if encoder else None,
                                   progress=bar.update,
-                                  device=encoder.device if encoder else model_device(args.device, share))
+                                  device=encoder.device if encoder else model_device(cfg.pipeline.device, share))
         log.info("the fbank is computed %s", f"on {pipeline.device} from the decoded audio"
                  if pipeline.device_fbank else "by the decoding workers")
 
@@ -218,7 +250,7 @@ def extract_into(args, share: AudioShare, name: str, fbank: SeamlessFbank, encod
     if written is None:
         return EXIT_FAILURE
     lengths, skipped = written
-    meta = {**settings, "source": str(args.source), "utterances": len(lengths), "frames": sum(lengths),
+    meta = {**settings, "source": str(cfg.audio.source), "utterances": len(lengths), "frames": sum(lengths),
             "skipped": len(skipped)}
     array = writer.finish({FEATURE_DUMP.meta: json.dumps(meta, indent=1) + "\n"})
     log_input_wait(log, pipeline, seconds, "the model" if encoder else "the writer")

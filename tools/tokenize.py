@@ -36,6 +36,7 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
@@ -55,13 +56,13 @@ from data.resumable_shard import CODES, ShardWriter, shard_settings  # noqa: E40
 from data.transfers import host_copy  # noqa: E402
 from errors import EXIT_FAILURE, EXIT_OK, BadInputError  # noqa: E402
 from models.codes import TAIL_PADDING, code_frames, encode_in_batches, km_lines  # noqa: E402
-from tools.audio_shard import (AudioShare, add_input_args, audio_share, begun_before_pass_rules,  # noqa: E402
-                               check_input_args, log_input_wait, model_device, pass_settings, progress_bar,
-                               shard_passes, w2v_attention, write_windows,
+from tools.audio_shard import (AudioInput, AudioShare, PipelineSettings, ShardOutput, add_input_args,  # noqa: E402
+                               audio_share, begun_before_pass_rules, input_settings, log_input_wait, model_device,
+                               pass_settings, progress_bar, shard_passes, w2v_attention, write_windows,
                                written_lengths)
 from tools.cli import bad_input_exits_2, run  # noqa: E402
-from tools.trained_codec import (CodesSpec, add_codes_args, begin_code_shard, check_codes_args,  # noqa: E402
-                                 codes_spec, describe_codes, load_codec)
+from tools.trained_codec import (CodesRequest, CodesSpec, add_codes_args, begin_code_shard,  # noqa: E402
+                                 codes_request, codes_spec, describe_codes, load_codec)
 from training.faults import FaultInjector  # noqa: E402
 from training.flag_help import FlagHelpFormatter  # noqa: E402
 
@@ -87,48 +88,73 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+@dataclasses.dataclass(frozen=True)
+class FeatureFlags:
+    """The features' flags: each None, the codec's own (a given one must be the codec's); w2v_bert: where its
+    model lies on this machine."""
+
+    feature: str | None
+    layer: int | None
+    precision: str | None  # fp32 or bf16 (PRECISION_NAMES)
+    w2v_bert: Path | None
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizeSettings:
+    """What tools.tokenize's flags ask for."""
+
+    audio: AudioInput
+    pipeline: PipelineSettings
+    output: ShardOutput
+    checkpoint: Path  # the codec: a checkpoint file or a run's --output_dir
+    codes: CodesRequest
+    features: FeatureFlags
+
+
+def parse_args(argv=None) -> TokenizeSettings:
     p = build_parser()
     args = p.parse_args(None if argv is None else [str(a) for a in argv])
-    check_input_args(p, args)
-    check_codes_args(p, args)
-    return args
+    audio, pipeline, output = input_settings(p, args)
+    codes = codes_request(p, args)
+    features = FeatureFlags(args.feature, args.layer, args.precision, args.w2v_bert)
+    return TokenizeSettings(audio, pipeline, output, args.checkpoint, codes, features)
 
 
-def trained_features(state: dict, ckpt_path: Path, args) -> dict:
+def trained_features(state: dict, ckpt_path: Path, flags: FeatureFlags) -> dict:
     """The feature settings the checkpoint records, checked against --feature, --layer and --precision."""
     trained = (state.get("config") or {}).get("features") or {}
     if trained.get("feature") not in FEATURES:
         raise BadInputError(f"the codec in {ckpt_path} was trained on {describe(trained)}: tokenize computes only "
                             "features tools.extract wrote, as the checkpoint of a run on them records (trainers "
                             "before this one recorded none); encode such features with python -m tools.encode")
-    given = {k: v for k, v in (("feature", args.feature), ("layer", args.layer), ("precision", args.precision))
+    given = {k: v for k, v in (("feature", flags.feature), ("layer", flags.layer), ("precision", flags.precision))
              if v is not None}
-    flags = {k: PRECISION_NAMES.get(v) if k == "precision" else v for k, v in given.items()}  # as notes say them
-    differ = settings_differ(trained, {**trained, **flags})
+    asked = {k: PRECISION_NAMES.get(v) if k == "precision" else v for k, v in given.items()}  # as notes say them
+    differ = settings_differ(trained, {**trained, **asked})
     if differ:  # the flags that differ, and the fix: the codec's own settings are the default
-        other = [f"--{k} {given[k]}" for k in flags if trained.get(k) != flags[k]]
+        other = [f"--{k} {given[k]}" for k in asked if trained.get(k) != asked[k]]
         raise BadInputError(f"the codec in {ckpt_path} was trained on {describe(trained)}; the flags ask for "
-                            f"{flags.get('feature', trained['feature'])} features ({differ}): its codes of other "
+                            f"{asked.get('feature', trained['feature'])} features ({differ}): its codes of other "
                             f"features would be meaningless. Leave out {' '.join(other)}: the codec's are the default")
     return trained
 
 
-def feature_maker(trained: dict, args, device: torch.device, ckpt_path: Path,
-                  before_pass_rules: bool) -> tuple[SeamlessFbank, W2vBertLayer | None, dict]:
+def feature_maker(trained: dict, w2v_bert: Path | None, device: torch.device, ckpt_path: Path,
+                  before_pass_rules: bool, *, compile: bool) -> tuple[SeamlessFbank, W2vBertLayer | None, dict]:
     """(the fbank, the w2v-BERT layer or None, the settings of the features they make), the latter the codec's;
-    for a shard begun `before_pass_rules` or not (tools/audio_shard.py)."""
+    w2v-BERT from the folder `w2v_bert` (None: the one the codec records), under torch.compile with `compile`, for
+    a shard begun `before_pass_rules` or not (tools/audio_shard.py)."""
     computed = codec_front_end(trained)
     if trained["feature"] != "w2v-bert":
         return SeamlessFbank(None, computed), None, trained
-    folder = args.w2v_bert or Path(trained["checkpoint"])
+    folder = w2v_bert or Path(trained["checkpoint"])
     if not folder.is_dir():
         raise BadInputError(f"the codec in {ckpt_path} was trained on {describe(trained)}, and {folder} is not a "
                             "folder here: give the model's folder with --w2v_bert")
     encoder = W2vBertLayer(folder, trained["layer"], device=device, dtype=getattr(torch, trained["precision"]),
                            max_chunk_seconds=trained["max_chunk_seconds"], flag="--w2v_bert",
                            attention=w2v_attention(before_pass_rules),
-                           compile=args.compile == "on")
+                           compile=compile)
     now = {**trained, "dim": encoder.dim, "checkpoint": str(folder.resolve()), "model": model_fingerprint(folder)}
     differ = settings_differ(trained, now)
     if differ:
@@ -149,41 +175,46 @@ def codec_front_end(trained: dict) -> str:
     return computed
 
 
-def tokenize(args) -> int:
-    share = audio_share(args)
-    device = model_device(args.device, share)
-    model, state, ckpt_path = load_codec(args.checkpoint, device)
-    trained = trained_features(state, ckpt_path, args)
-    spec = codes_spec(args, model, state, ckpt_path, device)
-    name = f"{args.split}_{share.rank}_{share.nshard}"
-    recorded = None if args.overwrite else shard_settings(args.out_dir, name, CODES)
-    before_pass_rules = trained["feature"] == "w2v-bert" and begun_before_pass_rules(args, recorded, log)
-    fbank, encoder, features = feature_maker(trained, args, device, ckpt_path, before_pass_rules)
+def tokenize(cfg: TokenizeSettings) -> int:
+    share = audio_share(cfg.audio)
+    device = model_device(cfg.pipeline.device, share)
+    model, state, ckpt_path = load_codec(cfg.checkpoint, device)
+    trained = trained_features(state, ckpt_path, cfg.features)
+    spec = codes_spec(cfg.codes, model, state, ckpt_path, device)
+    out_dir, overwrite = cfg.output.out_dir, cfg.output.overwrite
+    name = f"{cfg.audio.split}_{share.rank}_{share.nshard}"
+    recorded = None if overwrite else shard_settings(out_dir, name, CODES)
+    before_pass_rules = False
+    if trained["feature"] == "w2v-bert":  # such a shard goes on with its own passes and commits
+        pipeline, before_pass_rules = begun_before_pass_rules(cfg.pipeline, recorded, log)
+        cfg = dataclasses.replace(cfg, pipeline=pipeline)
+    fbank, encoder, features = feature_maker(trained, cfg.features.w2v_bert, device, ckpt_path, before_pass_rules,
+                                             compile=cfg.pipeline.compile)
     settings = {**spec.settings, "features": {k: v for k, v in features.items() if k != "checkpoint"},
-                "split": args.split, **share.settings}
+                "split": cfg.audio.split, **share.settings}
     if encoder is not None:
-        settings.update(pass_settings(args, device, before_pass_rules))
+        settings.update(pass_settings(cfg.pipeline, device, before_pass_rules))
     streams = {".codes.len": "", ".codes.tsv": f"{share.root}\n", ".codes.skipped": "", ".codes.frames": ""}
-    begun = begin_code_shard(args.out_dir, name, settings, overwrite=args.overwrite, log=log,
+    begun = begin_code_shard(out_dir, name, settings, overwrite=overwrite, log=log,
                              redo="tokenize the shard again", width=spec.levels, dtype=spec.dtype,
                              streams={**streams, **({".km": ""} if spec.km else {})}, inputs=len(share.keys),
-                             parquet=args.parquet)
+                             parquet=cfg.codes.parquet)
     if begun is None:
         return EXIT_OK
     lock, writer = begun
     try:
         try:
-            return tokenize_into(args, share, name, fbank, encoder, spec, settings, writer)
+            return tokenize_into(cfg, share, name, fbank, encoder, spec, settings, writer)
         finally:
             writer.close()
     finally:
         lock.release()
 
 
-def tokenize_into(args, share: AudioShare, name: str, fbank: SeamlessFbank, encoder: W2vBertLayer | None,
-                  spec: CodesSpec, settings: dict, writer: ShardWriter) -> int:
-    log.info("%s: %s from %s -> %s/%s.codes.npy: %s features, %s", name, share.describe(), args.source, args.out_dir,
-             name, settings["features"]["feature"], describe_codes(spec))
+def tokenize_into(cfg: TokenizeSettings, share: AudioShare, name: str, fbank: SeamlessFbank,
+                  encoder: W2vBertLayer | None, spec: CodesSpec, settings: dict, writer: ShardWriter) -> int:
+    log.info("%s: %s from %s -> %s/%s.codes.npy: %s features, %s", name, share.describe(), cfg.audio.source,
+             cfg.output.out_dir, name, settings["features"]["feature"], describe_codes(spec))
     if writer.done:
         log.info("resuming at %s %d of %d (%d code frames committed; %d bytes written after the last commit "
                  "dropped)", share.utterances.noun, writer.done, len(share.keys), writer.rows, writer.dropped_bytes)
@@ -192,8 +223,9 @@ def tokenize_into(args, share: AudioShare, name: str, fbank: SeamlessFbank, enco
     with progress_bar(f"tokenize {name}", share, writer.done) as bar:
         # half of a file's share of the bar is its features, half its codes
         pipeline = FeatureWindows(share.utterances, fbank=fbank, encoder=encoder,
-                                  dtype=settings["features"]["dtype"], num_workers=args.num_workers,
-                                  commit_files=args.commit_files, commit_seconds=args.commit_seconds,
+                                  dtype=settings["features"]["dtype"], num_workers=cfg.pipeline.num_workers,
+                                  commit_files=cfg.pipeline.commit_files,
+                                  commit_seconds=cfg.pipeline.commit_seconds,
                                   passes=shard_passes(settings) if encoder else None,
                                   progress=bar.update, weight=0.5, device=spec.model.feature_mean.device,
                                   on_host=False)
@@ -242,12 +274,12 @@ def tokenize_into(args, share: AudioShare, name: str, fbank: SeamlessFbank, enco
     if written is None:
         return EXIT_FAILURE
     frames, skipped = written
-    meta = {**settings, "source": str(args.source), "utterances": len(frames), "frames": sum(frames),
+    meta = {**settings, "source": str(cfg.audio.source), "utterances": len(frames), "frames": sum(frames),
             "code_frames": writer.rows, "skipped": len(skipped),
             "padding": TAIL_PADDING, "feature_frames": frames}
     array = writer.finish({CODES.meta: json.dumps(meta) + "\n"})
-    if args.parquet:
-        write_codes_parquet(args.out_dir, name)
+    if cfg.codes.parquet:
+        write_codes_parquet(cfg.output.out_dir, name)
     log_input_wait(log, pipeline, seconds, "the models")
     config = spec.model.config
     log.info("wrote %d utterances, %d code frames (%d levels, %.0f bits/frame of features) to %s; skipped %d "

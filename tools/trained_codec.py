@@ -196,13 +196,27 @@ def add_codes_args(p: argparse.ArgumentParser, km: bool = True) -> None:
                         "('parquet') reads it (needs pip install -r requirements-sources.txt)")
 
 
-def check_codes_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for name in ("beam_size", "batch_frames", "km"):  # --num_quantizers: codes_spec names the codec's levels
-        value = getattr(args, name)
-        if value is not None and value < 1:
+@dataclass(frozen=True)
+class CodesRequest:
+    """The codes the flags of add_codes_args ask for; None: the codec's own (or no .km)."""
+
+    num_quantizers: int | None
+    beam_size: int | None
+    batch_frames: int | None  # None: BATCH_FRAMES by the device
+    km: int | None  # the level also written as NAME.km
+    parquet: bool
+
+
+def codes_request(p: argparse.ArgumentParser, args: argparse.Namespace) -> CodesRequest:
+    """The flags of add_codes_args as a CodesRequest; argparse's exit 2 for values out of range."""
+    km = getattr(args, "km", None)  # tools.evaluate's flags have no --km nor --parquet
+    for name, value in (("beam_size", args.beam_size), ("batch_frames", args.batch_frames), ("km", km)):
+        if value is not None and value < 1:  # --num_quantizers: codes_spec names the codec's levels
             p.error(f"--{name} must be positive, got {value}")
-    if getattr(args, "parquet", False):
+    parquet = getattr(args, "parquet", False)
+    if parquet:
         require_pyarrow()  # before any work: exit 2 naming the install line
+    return CodesRequest(args.num_quantizers, args.beam_size, args.batch_frames, km, parquet)
 
 
 @dataclass
@@ -219,22 +233,22 @@ class CodesSpec:
     settings: dict
 
 
-def codes_spec(args: argparse.Namespace, model: RVQCodec, state: dict, ckpt_path: Path,
+def codes_spec(request: CodesRequest, model: RVQCodec, state: dict, ckpt_path: Path,
                device: torch.device) -> CodesSpec:
     """The codes asked for by the flags of add_codes_args; BadInputError for levels this codec lacks."""
     config = model.config
-    q = config.num_quantizers if args.num_quantizers is None else args.num_quantizers
+    q = config.num_quantizers if request.num_quantizers is None else request.num_quantizers
     if not 1 <= q <= config.num_quantizers:
         raise BadInputError(f"--num_quantizers {q}: this codec has levels 1 to {config.num_quantizers}")
-    if args.km is not None and args.km > q:
-        raise BadInputError(f"--km {args.km}: the codes have levels 1 to {q}")
-    beam, dtype = args.beam_size or config.beam_size, code_dtype(config.codebook_size)
+    if request.km is not None and request.km > q:
+        raise BadInputError(f"--km {request.km}: the codes have levels 1 to {q}")
+    beam, dtype = request.beam_size or config.beam_size, code_dtype(config.codebook_size)
     settings = {"checkpoint": str(ckpt_path.resolve()), "step": state.get("step"),
                 "codec_digest": codec_digest(state["model"]), "levels": q,
                 "codebook_size": config.codebook_size, "downsample": config.downsample, "dtype": dtype.name,
-                "feature_dim": config.feature_dim, "beam_size": beam, "km_level": args.km}
-    batch_frames = args.batch_frames or BATCH_FRAMES.get(device.type, BATCH_FRAMES["cpu"])
-    return CodesSpec(model, q, beam, dtype, args.km, batch_frames, settings)
+                "feature_dim": config.feature_dim, "beam_size": beam, "km_level": request.km}
+    batch_frames = request.batch_frames or BATCH_FRAMES.get(device.type, BATCH_FRAMES["cpu"])
+    return CodesSpec(model, q, beam, dtype, request.km, batch_frames, settings)
 
 
 def describe_codes(spec: CodesSpec) -> str:
