@@ -47,6 +47,7 @@ from training.metrics_log import MetricsLog, require_tensorboard
 from training.output_dir import OutputDirLock
 from training.progress import END_OF_SCHEDULE, FAILED, STOPPED, Progress
 from training.resume import agree_on_resume
+from training.run_folder import RunFolder
 from training.schedule import REFIT_SHARE, Schedule
 from training.signals import CompileInterrupted, Stopped, StopRequest, stop_reason
 from training.step_guard import StepOutcome, guarded_step
@@ -87,7 +88,7 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
         output.agree(ctx)
         agree_on_phones(ctx, data.eval.phones)
         with phase_timeout(ctx, cfg.dist.slow_phase_s):  # each side waits while the other reads a checkpoint
-            resume = agree_on_resume(ctx, cfg.run.resume, Path(cfg.run.output_dir) / "checkpoints", codec,
+            resume = agree_on_resume(ctx, cfg.run.resume, RunFolder(cfg.run.output_dir).checkpoints, codec,
                                      data=data.identity, finetune=cfg.run.finetune)
     except (BadInputError, TransientFault):  # every rank raises it together: the groups go down here, not in the
         output.abandon()  # interpreter's exit
@@ -131,12 +132,12 @@ class Trainer:
         self.cfg, self.ctx, self.data, self.codec, self.stop, self.faults = cfg, ctx, data, codec, stop, faults
         self.output = output
         self.main_rank = ctx.rank == 0
-        self.out_dir = Path(cfg.run.output_dir)
+        self.folder = RunFolder(cfg.run.output_dir)
         self.progress = Progress()
         self.steps_per_epoch = max(1, data.plan.steps_per_epoch // cfg.optim.grad_accum)
         # the checkpoint says what features the codec learns (tools.extract's notes): tools.tokenize makes them again
         features = data.identity["features"]
-        self.checkpointer = Checkpointer(self.out_dir / "checkpoints", keep=cfg.run.keep_checkpoints, ctx=ctx,
+        self.checkpointer = Checkpointer(self.folder.checkpoints, keep=cfg.run.keep_checkpoints, ctx=ctx,
                                          codec=codec, config={**cfg.to_dict(), "features": features},
                                          steps_per_epoch=self.steps_per_epoch, data=data.identity)
         self.amp_dtype = compute_dtype(cfg.optim.precision, ctx.device)
@@ -150,7 +151,7 @@ class Trainer:
         self.progress.on_enter.append(faults.on_phase)
         self.watchdog = (PeerWatchdog(ctx.rank, ctx.world_size, timeout_s=cfg.dist.sync_timeout,
                                       slow_timeout_s=cfg.dist.slow_phase_s, progress=self.progress,
-                                      on_verdict=lambda: dump_flight_recorder(ctx, self.out_dir),
+                                      on_verdict=lambda: dump_flight_recorder(ctx, self.folder.root),
                                       on_peer_stopped=self.record_stop).start()
                          if ctx.is_distributed else None)
 
@@ -213,7 +214,7 @@ class Trainer:
         if resume is not None and p.stop_reason and set(END_OF_SCHEDULE) <= set(p.end_done):
             log.warning("%s holds a finished run (step %d, %s; its refit and final eval done): nothing is left to "
                         "do. To train afresh, give another --output_dir; to train on from it, a larger budget "
-                        "(--max_steps, --max_minutes)", self.out_dir, p.step, self.schedule.describe())
+                        "(--max_steps, --max_minutes)", self.folder.root, p.step, self.schedule.describe())
 
     def init_codebooks(self) -> None:
         """k-means before the first step; a stop during it ends the run with nothing trained, so nothing to save."""
@@ -279,10 +280,10 @@ class Trainer:
         """Rank 0 alone writes: config.json, metrics.jsonl (and TensorBoard), checkpoints/."""
         cfg, codec = self.cfg, self.codec
         if self.main_rank:
-            (self.out_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.out_dir / "config.json")
-            self.metrics = MetricsLog(self.out_dir / "metrics.jsonl",
-                                      tensorboard_dir=self.out_dir / "tensorboard" if cfg.run.tensorboard else None)
+            self.folder.checkpoints.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.folder.config)
+            self.metrics = MetricsLog(self.folder.metrics,
+                                      tensorboard_dir=self.folder.tensorboard if cfg.run.tensorboard else None)
         log.info("codec: %d levels x %d codes, latent %d, downsample %d (%.0f bits/frame), %.2fM parameters",
                  codec.num_quantizers, codec.codebook_size, codec.latent_dim, codec.downsample,
                  codec.num_quantizers * math.log2(codec.codebook_size) / codec.downsample,

@@ -1,15 +1,17 @@
 """What the README's main job must leave: config, metrics with evals, a checkpoint, and a codec that learned."""
-import json
 import sys
 from pathlib import Path
 
-run = Path(sys.argv[1])
-events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-evals = [e for e in events if e["event"] == "eval"]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from training.metrics_log import run_events  # noqa: E402
+from training.run_folder import RunFolder  # noqa: E402
+
+run = RunFolder(sys.argv[1])
+evals = run_events(run.root, "eval")
 problems = []
-if not (run / "config.json").is_file():
+if not run.config.is_file():
     problems.append("no config.json")
-if not list((run / "checkpoints").glob("step_*.pt")):
+if not list(run.checkpoints.glob("step_*.pt")):
     problems.append("no checkpoint")
 if len(evals) < 2:
     problems.append(f"{len(evals)} eval events, expected at least 2")

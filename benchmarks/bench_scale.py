@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.demo_run import machine  # noqa: E402
+from training.run_folder import RunFolder  # noqa: E402
 
 FRAMES, DIM = 40, 16
 TRAINER_FLAGS = ["--latent_dim", "32", "--num_quantizers", "2", "--codebook_size", "32", "--batch_size", "4",
@@ -62,7 +63,7 @@ def run(data_dir: Path, out_dir: Path) -> dict:
                              str(data_dir), "--output_dir", str(out_dir), *TRAINER_FLAGS], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
-    metrics, first = out_dir / "metrics.jsonl", None
+    metrics, first = RunFolder(out_dir).metrics, None
     while proc.poll() is None and first is None:
         if metrics.exists() and '"event": "train"' in metrics.read_text():
             first = {"seconds_to_first_train_event": round(time.perf_counter() - start, 2),

@@ -28,6 +28,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.bench_train import compile_seconds  # noqa: E402
 from benchmarks.demo_run import machine  # noqa: E402
 from data.demo_corpus import ensure_demo_corpus  # noqa: E402
+from training.metrics_log import run_events  # noqa: E402
 
 CODECS = {
     "tiny": ["--latent_dim", "16", "--codebook_size", "64", "--encoder_blocks", "1", "--batch_size", "4",
@@ -44,7 +45,7 @@ def run(repo: Path, flags: list[str], steps: int, log_every: int, data_dir: Path
         job = subprocess.run(cmd, capture_output=True, text=True, cwd=repo)
         if job.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{job.stderr[-3000:]}")
-        events = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+        events = run_events(out)
     windows = [e["frames_per_sec"] for e in events if e["event"] == "train"][1:]
     return {"frames_per_sec": round(len(windows) / sum(1 / f for f in windows)), "windows": len(windows),
             "compile_seconds": compile_seconds(job.stderr)}

@@ -48,6 +48,7 @@ from benchmarks.demo_run import machine  # noqa: E402
 from data.training_data import AUTO_LENGTHS, DEFAULT_BATCH  # noqa: E402
 from models.codec import CodecConfig, RVQCodec  # noqa: E402
 from training.device import compute_dtype  # noqa: E402
+from training.metrics_log import run_events  # noqa: E402
 
 # --codec small: a smaller codec and batch than the defaults, for CPU figures; --codec default: the trainer's
 # codec and its default batch on the device (data.training_data.DEFAULT_BATCH) at the automatic length;
@@ -95,7 +96,7 @@ def run_ours(data_dir: Path, steps: int, log_every: int, flags: list[str], devic
         run = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
         if run.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{run.stderr[-3000:]}")
-        events = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+        events = run_events(out)
     train = [e for e in events if e["event"] == "train"][1:]
     return {**summarise([(e["frames_per_sec"], e["data_wait_frac"]) for e in train]),
             "mfu": round(float(np.mean([e["mfu"] for e in train])), 4), "compile": compile_flag,

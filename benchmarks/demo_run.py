@@ -17,6 +17,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from training.metrics_log import run_events  # noqa: E402
 
 
 def machine() -> str:
@@ -46,7 +49,7 @@ def main() -> int:
         if run.returncode != 0:
             print(run.stderr[-3000:], file=sys.stderr)
             return run.returncode
-        events = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+        events = run_events(tmp)
     evals = [e for e in events if e["event"] == "eval"]
     fps = [e["frames_per_sec"] for e in events if e["event"] == "train"]
     result = {"command": "bash run_nccl_optimized.sh conservative", "machine": machine(),

@@ -28,6 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from training.presets import PRESETS  # noqa: E402 - after the repo is on the path
+from training.metrics_log import run_events as events  # noqa: E402
+from training.run_folder import RunFolder  # noqa: E402
 
 TRAINER = [sys.executable, str(REPO / "rvq_seamless_gpu_cache_nccl.py")]
 # fp32 losses under --deterministic against the host path's, relative: the prefetcher and the device cache
@@ -63,13 +65,8 @@ def run(cmd, *, env=None, timeout=900, cwd=REPO) -> subprocess.CompletedProcess:
                           env={**os.environ, **(env or {})})
 
 
-def events(out_dir: Path, kind: str) -> list[dict]:
-    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
-    return [e for e in map(json.loads, lines) if e["event"] == kind]
-
-
 def last_weights(out_dir: Path) -> dict:
-    last = sorted((out_dir / "checkpoints").glob("*.pt"), key=lambda p: p.stat().st_mtime)[-1]
+    last = sorted(RunFolder(out_dir).checkpoints.glob("*.pt"), key=lambda p: p.stat().st_mtime)[-1]
     return torch.load(last, map_location="cpu", weights_only=False)["model"]
 
 
@@ -183,8 +180,8 @@ def preset_run(preset: str, precision: str, multi: bool, steps: int) -> dict:
         began = time.perf_counter()
         job = run(["bash", "run_nccl_optimized.sh", preset, *trainer_flags(out, steps, *extra)],
                   env={"NPROC_PER_NODE": "1"})
-        train = events(out, "train") if (out / "metrics.jsonl").exists() else []
-        ok = job.returncode == 0 and (out / "checkpoints").is_dir() and bool(train) and bool(events(out, "eval"))
+        train = events(out, "train") if RunFolder(out).metrics.exists() else []
+        ok = job.returncode == 0 and RunFolder(out).checkpoints.is_dir() and bool(train) and bool(events(out, "eval"))
         last = train[-1] if train else {}
         return {"ok": ok, "exit": job.returncode, "seconds": round(time.perf_counter() - began, 1),
                 **{k: last.get(k) for k in ("frames_per_sec", "mfu", "data_wait_frac", "bad_steps")},
@@ -231,7 +228,7 @@ def trained_speed(steps: int, *extra) -> dict:
         job = run([*TRAINER, "--output_dir", out, "--resume", "none", "--max_steps", steps, "--log_every", 10,
                    "--eval_every", 10 * steps, "--save_every", 10 * steps, "--refit_iters", 0, "--use_gpu_cache",
                    *extra])
-        train = events(out, "train")[1:] if (out / "metrics.jsonl").exists() else []
+        train = events(out, "train")[1:] if RunFolder(out).metrics.exists() else []
     result = {"exit": job.returncode, "seconds": round(time.perf_counter() - began, 1),
               "compile_seconds": compile_seconds(job.stderr)}
     if job.returncode == 0 and train:

@@ -47,6 +47,8 @@ from data.demo_corpus import ensure_demo_corpus  # noqa: E402
 from data.stores import open_stores  # noqa: E402
 from models.codec import CodecConfig, RVQCodec  # noqa: E402
 from models.metrics import EvalSums  # noqa: E402
+from training.metrics_log import run_events  # noqa: E402
+from training.run_folder import RunFolder  # noqa: E402
 from training import checkpoint as ckpt  # noqa: E402
 from training.codebooks import feature_stats  # noqa: E402
 from training.config import parse_args  # noqa: E402
@@ -90,10 +92,10 @@ def run_codec(data_dir, out_dir: Path, max_minutes: float, extra: list[str], val
     seconds = time.perf_counter() - start
     if run.returncode != 0:
         sys.exit(f"the trainer failed ({run.returncode}):\n{run.stderr[-3000:]}")
-    events = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    events = run_events(out_dir)
     stop = [e for e in events if e["event"] == "stop"][-1]
     train_seconds = stop["time"] - events[0]["time"] if events else seconds
-    _, state = ckpt.load_latest(out_dir / "checkpoints")
+    _, state = ckpt.load_latest(RunFolder(out_dir).checkpoints)
     model = RVQCodec(CodecConfig(**state["codec"]))
     model.load_state_dict(state["model"])
     model.eval()

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import subprocess
 import sys
@@ -156,9 +155,13 @@ def run_gloo_ranks(script: str, world_size: int = 2, timeout: int = 120) -> list
 
 
 def events(run_dir: Path, kind: str | None = None) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if kind is None or r["event"] == kind]
+    """A run's metrics.jsonl events (of `kind`), read as the tools read them; a line that is no event fails."""
+    from training.metrics_log import read_metrics
+    from training.run_folder import RunFolder
+
+    found, bad = read_metrics(RunFolder(run_dir).metrics)
+    assert not bad, f"{bad} line(s) of {run_dir}/metrics.jsonl are no event"
+    return [e for e in found if kind is None or e["event"] == kind]
 
 
 def tree(folder: Path) -> dict:
@@ -199,8 +202,9 @@ def run_flags(data, out, *extra) -> list:
 def newest_checkpoint(run_dir: Path) -> dict:
     """The newest checkpoint in a run's output dir, loaded."""
     from training.checkpoint import list_checkpoints, load_checkpoint
+    from training.run_folder import RunFolder
 
-    return load_checkpoint(list_checkpoints(Path(run_dir) / "checkpoints")[0])
+    return load_checkpoint(list_checkpoints(RunFolder(run_dir).checkpoints)[0])
 
 
 def _state(pid: int) -> str:

@@ -18,7 +18,7 @@ from data.stores import find_split
 from models.codes import encode_batch, encode_utterance, pad_to_multiple
 from tools import encode, export
 from tests.audio_helpers import run_module, write_corpus
-from tests.helpers import REPO, TINY, env, run_trainer
+from tests.helpers import REPO, TINY, env, events, run_trainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -88,8 +88,7 @@ def test_the_final_eval_scores_what_encode_and_decode_give(pipeline, tmp_path):
     split encoded by tools.encode and decoded by tools.encode decode, as the quality tables score it; the evals
     during training say they score windows."""
     p = pipeline
-    evals = [json.loads(line) for line in (p.run / "metrics.jsonl").read_text().splitlines()]
-    evals = [e for e in evals if e["event"] == "eval"]
+    evals = events(p.run, "eval")
     assert evals[-1]["scored"] == "whole utterances" and evals[-1]["beam_size"] == 4
     assert all(e["scored"].endswith("-frame windows") for e in evals[:-1])
     assert encode.main(["--checkpoint", p.run, "--data_dir", p.feats, "--split", "valid",

@@ -13,7 +13,8 @@ from tests.audio_helpers import run_module, write_corpus
 from tests.helpers import TINY, Ranks, events, run_trainer, trainer_in_process, tree, write_fairseq
 from training.checkpoint import list_checkpoints
 from training.config import parse_args, save_config
-from training.output_dir import LOCK_FILE, MARKER, OutputDirLock
+from training.output_dir import OutputDirLock
+from training.run_folder import LOCK_FILE, MARKER
 
 pytestmark = pytest.mark.slow  # end to end: processes, ranks or compiles (pytest.ini)
 

@@ -37,6 +37,8 @@ from errors import EXIT_OK, BadInputError
 from tools.cli import bad_input_exits_2, run
 from training.config import command_line
 from training.flag_help import FlagHelpFormatter
+from training.metrics_log import read_metrics
+from training.run_folder import RunFolder
 
 log = logging.getLogger("report")
 
@@ -49,22 +51,10 @@ PHONE_MEASURES = (("pnmi", "PNMI", "I(phone; code) / H(phone)"),
 
 def read_events(path: Path) -> tuple[dict[str, list[dict]], int]:
     """Events by kind, each sorted by step with one record per step (the last written); and the bad line count."""
+    events, bad = read_metrics(path)
     by_kind: dict[str, dict[int, dict]] = {}
-    bad = 0
-    for line in path.read_text(errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            step, kind = record["step"], str(record["event"])
-        except (ValueError, KeyError, TypeError, IndexError):
-            bad += 1
-            continue
-        if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step):
-            bad += 1  # "step": 1e400 reads as inf
-            continue
-        record["step"] = int(step)
-        by_kind.setdefault(kind, {})[record["step"]] = record  # a resumed run re-logs steps: the later line wins
+    for record in events:
+        by_kind.setdefault(record["event"], {})[record["step"]] = record  # a resumed run re-logs steps: the last wins
     return {k: [v[s] for s in sorted(v)] for k, v in by_kind.items()}, bad
 
 
@@ -318,7 +308,8 @@ def summary(run_dir: Path, events: dict, bad_lines: int, config: dict) -> str:
 
 def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     """Write the plots and report.md; returns report.md's path."""
-    metrics = run_dir / "metrics.jsonl"
+    folder = RunFolder(run_dir)
+    metrics = folder.metrics
     if not metrics.is_file():
         raise BadInputError(f"{metrics} does not exist: give the --output_dir of a training run")
     events, bad = read_events(metrics)
@@ -332,9 +323,9 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     config = {}
-    if (run_dir / "config.json").is_file():
+    if folder.config.is_file():
         try:
-            config = json.loads((run_dir / "config.json").read_text())
+            config = json.loads(folder.config.read_text())
             if not isinstance(config, dict):
                 raise ValueError("not an object")
         except ValueError:

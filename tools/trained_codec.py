@@ -28,7 +28,7 @@ from errors import BadInputError, TransientFault
 from models.codec import CodecConfig, RVQCodec
 from models.codes import code_dtype
 from training.checkpoint import load_checkpoint, load_latest, unreadable_reason
-from training.output_dir import LOCK_FILE
+from training.run_folder import CHECKPOINTS, RunFolder
 
 log = logging.getLogger("codec")
 
@@ -48,7 +48,7 @@ def load_codec(path: str | Path, device: str | torch.device = "cpu") -> tuple[RV
     path = Path(path)
     if path.is_dir():
         refuse_a_run_in_progress(path)
-        found = load_latest(path / "checkpoints") or load_latest(path)
+        found = load_latest(RunFolder(path).checkpoints) or load_latest(path)
         if found is None:
             raise BadInputError(f"--checkpoint {path}: no readable step_*.pt in {path}/checkpoints or {path}")
         path, state = found
@@ -73,10 +73,10 @@ def load_codec(path: str | Path, device: str | torch.device = "cpu") -> tuple[RV
 def refuse_a_run_in_progress(folder: Path) -> None:
     """BadInputError when `folder` (a run's --output_dir, or its checkpoints/) belongs to a run still training: its
     newest checkpoint is not its last."""
-    for run_dir in (folder, folder.parent) if folder.name == "checkpoints" else (folder,):
-        lock = WriterLock(run_dir / LOCK_FILE, f"--output_dir {run_dir}")
+    for run_dir in (folder, folder.parent) if folder.name == CHECKPOINTS else (folder,):
+        lock = WriterLock(RunFolder(run_dir).lock, f"--output_dir {run_dir}")
         if lock.taken():
-            newest = next(iter(sorted((run_dir / "checkpoints").glob("step_*.pt"), reverse=True)), None)
+            newest = next(iter(sorted(RunFolder(run_dir).checkpoints.glob("step_*.pt"), reverse=True)), None)
             raise BadInputError(
                 f"--checkpoint {folder}: the run is still training ({lock.holder()}); its newest checkpoint will "
                 "change under the shards of one output. Wait for it to end, or give one checkpoint file"

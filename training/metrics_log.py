@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from errors import BadInputError
+from training.run_folder import RunFolder
 
 
 def require_tensorboard():
@@ -55,3 +56,31 @@ class MetricsLog:
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def read_metrics(path: Path) -> tuple[list[dict], int]:
+    """The events of a metrics.jsonl in the order written, each step an int, and the number of lines that are no
+    event (not JSON, no "event" or "step", a step that is no finite number), which are skipped. Read by the tools,
+    the benchmarks, .ci and the tests: the one reader of what MetricsLog writes."""
+    events, bad = [], 0
+    for line in Path(path).read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            step, record["event"] = record["step"], str(record["event"])
+        except (ValueError, KeyError, TypeError, IndexError):
+            bad += 1
+            continue
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step):
+            bad += 1  # "step": 1e400 reads as inf
+            continue
+        record["step"] = int(step)
+        events.append(record)
+    return events, bad
+
+
+def run_events(run_dir: Path, kind: str | None = None) -> list[dict]:
+    """The events of a run's metrics.jsonl (those of `kind`, if given), in the order written."""
+    events, _ = read_metrics(RunFolder(run_dir).metrics)
+    return [e for e in events if kind is None or e["event"] == kind]

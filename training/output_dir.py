@@ -34,24 +34,22 @@ from errors import BadInputError
 from training.config import written_by_trainer
 from training.distributed import DistContext
 from training.nccl_env import FLIGHT_RECORDER_DIR
+from training.run_folder import CHECKPOINTS, CONFIG, LOCK_FILE, MARKER, METRICS, TENSORBOARD, RunFolder
 
-LOCK_FILE = ".lock"  # in the output dir; it holds who has the lock (pid, host, command)
-MARKER = ".rvq_run"  # in the output dir: this trainer's run lives here
-CONFIG = "config.json"
 # what a run writes besides config.json: its marker and lock, metrics, checkpoints, TensorBoard, NCCL traces, and
 # read-only folder stores' lengths manifests (data/stores.py manifest_path, and their temporary names)
-RUN_NAMES = re.compile(rf"^({re.escape(LOCK_FILE)}|{re.escape(MARKER)}|metrics\.jsonl|checkpoints|tensorboard|"
-                       rf"{FLIGHT_RECORDER_DIR}|{MANIFEST_ELSEWHERE.pattern})$")
+RUN_NAMES = re.compile("^(" + "|".join(map(re.escape, (LOCK_FILE, MARKER, METRICS, CHECKPOINTS, TENSORBOARD)))
+                       + rf"|{FLIGHT_RECORDER_DIR}|{MANIFEST_ELSEWHERE.pattern})$")
 SHOWN = 5  # names of foreign files a refusal lists
 
 
 def foreign_contents(folder: Path) -> str | None:
     """What makes `folder` not a run of this trainer, in words; None when it is absent, empty or a run."""
-    if not folder.is_dir() or (folder / MARKER).exists():
+    if not folder.is_dir() or RunFolder(folder).marker.exists():
         return None
     names = sorted(os.listdir(folder))
     if CONFIG in names:
-        if written_by_trainer(folder / CONFIG):
+        if written_by_trainer(RunFolder(folder).config):
             return None  # a run from before the marker
         others = [n for n in names if n != CONFIG]
         return f"a {CONFIG} this trainer did not write" + (f", and {_listed(others)}" if others else "")
@@ -71,7 +69,7 @@ class OutputDirLock:
         self.folder, self.rank = Path(output_dir), rank
         self.error: str | None = None
         self.busy = False  # the refusal is another run's lock, not a folder that cannot be written
-        self._lock = WriterLock(self.folder / LOCK_FILE, f"--output_dir {self.folder}")
+        self._lock = WriterLock(RunFolder(self.folder).lock, f"--output_dir {self.folder}")
         self.made: list[Path] = []  # the folders this run made, deepest first
         self.made_lock_file = self.made_marker = False
         self.lock_found: tuple[bytes, int, int] | None = None  # the lock file as found: content, atime, mtime
@@ -86,7 +84,7 @@ class OutputDirLock:
                               "an empty or new folder, or the --output_dir of one of this trainer's runs")
                 return self
             self.made = [p for p in (self.folder, *self.folder.parents) if not p.exists()]
-            lock_file = self.folder / LOCK_FILE
+            lock_file = RunFolder(self.folder).lock
             self.made_lock_file = not lock_file.exists()
             if not self.made_lock_file:
                 found = lock_file.stat()
@@ -105,7 +103,7 @@ class OutputDirLock:
 
     def _mark(self) -> None:
         """The marker that makes the folder this trainer's run, written once, under the lock."""
-        marker = self.folder / MARKER
+        marker = RunFolder(self.folder).marker
         if not marker.exists():
             self.made_marker = True
             marker.write_text(json.dumps({"run_of": "rvq_seamless_gpu_cache_nccl.py",
@@ -127,9 +125,9 @@ class OutputDirLock:
     def abandon(self) -> None:
         """Release after a start that failed: the marker, the lock file and the folders this run made go again, a
         lock file it found is put back as it was (while still held; a folder that holds anything else stays)."""
-        lock_file = self.folder / LOCK_FILE
+        lock_file = RunFolder(self.folder).lock
         if self._lock.held and self.made_marker:
-            (self.folder / MARKER).unlink(missing_ok=True)
+            (RunFolder(self.folder).marker).unlink(missing_ok=True)
         if self._lock.held and self.made_lock_file:
             lock_file.unlink(missing_ok=True)
         elif self._lock.held and self.lock_found is not None:
