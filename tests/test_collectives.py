@@ -1,4 +1,5 @@
-"""The chunked all-reduce equals a plain all-reduce, element for element, on 2 gloo ranks."""
+"""The control plane's collectives on 2 gloo ranks: the chunked all-reduce equals a plain one, element for element;
+the agreement primitives give every rank the same answer, and a refusal raises on every rank together."""
 import pytest
 
 from tests.helpers import run_gloo_ranks
@@ -33,3 +34,30 @@ dist.destroy_process_group()
 def test_chunked_all_reduce_equals_plain():
     outs = run_gloo_ranks(SCRIPT)
     assert all(f"rank {r} equal" in outs[r] for r in range(2))
+
+
+AGREE = r"""
+import torch, torch.distributed as dist
+from errors import BadInputError
+from training.distributed import DistContext, agree, exchange, raise_together, rank0_decides
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+ctx = DistContext(rank, 2, rank, torch.device("cpu"), control=dist.group.WORLD)
+assert agree(ctx, {"rank": rank, "found": f"r{rank}"}) == [{"rank": 0, "found": "r0"}, {"rank": 1, "found": "r1"}]
+assert rank0_decides(ctx, ("rank 0's choice" if rank == 0 else "ignored", rank)) == ("rank 0's choice", 0)
+assert exchange(ctx, [rank, 2.5]).tolist() == [[0.0, 2.5], [1.0, 2.5]]
+raise_together(ctx, None, BadInputError)  # no error: nobody raises
+for source in (0, 1):
+    try:
+        raise_together(ctx, f"found on rank {source}", BadInputError, rank=source)
+    except BadInputError as e:
+        print("rank", rank, "raised:", e)
+dist.destroy_process_group()
+"""
+
+
+def test_agreement_primitives_answer_every_rank_alike_and_raise_together():
+    outs = run_gloo_ranks(AGREE)
+    assert "rank 0 raised: found on rank 0" in outs[0] and "rank 1 raised: rank 0: found on rank 0" in outs[1]
+    assert "rank 0 raised: rank 1: found on rank 1" in outs[0] and "rank 1 raised: found on rank 1" in outs[1]

@@ -25,12 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from data.training_data import data_differences
 from errors import BadInputError, TransientFault
 from models.codec import CodecConfig
-from training.distributed import DistContext
+from training.distributed import DistContext, agree, raise_together, rank0_decides
 from training.progress import END_OF_SCHEDULE, Progress
 
 log = logging.getLogger(__name__)
@@ -284,12 +283,7 @@ class Checkpointer:
                 path = save_checkpoint(self.folder, progress.step, state, keep=self.keep)
             except TransientFault as e:
                 error = str(e)
-        if self.ctx.is_distributed:
-            outcome = [error]
-            dist.broadcast_object_list(outcome, src=0, group=self.ctx.control)
-            error = outcome[0]
-        if error:
-            raise TransientFault(error if self.ctx.rank == 0 else f"rank 0: {error}")
+        raise_together(self.ctx, rank0_decides(self.ctx, error), TransientFault)
         return path
 
     def restore(self, resume: Resume, model, optimizer, scaler, progress: Progress) -> None:
@@ -320,11 +314,7 @@ def gather_rng_states(ctx: DistContext) -> list:
     mine = {"torch": torch.get_rng_state()}
     if ctx.device.type == "cuda":
         mine["cuda"] = torch.cuda.get_rng_state(ctx.device)
-    if not ctx.is_distributed:
-        return [mine]
-    states = [None] * ctx.world_size
-    dist.all_gather_object(states, mine, group=ctx.control)
-    return states
+    return agree(ctx, mine)
 
 
 def restore_rng_states(states: list, ctx: DistContext) -> None:

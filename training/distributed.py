@@ -177,6 +177,42 @@ def all_reduce_sum(ctx: DistContext, tensor: torch.Tensor, chunk_elements: int =
     return tensor
 
 
+def exchange(ctx: DistContext, values) -> torch.Tensor:
+    """Every rank's numbers, [world_size, len(values)] float64, gathered over the control plane."""
+    mine = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    if not ctx.is_distributed:
+        return mine[None]
+    table = [torch.zeros_like(mine) for _ in range(ctx.world_size)]
+    dist.all_gather(table, mine, group=ctx.control)
+    return torch.stack(table)
+
+
+def agree(ctx: DistContext, mine) -> list:
+    """Every rank's `mine` (any picklable value), in rank order, on every rank: what each rank found, for all to
+    decide the same from. Every rank calls it, whatever it found, or the others wait."""
+    if not ctx.is_distributed:
+        return [mine]
+    table = [None] * ctx.world_size
+    dist.all_gather_object(table, mine, group=ctx.control)
+    return table
+
+
+def rank0_decides(ctx: DistContext, decision):
+    """Rank 0's `decision` (any picklable value; other ranks pass anything) on every rank. Every rank calls it."""
+    if not ctx.is_distributed:
+        return decision
+    sent = [decision]
+    dist.broadcast_object_list(sent, src=0, group=ctx.control)
+    return sent[0]
+
+
+def raise_together(ctx: DistContext, error: str | None, failure: type[Exception], rank: int = 0) -> None:
+    """After agree or rank0_decides: every rank raises `failure` for the `error` rank `rank` found (the others
+    naming that rank), or none does."""
+    if error:
+        raise failure(error if rank == ctx.rank or not ctx.is_distributed else f"rank {rank}: {error}")
+
+
 def wrap_ddp(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
     """DDP without per-forward buffer broadcast: the quantizer syncs its codebooks itself.
 

@@ -24,7 +24,6 @@ import math
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from data.alignments import labels_at_code_rate
 from data.training_data import EvalPhones, EvalWindows
@@ -32,10 +31,9 @@ from errors import BadInputError
 from models.codec import RVQCodec, dead_code_counts
 from models.codes import code_frames, decode_utterance, encode_batch, length_sorted_batches
 from models.metrics import EvalSums
-from training.distributed import DistContext, all_reduce_sum
+from training.distributed import DistContext, agree, all_reduce_sum, exchange, raise_together
 from training.signals import Stopped, StopRequest, stop_reason
 from training.slow_phase import Chunks
-from training.sync_check import exchange
 
 log = logging.getLogger(__name__)
 
@@ -177,15 +175,11 @@ def agree_on_phones(ctx: DistContext, phones: EvalPhones | None) -> None:
     """Before the first step, on every rank: the held-out split's phone labels are usable and the same file on
     every rank (the final eval's all-reduce appends a table as wide as their phones), or BadInputError on every
     rank together (exit 2), naming the first bad utterance as the file's check found it."""
-    mine = None if phones is None else (str(phones.path), phones.digest, phones.error)
-    table = [mine]
-    if ctx.is_distributed:
-        table = [None] * ctx.world_size
-        dist.all_gather_object(table, mine, group=ctx.control)
+    table = agree(ctx, None if phones is None else (str(phones.path), phones.digest, phones.error))
     errors = [(rank, found[2]) for rank, found in enumerate(table) if found is not None and found[2]]
     if errors:
         rank, error = errors[0]
-        raise BadInputError(error if rank == ctx.rank or not ctx.is_distributed else f"rank {rank}: {error}")
+        raise_together(ctx, error, BadInputError, rank)
     differ = [rank for rank, found in enumerate(table) if (found and found[1]) != (table[0] and table[0][1])]
     if differ:
         seen = ", ".join(f"rank {r}: {'none' if table[r] is None else table[r][0] + ' sha1 ' + table[r][1][:12]}"

@@ -26,13 +26,12 @@ import re
 import time
 from pathlib import Path
 
-import torch.distributed as dist
 
 from data.stores import MANIFEST_ELSEWHERE
 from data.writer_lock import OutputBusy, WriterLock
 from errors import BadInputError
 from training.config import written_by_trainer
-from training.distributed import DistContext
+from training.distributed import DistContext, raise_together, rank0_decides
 from training.nccl_env import FLIGHT_RECORDER_DIR
 from training.run_folder import CHECKPOINTS, CONFIG, LOCK_FILE, MARKER, METRICS, TENSORBOARD, RunFolder
 
@@ -111,13 +110,8 @@ class OutputDirLock:
 
     def agree(self, ctx: DistContext) -> None:
         """Every rank learns rank 0's outcome; a refusal raises on every rank together (exit 2)."""
-        if ctx.is_distributed:
-            sent = [(self.error, self.busy)]
-            dist.broadcast_object_list(sent, src=0, group=ctx.control)
-            self.error, self.busy = sent[0]
-        if self.error:
-            refusal = OutputBusy if self.busy else BadInputError
-            raise refusal(self.error if ctx.rank == 0 else f"rank 0: {self.error}")
+        self.error, self.busy = rank0_decides(ctx, (self.error, self.busy))
+        raise_together(ctx, self.error, OutputBusy if self.busy else BadInputError)
 
     def release(self) -> None:
         self._lock.release()

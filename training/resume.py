@@ -21,12 +21,11 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch.distributed as dist
 
 from errors import BadInputError, TransientFault
 from models.codec import CodecConfig
 from training.checkpoint import RESUME_KEYS, Resume, check_codec, find_resume, list_checkpoints, load_checkpoint
-from training.distributed import DistContext
+from training.distributed import DistContext, agree, raise_together, rank0_decides
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +48,7 @@ def agree_on_resume(ctx: DistContext, resume: str, folder: Path, codec: CodecCon
     if not ctx.is_distributed:
         return find_resume(resume, folder, codec, data, finetune)
     mine, choice = _choose(ctx, resume, folder, codec, data, finetune)
-    if choice.error:
-        failure = TransientFault if choice.transient else BadInputError
-        raise failure(choice.error if ctx.rank == 0 else f"rank 0: {choice.error}")
+    raise_together(ctx, choice.error, TransientFault if choice.transient else BadInputError)
     if choice.path is None:
         if ctx.rank != 0 and resume == "auto":
             _warn_of_ignored_checkpoints(ctx.rank, folder)
@@ -67,9 +64,7 @@ def agree_on_resume(ctx: DistContext, resume: str, folder: Path, codec: CodecCon
             where = "--output_dir" if resume == "auto" else "--resume"
             error = (f"rank {ctx.rank} cannot read checkpoint {path} chosen by rank 0 ({choice.path}, step "
                      f"{choice.step}): {e}. {where} must be on a filesystem every node sees", False)
-    outcomes = [None] * ctx.world_size
-    dist.all_gather_object(outcomes, error, group=ctx.control)
-    failed = [outcome for outcome in outcomes if outcome]
+    failed = [outcome for outcome in agree(ctx, error) if outcome]
     if failed:
         failure = TransientFault if any(transient for _, transient in failed) else BadInputError
         raise failure("; ".join(message for message, _ in failed))
@@ -87,9 +82,7 @@ def _choose(ctx: DistContext, resume: str, folder: Path, codec: CodecConfig, dat
             choice = Choice(error=str(e), transient=isinstance(e, TransientFault))
         if mine is not None:
             choice = Choice(path=str(mine.path.absolute()), step=mine.state["step"], new_data=mine.new_data)
-    sent = [choice]
-    dist.broadcast_object_list(sent, src=0, group=ctx.control)
-    return mine, sent[0]
+    return mine, rank0_decides(ctx, choice)
 
 
 def _read_chosen(path: Path, step: int, codec: CodecConfig, new_data: bool) -> Resume:

@@ -22,8 +22,7 @@ import os
 import signal
 import threading
 
-from training.distributed import DistContext
-from training.sync_check import exchange
+from training.distributed import DistContext, exchange
 
 log = logging.getLogger(__name__)
 

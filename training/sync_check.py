@@ -13,9 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from training.distributed import DistContext
+from training.distributed import DistContext, exchange
 from errors import RanksDiverged
 
 FIELDS = ("step", "epoch", "samples_seen", "stop", "out_of_time", "time_total", "codebook_sum", "codebook_sq")
@@ -38,16 +37,6 @@ class SyncResult:
     stop_ranks: list  # ranks on which a stop was requested (a signal)
     out_of_time: bool  # rank 0's --max_minutes are up
     time_total: int | None  # the steps rank 0's clock says fit in --max_minutes (None: no estimate)
-
-
-def exchange(ctx: DistContext, values) -> torch.Tensor:
-    """Every rank's values, [world_size, len(values)], gathered over the control plane."""
-    mine = torch.tensor([float(v) for v in values], dtype=torch.float64)
-    if not ctx.is_distributed:
-        return mine[None]
-    table = [torch.zeros_like(mine) for _ in range(ctx.world_size)]
-    dist.all_gather(table, mine, group=ctx.control)
-    return torch.stack(table)
 
 
 def _differs(column: torch.Tensor, rtol: float = 0.0) -> list[int]:
