@@ -31,12 +31,13 @@ from tqdm import tqdm  # noqa: E402
 from data.bad_crops import BadCrops
 from data.training_data import TrainingData, batch_source, open_training_data
 from errors import EXIT_FAILURE, EXIT_OK, BadInputError, DistributedFailure, RanksDiverged, TransientFault
-from models.codec import CodecConfig, RVQCodec, codebook_tensors
+from models.codebook_ops import codebook_tensors
+from models.codec import CodecConfig, RVQCodec
+from models.compiled_step import check_compile, compile_mode
 from training.checkpoint import Checkpointer, Resume
 from training.codebooks import feature_stats, init_codebooks, refit
 from training.config import TrainConfig, parse_args, save_config
-from training.device import (cache_dtype, check_compile, compile_mode, compute_dtype, make_deterministic,
-                             select_device)
+from training.device import cache_dtype, compute_dtype, make_deterministic, select_device
 from training.distributed import (DistContext, all_reduce_sum, destroy, detect_launch, dump_flight_recorder,
                                   final_barrier, free_destroyed_groups, init_distributed,
                                   make_flight_recorder_dir, phase_timeout, wrap_ddp)

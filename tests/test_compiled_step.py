@@ -10,8 +10,8 @@ import torch
 from data.bad_crops import finite_crops
 from errors import BadInputError
 from models.codec import CodecConfig, RVQCodec
+from models.compiled_step import CPU_COMPILE_MIN_STEPS, compile_mode, depth_seeds
 from tests.helpers import TINY, events, run_gloo_ranks, run_torchrun, run_trainer, write_fairseq
-from training.device import CPU_COMPILE_MIN_STEPS, compile_mode
 from training.step_guard import StepOutcome, guarded_step
 
 # Compiled against eager, in float32 on a CPU: inductor fuses and reorders sums, so values differ in the last bits
@@ -22,6 +22,15 @@ STEP_RTOL, STEP_ATOL = 1e-4, 1e-5
 def small_codec(**options) -> RVQCodec:
     torch.manual_seed(0)
     return RVQCodec(CodecConfig(feature_dim=12, latent_dim=16, num_quantizers=3, codebook_size=16, **options)).train()
+
+
+def dropout_variants(model: RVQCodec) -> list[int | None]:
+    """The dropout seeds a compiled training forward has a graph for: one per quantize-dropout depth ([None]
+    without quantize dropout)."""
+    rvq = model.rvq
+    if not rvq.quantize_dropout:
+        return [None]
+    return list(depth_seeds(rvq.quantize_dropout_cutoff_index, rvq.num_quantizers).values())
 
 
 def test_the_training_forward_is_one_graph_with_no_break():
@@ -48,7 +57,7 @@ def test_under_quantize_dropout_the_only_breaks_are_the_librarys_depth_branch():
     model = small_codec(quantize_dropout=True)
     x = torch.randn(4, 16, 12)
     model.init_codebooks(torch.randn(8, 16, 12), batch_frames=64)
-    for seed in model.dropout_variants():
+    for seed in dropout_variants(model):
         explained = torch._dynamo.explain(model._forward)(x, None, 1, seed)
         where = [(Path(reason.user_stack[-1].filename).name, reason.user_stack[-1].lineno)
                  for reason in explained.break_reasons]
@@ -65,7 +74,7 @@ def test_on_a_cpu_the_quantizers_one_hot_products_become_a_gather_and_a_scatter_
     import copy
 
     import models.one_hot_products as one_hot_products
-    from models.codec import ONE_HOT_PRODUCTS
+    from models.compiled_step import ONE_HOT_PRODUCTS
 
     model = small_codec()
     x, keep = torch.randn(4, 16, 12), torch.tensor([True, False, True, True])
@@ -117,7 +126,7 @@ def test_on_a_cpu_small_convolutions_become_matrix_products_and_large_ones_stay(
     import copy
 
     import models.conv_products as conv_products
-    from models.codec import CONV_PRODUCTS
+    from models.compiled_step import CONV_PRODUCTS
 
     model = small_codec()
     x, keep = torch.randn(4, 16, 12), torch.tensor([True, False, True, True])
@@ -200,7 +209,7 @@ def run_steps(compiled: bool, steps: int = 7, nan_at: int = 4) -> list[dict]:
         record.append({"loss": out.loss.detach(), "grads": grads, "outcome": outcome, "expired": expired,
                        "buffers": [b.clone() for b in model.quantizer_buffers()],
                        "weights": [p.detach().clone() for p in model.parameters()]})
-    assert model.compiled == compiled
+    assert (model._compiled_step is not None) == compiled
     return record
 
 
@@ -212,7 +221,7 @@ def test_compiled_equals_eager_through_expiry_and_a_skipped_step(monkeypatch, re
     default codec. The convolutions alone, as the tests' trainer runs compile them: the test below."""
     import models.conv_products as conv_products
     import models.one_hot_products as one_hot_products
-    from models.codec import CONV_PRODUCTS, ONE_HOT_PRODUCTS
+    from models.compiled_step import CONV_PRODUCTS, ONE_HOT_PRODUCTS
 
     if rewrites == "none":
         monkeypatch.setattr(conv_products, "MAX_MULTIPLY_ADDS", 0)
@@ -266,7 +275,7 @@ def test_no_host_sync_from_the_quantizer_between_expiries():
 
 def test_the_dropout_depth_comes_from_the_seed_with_one_graph_per_depth():
     model = small_codec(quantize_dropout=True)
-    seeds = model.dropout_variants()
+    seeds = dropout_variants(model)
     assert len(seeds) == 3  # depths 0, 1, 2 of 3 levels
     x = torch.randn(2, 16, 12)
     model.init_codebooks(torch.randn(8, 16, 12), batch_frames=32)
@@ -409,7 +418,7 @@ def test_under_cuda_graphs_a_graphs_first_call_updates_the_codebooks_once():
         return model._forward(*args)
 
     model.compile_training("default")
-    model._compiled_forward, model._cuda_graphs = first_call_runs_twice, True
+    model._compiled_step.forward, model._compiled_step.cuda_graphs = first_call_runs_twice, True
     for step in range(3):
         out, want = model(x), eager(x)
         torch.testing.assert_close(out.loss, want.loss, rtol=0, atol=0, msg=f"step {step}")
@@ -428,6 +437,7 @@ def test_cudagraphs_on_a_cpu_exits_2_and_writes_nothing(tmp_path):
 REPLAY_PROXY = """
 import sys, torch
 from models.codec import RVQCodec
+from models.compiled_step import CompiledStep
 
 def compile_training(self, mode="default", variants=1):
     # CUDA graphs' contract without a GPU: the next replay overwrites the last one's outputs, so poison them
@@ -439,7 +449,7 @@ def compile_training(self, mode="default", variants=1):
         out = self._forward(*args)
         last[:] = [t for t in out if isinstance(t, torch.Tensor)]
         return out
-    self._compiled_forward = replay
+    self._compiled_step = CompiledStep(self, replay)
 
 RVQCodec.compile_training = compile_training
 import rvq_seamless_gpu_cache_nccl as trainer

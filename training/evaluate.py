@@ -29,7 +29,8 @@ import torch.distributed as dist
 from data.alignments import labels_at_code_rate
 from data.training_data import EvalPhones, EvalWindows
 from errors import BadInputError
-from models.codec import RVQCodec, dead_code_counts
+from models.codebook_ops import dead_code_counts
+from models.codec import RVQCodec
 from models.codes import code_frames, decode_utterance, encode_batch, length_sorted_batches
 from models.metrics import EvalSums
 from training.distributed import DistContext, all_reduce_sum
