@@ -212,6 +212,37 @@ def test_a_stop_requested_during_an_eval_leaves_it_between_two_batches(tmp_path,
     assert (tmp_path / "metrics.jsonl").read_text() == ""
 
 
+def test_a_signal_during_an_eval_batch_leaves_the_eval_at_once(tmp_path, data):
+    """A signal abandons this rank's share of an eval where it is, inside a batch (the share changes no state):
+    the batch's forward does not finish, and the eval raises Stopped as a stop between batches does."""
+    import os
+
+    from data.training_data import DataConfig, open_training_data
+    from models.codec import CodecConfig, RVQCodec
+    from training.distributed import DistContext
+    from training.evaluate import evaluate
+    from training.faults import FaultInjector
+    from training.metrics_log import MetricsLog
+    from training.signals import Stopped, StopRequest
+
+    held_out = open_training_data(DataConfig(data_dir=str(data), segment_length=32), rank=0, world_size=1, seed=0,
+                                  multiple_of=1, device_type="cpu").eval
+    model = RVQCodec(CodecConfig(feature_dim=16, latent_dim=32, num_quantizers=2, codebook_size=32))
+    stop, decoded = StopRequest().install(), []
+    model.encoder.register_forward_hook(lambda *_: os.kill(os.getpid(), signal.SIGTERM))  # the signal in batch 1
+    model.decoder.register_forward_hook(lambda *_: decoded.append(1))
+    metrics = MetricsLog(tmp_path / "metrics.jsonl")
+    try:
+        with pytest.raises(Stopped, match="^signal SIGTERM$"):
+            evaluate(model, held_out, DistContext(0, 1, 0, torch.device("cpu")), amp_dtype=None, batch_frames=64,
+                     step=4, metrics=metrics, faults=FaultInjector(0, ""), stop=stop)
+    finally:
+        stop.restore()
+        metrics.close()
+    assert not decoded and model.training and stop.interrupt is None
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
 COMPILED = ["--compile", "on", "--refit_iters", "0"]
 
 
