@@ -176,7 +176,8 @@ class RVQCodec(nn.Module):
         """The features with each crop not kept replaced by a copy of the first kept one (zeros when none is):
         the quantizer sees only real frames, with no host sync and no mask. The library's mask path costs
         more host time per training step (its einx calls) than a whole step of a small codec on a GPU
-        (benchmarks/README.md, "Host overhead per step"); a duplicated crop weighs twice in the EMA statistics of a step that dropped one."""
+        (benchmarks/README.md, "Host overhead per step"); a duplicated crop weighs twice in the EMA statistics of
+        a step that dropped one."""
         if keep is None:
             return features
         # index_select, not features[i]: a tensor index would be read on the host (a sync every step)
