@@ -19,6 +19,7 @@ STARTED = time.monotonic()  # --max_minutes count from here: imports, data check
 
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
+import gc  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
@@ -31,12 +32,13 @@ from tqdm import tqdm  # noqa: E402
 from data.bad_crops import BadCrops
 from data.training_data import TrainingData, batch_source, open_training_data
 from errors import EXIT_FAILURE, EXIT_OK, BadInputError, DistributedFailure, RanksDiverged, TransientFault
-from models.codec import CodecConfig, RVQCodec, codebook_tensors
+from models.codebook_ops import codebook_tensors
+from models.codec import CodecConfig, RVQCodec
+from models.compiled_step import check_compile, compile_mode
 from training.checkpoint import Checkpointer, Resume
 from training.codebooks import feature_stats, init_codebooks, refit
 from training.config import TrainConfig, parse_args, save_config
-from training.device import (cache_dtype, check_compile, compile_mode, compute_dtype, make_deterministic,
-                             select_device)
+from training.device import cache_dtype, compute_dtype, make_deterministic, select_device
 from training.distributed import (DistContext, all_reduce_sum, destroy, detect_launch, dump_flight_recorder,
                                   final_barrier, free_destroyed_groups, init_distributed,
                                   make_flight_recorder_dir, phase_timeout, wrap_ddp)
@@ -49,7 +51,7 @@ from training.progress import END_OF_SCHEDULE, FAILED, STOPPED, Progress
 from training.resume import agree_on_resume
 from training.run_folder import RunFolder
 from training.schedule import REFIT_SHARE, Schedule
-from training.signals import CompileInterrupted, Stopped, StopRequest, stop_reason
+from training.signals import Interrupted, Stopped, StopRequest, stop_reason
 from training.step_guard import StepOutcome, guarded_step
 from training.sync_check import sync_check
 from training.throughput import start_step_timer
@@ -143,6 +145,7 @@ class Trainer:
         self.amp_dtype = compute_dtype(cfg.optim.precision, ctx.device)
         self.metrics = MetricsLog(None)  # rank 0's writes to the output dir, once build() opens it
         self.batches = None
+        self.bar = None  # the training bar, once the loop is to run (build)
         self.codebooks_before = None  # the quantizer's buffers before the step (Trainer.train_step)
         self.failed = False  # the run raised: the process groups are left to the process exit (a peer may be gone)
         self.exit_code = EXIT_OK
@@ -196,6 +199,8 @@ class Trainer:
         self.bad_crops = BadCrops(self.data.shard, self.data.plan)
         if p.step == 0 and self.codec.kmeans_init and cfg.codebooks.kmeans_init_frames:
             self.init_codebooks()
+            if p.stop_reason is not None:  # stopped before the first step: nothing more is timed, compiled or shown
+                return
         mode, why = compile_mode(cfg.optim.compile, ctx.device, steps=self.schedule.steps,
                                  minutes=cfg.optim.max_minutes)
         if mode is None:
@@ -217,17 +222,27 @@ class Trainer:
                         "(--max_steps, --max_minutes)", self.folder.root, p.step, self.schedule.describe())
 
     def init_codebooks(self) -> None:
-        """k-means before the first step; a stop during it ends the run with nothing trained, so nothing to save."""
-        cfg, p = self.cfg, self.progress
+        """k-means before the first step. A stop during it ends the run with nothing trained, so nothing to save:
+        a signal abandons it at once, wherever the main thread is (the library's passes over the sample are not
+        waited for); on several ranks this rank then leaves and its peers stop too (Trainer.leave)."""
+        cfg, ctx, p = self.cfg, self.ctx, self.progress
+        interrupted = False
         try:
-            with self.slow_phase(), p.phase_of("k-means init"):
+            with self.stop.abandoning("the k-means init"), self.slow_phase(), p.phase_of("k-means init"):
                 init_codebooks(self.model, self.data.shard, frames=cfg.codebooks.kmeans_init_frames,
-                               length=min(self.data.plan.segment_lengths), seed=cfg.optim.seed + self.ctx.rank,
-                               batch_frames=cfg.data.frames_per_step, ctx=self.ctx, stop=self.stop)
-        except Stopped as stopped:
+                               length=min(self.data.plan.segment_lengths), seed=cfg.optim.seed + ctx.rank,
+                               batch_frames=cfg.data.frames_per_step, ctx=ctx, stop=self.stop)
+            return
+        except Stopped as stopped:  # agreed by every rank between two iterations
             p.stop_reason = f"{stopped} during the k-means init"
-            log.warning("stopped during the k-means init, before the first step: nothing trained, no checkpoint "
-                        "written (a relaunch starts afresh)")
+        except Interrupted as interruption:
+            interrupted = True
+            p.stop_reason = (f"signal {interruption}" + (f" on rank {ctx.rank}" if ctx.is_distributed else "")
+                             + " during the k-means init")
+        log.warning("stopped during the k-means init, before the first step: nothing trained, no checkpoint "
+                    "written (a relaunch starts afresh)")
+        if interrupted and ctx.is_distributed:  # the peers may be inside the library's collectives
+            self.leave()
 
     def forward_backward(self, x: torch.Tensor, keep: torch.Tensor, step: int, micro_batches: int = 1):
         """One micro-batch's forward and backward (the gradient all-reduce, under DDP); returns the forward's output.
@@ -240,18 +255,14 @@ class Trainer:
         start = time.monotonic()
         if compiling:
             log.info("compile: compiling the training step for segment length %d (forward and backward)", x.shape[1])
-            self.stop.interrupt = True
-            if self.stop:  # a signal came before it: nothing is compiled
-                raise CompileInterrupted(self.stop.reason)
-        try:
+        # a signal before it raises at once: nothing is compiled
+        with self.stop.abandoning("the compile") if compiling else contextlib.nullcontext():
             with self.slow_phase() if compiling else contextlib.nullcontext():
                 with p.phase_of("compile" if compiling else "forward"), torch.autocast(
                         self.ctx.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                     out = self.ddp_model(x, keep, dropout_seed=seed)
                 with p.phase_of("compile" if compiling else "backward"):  # the gradient all-reduce
                     self.scaler.scale(self.faults.loss(p.step, out.loss) / micro_batches).backward()
-        finally:
-            self.stop.interrupt = False
         if compiling:
             log.info("compile: the training step for segment length %d compiled (forward and backward) in %.1f s",
                      x.shape[1], time.monotonic() - start)
@@ -324,7 +335,7 @@ class Trainer:
                         out = self.forward_backward(x, keep, p.step * accum + micro, micro_batches=accum)
                     p.samples_seen += len(batch.utterances)
                     self.timer.add_frames(batch.frames * ctx.world_size)
-        except CompileInterrupted as interrupted:
+        except Interrupted as interrupted:
             self.untake_step(seen)
             self.abandon_step(f"signal {interrupted}" + (f" on rank {ctx.rank}" if ctx.is_distributed else ""))
             return
@@ -540,7 +551,8 @@ class Trainer:
 
     def finish(self) -> int:
         p = self.progress
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
         self.metrics.write("stop", p.step, reason=p.stop_reason)
         self.stop.settle(self.exit_code)  # the outcome is saved: a signal from here on does not change it
         p.phase = "teardown"
@@ -613,6 +625,8 @@ def main(argv=None, *, script: bool = False) -> int:
     finally:
         stop.restore(ignore=script)
         free_destroyed_groups()
+        if script:  # the process ends with main: its exit need not walk every object for cycles, several times
+            gc.freeze()  # (seconds on a loaded machine: benchmarks/README.md, "Stops before the first step")
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ CONFIGS = {
              "segment_length": 16},
 }
 CONFIG = dict(CONFIGS["small"])  # main() sets it from --codec and --device
-COMPILE_VALUES = ("off", "on", "cudagraphs", "auto")  # the trainer's --compile choices (training/device.py)
+COMPILE_VALUES = ("off", "on", "cudagraphs", "auto")  # the trainer's --compile choices (models/compiled_step.py)
 OURS = ("basic", "gpu_cache", "prefetch", "cache_prefetch")  # --ours: our trainer's configurations (main() names them)
 # the trainer's log line when it compiled the step before the first one (rvq_seamless_gpu_cache_nccl.compile_step)
 COMPILED_LOG = re.compile(r"compile: the training step for segment length \d+ compiled .* in ([0-9.]+) s\s*$",

@@ -31,14 +31,6 @@ def code_frames(lengths: np.ndarray, downsample: int) -> np.ndarray:
     return -(-np.asarray(lengths, dtype=np.int64) // downsample)
 
 
-def pad_to_multiple(features: torch.Tensor, multiple: int) -> torch.Tensor:
-    """[T, D] -> [ceil(T / multiple) * multiple, D], the tail padded by repeating the last frame."""
-    missing = -features.shape[0] % multiple
-    if missing == 0:
-        return features
-    return torch.cat([features, features[-1:].expand(missing, -1)])
-
-
 def padded_rows(utterances: list[np.ndarray] | list[torch.Tensor], padded: np.ndarray, dim: int,
                 multiple: int) -> torch.Tensor:
     """One pass's input: [rows, the longest padded length (at least `multiple`), dim] float32, row i utterance i
@@ -74,11 +66,6 @@ def encode_batch(model: RVQCodec, utterances: list[np.ndarray], num_quantizers: 
     codes = codes.cpu().numpy()
     s = model.config.downsample
     return [codes[row, : n // s] for row, n in enumerate(padded)]
-
-
-def encode_utterance(model: RVQCodec, features: np.ndarray, num_quantizers: int | None = None) -> np.ndarray:
-    """[T, D] features -> [ceil(T / downsample), q] int64 codes."""
-    return encode_batch(model, [features], num_quantizers)[0]
 
 
 def length_sorted_batches(lengths: np.ndarray, batch_frames: int) -> list[np.ndarray]:

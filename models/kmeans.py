@@ -1,6 +1,6 @@
 """Plain k-means of feature frames: the baseline that discrete speech units are usually compared with (HuBERT's
 units are k-means of a layer's features; fairseq's simple_kmeans). k-means++ seeding, then a fixed number of
-Lloyd iterations (models/codec.py lloyd_step, with faiss's rule for a cluster left empty, split_empty_codes),
+Lloyd iterations (models/codebook_ops.py lloyd_step, with faiss's rule for a cluster left empty, split_empty_codes),
 all drawn from one seed: the same sample and seed give the same centroids.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from models.codec import REFIT_CHUNK, lloyd_step, split_empty_codes
+from models.codebook_ops import REFIT_CHUNK, lloyd_step, split_empty_codes
 
 KMEANS_ITERS = 20  # Lloyd iterations after the k-means++ seeding
 

@@ -6,7 +6,7 @@ import torch
 
 from data.bad_crops import finite_crops
 from models.codec import CodecConfig, RVQCodec
-from models.codes import encode_batch, encode_in_batches, encode_utterance, length_sorted_batches
+from models.codes import encode_batch, encode_in_batches, length_sorted_batches
 from models.metrics import EvalSums
 
 
@@ -53,7 +53,7 @@ def test_a_batch_encodes_each_utterance_bit_for_bit_as_alone(downsample):
     model.set_feature_stats(torch.randn(160), torch.rand(160) + 0.5)
     lengths = [0, 1, 2, 3, 5, 8, 17, 64, 129, *rng.integers(1, 300, 5)]
     utterances = [(3 * rng.standard_normal((n, 160))).astype(np.float32) for n in lengths]
-    alone = [encode_utterance(model, u) for u in utterances]
+    alone = [encode_batch(model, [u])[0] for u in utterances]
     assert [len(c) for c in alone] == [-(-n // downsample) for n in lengths]
     for got, want in zip(encode_batch(model, utterances), alone, strict=True):
         np.testing.assert_array_equal(got, want)
@@ -95,7 +95,7 @@ def test_eval_sums_give_known_metrics():
 
 
 def test_init_codebooks_on_a_large_sample_uses_every_code_and_scales_cluster_sizes():
-    from models.codec import dead_code_counts
+    from models.codebook_ops import dead_code_counts
 
     torch.manual_seed(0)
     model = RVQCodec(CodecConfig(feature_dim=6, latent_dim=8, num_quantizers=2, codebook_size=32,
@@ -157,7 +157,7 @@ def test_the_refit_fits_the_beam_search_that_encodes():
     """The refit's beam (extend_beam, level by level, scored by the residual left) keeps the best sequence the
     library's beam search finds for encode, under the codec's per-level score weights; the library's own equal
     weights (the sum of every level's residual) would choose other sequences."""
-    from models.codec import extend_beam
+    from models.codebook_ops import extend_beam
 
     torch.manual_seed(0)
     model = RVQCodec(CodecConfig(feature_dim=6, latent_dim=8, num_quantizers=4, codebook_size=32))
@@ -179,21 +179,21 @@ def test_the_refit_fits_the_beam_search_that_encodes():
 
 
 def test_a_lloyd_step_in_chunks_is_the_librarys_kmeans_step(monkeypatch):
-    import models.codec as codec
+    import models.codebook_ops as codebook_ops
     from vector_quantize_pytorch.vector_quantize_pytorch import kmeans
 
     g = torch.Generator().manual_seed(0)
     samples = torch.randn(5000, 8, generator=g)
     start = samples[:64].clone() + 0.01
-    monkeypatch.setattr(codec, "REFIT_CHUNK", 700)  # several chunks, the last one short
-    means, counts = codec.lloyd_step(samples, start.clone(), lambda t: t)
+    monkeypatch.setattr(codebook_ops, "REFIT_CHUNK", 700)  # several chunks, the last one short
+    means, counts = codebook_ops.lloyd_step(samples, start.clone(), lambda t: t)
     want, bins = kmeans(samples[None], 64, 1, sample_fn=lambda x, n: start[None])
     torch.testing.assert_close(means, want[0], rtol=1e-5, atol=1e-5)
     assert torch.equal(counts, bins[0]) and int(counts.sum()) == 5000
 
 
 def test_split_empty_codes_moves_each_empty_code_beside_a_populous_one():
-    from models.codec import split_empty_codes
+    from models.codebook_ops import split_empty_codes
 
     means = torch.tensor([[1.0, 2.0], [5.0, 5.0], [9.0, 9.0], [3.0, 3.0]])
     counts = torch.tensor([10, 0, 1, 0])

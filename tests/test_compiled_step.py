@@ -10,8 +10,8 @@ import torch
 from data.bad_crops import finite_crops
 from errors import BadInputError
 from models.codec import CodecConfig, RVQCodec
+from models.compiled_step import CPU_COMPILE_MIN_STEPS, compile_mode, depth_seeds
 from tests.helpers import TINY, events, newest_checkpoint, run_gloo_ranks, run_torchrun, run_trainer
-from training.device import CPU_COMPILE_MIN_STEPS, compile_mode
 from training.step_guard import StepOutcome, guarded_step
 
 pytestmark = pytest.mark.slow  # end to end: processes, ranks or compiles (pytest.ini)
@@ -24,6 +24,15 @@ STEP_RTOL, STEP_ATOL = 1e-4, 1e-5
 def small_codec(**options) -> RVQCodec:
     torch.manual_seed(0)
     return RVQCodec(CodecConfig(feature_dim=12, latent_dim=16, num_quantizers=3, codebook_size=16, **options)).train()
+
+
+def dropout_variants(model: RVQCodec) -> list[int | None]:
+    """The dropout seeds a compiled training forward has a graph for: one per quantize-dropout depth ([None]
+    without quantize dropout)."""
+    rvq = model.rvq
+    if not rvq.quantize_dropout:
+        return [None]
+    return list(depth_seeds(rvq.quantize_dropout_cutoff_index, rvq.num_quantizers).values())
 
 
 def test_the_training_forward_is_one_graph_with_no_break():
@@ -50,7 +59,7 @@ def test_under_quantize_dropout_the_only_breaks_are_the_librarys_depth_branch():
     model = small_codec(quantize_dropout=True)
     x = torch.randn(4, 16, 12)
     model.init_codebooks(torch.randn(8, 16, 12), batch_frames=64)
-    for seed in model.dropout_variants():
+    for seed in dropout_variants(model):
         explained = torch._dynamo.explain(model._forward)(x, None, 1, seed)
         where = [(Path(reason.user_stack[-1].filename).name, reason.user_stack[-1].lineno)
                  for reason in explained.break_reasons]
@@ -67,7 +76,7 @@ def test_on_a_cpu_the_quantizers_one_hot_products_become_a_gather_and_a_scatter_
     import copy
 
     import models.one_hot_products as one_hot_products
-    from models.codec import ONE_HOT_PRODUCTS
+    from models.compiled_step import ONE_HOT_PRODUCTS
 
     model = small_codec()
     x, keep = torch.randn(4, 16, 12), torch.tensor([True, False, True, True])
@@ -119,7 +128,7 @@ def test_on_a_cpu_small_convolutions_become_matrix_products_and_large_ones_stay(
     import copy
 
     import models.conv_products as conv_products
-    from models.codec import CONV_PRODUCTS
+    from models.compiled_step import CONV_PRODUCTS
 
     model = small_codec()
     x, keep = torch.randn(4, 16, 12), torch.tensor([True, False, True, True])
@@ -202,7 +211,7 @@ def run_steps(compiled: bool, steps: int = 7, nan_at: int = 4) -> list[dict]:
         record.append({"loss": out.loss.detach(), "grads": grads, "outcome": outcome, "expired": expired,
                        "buffers": [b.clone() for b in model.quantizer_buffers()],
                        "weights": [p.detach().clone() for p in model.parameters()]})
-    assert model.compiled == compiled
+    assert (model._compiled_step is not None) == compiled
     return record
 
 
@@ -214,7 +223,7 @@ def test_compiled_equals_eager_through_expiry_and_a_skipped_step(monkeypatch, re
     default codec. The convolutions alone, as the tests' trainer runs compile them: the test below."""
     import models.conv_products as conv_products
     import models.one_hot_products as one_hot_products
-    from models.codec import CONV_PRODUCTS, ONE_HOT_PRODUCTS
+    from models.compiled_step import CONV_PRODUCTS, ONE_HOT_PRODUCTS
 
     if rewrites == "none":
         monkeypatch.setattr(conv_products, "MAX_MULTIPLY_ADDS", 0)
@@ -268,7 +277,7 @@ def test_no_host_sync_from_the_quantizer_between_expiries():
 
 def test_the_dropout_depth_comes_from_the_seed_with_one_graph_per_depth():
     model = small_codec(quantize_dropout=True)
-    seeds = model.dropout_variants()
+    seeds = dropout_variants(model)
     assert len(seeds) == 3  # depths 0, 1, 2 of 3 levels
     x = torch.randn(2, 16, 12)
     model.init_codebooks(torch.randn(8, 16, 12), batch_frames=32)
@@ -397,7 +406,7 @@ def test_under_cuda_graphs_a_graphs_first_call_updates_the_codebooks_once():
         return model._forward(*args)
 
     model.compile_training("default")
-    model._compiled_forward, model._cuda_graphs = first_call_runs_twice, True
+    model._compiled_step.forward, model._compiled_step.cuda_graphs = first_call_runs_twice, True
     for step in range(3):
         out, want = model(x), eager(x)
         torch.testing.assert_close(out.loss, want.loss, rtol=0, atol=0, msg=f"step {step}")
@@ -416,6 +425,7 @@ def test_cudagraphs_on_a_cpu_exits_2_and_writes_nothing(tmp_path):
 REPLAY_PROXY = """
 import sys, torch
 from models.codec import RVQCodec
+from models.compiled_step import CompiledStep
 
 def compile_training(self, mode="default", variants=1):
     # CUDA graphs' contract without a GPU: the next replay overwrites the last one's outputs, so poison them
@@ -427,7 +437,7 @@ def compile_training(self, mode="default", variants=1):
         out = self._forward(*args)
         last[:] = [t for t in out if isinstance(t, torch.Tensor)]
         return out
-    self._compiled_forward = replay
+    self._compiled_step = CompiledStep(self, replay)
 
 RVQCodec.compile_training = compile_training
 import rvq_seamless_gpu_cache_nccl as trainer

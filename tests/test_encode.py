@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 
 from data.stores import find_split
-from models.codes import encode_batch, encode_utterance, pad_to_multiple
+from models.codes import encode_batch
 from tools import encode, export
 from tests.audio_helpers import run_module, write_corpus
 from tests.helpers import REPO, TINY, env, events, run_trainer
@@ -33,6 +33,13 @@ def read_codes(folder: Path, name: str):
     lengths = [int(n) for n in (folder / f"{name}.codes.len").read_text().split()]
     meta = json.loads((folder / f"{name}.codes.json").read_text())
     return codes, lengths, meta
+
+
+def pad_to_multiple(features: torch.Tensor, multiple: int) -> torch.Tensor:
+    """[T, D] -> [ceil(T / multiple) * multiple, D], the tail padded by repeating the last frame (as the tools pad
+    an utterance before encoding it)."""
+    missing = -features.shape[0] % multiple
+    return torch.cat([features, features[-1:].expand(missing, -1)]) if missing else features
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +164,7 @@ def test_fewer_levels_and_shards_are_slices_of_the_whole(pipeline, tmp_path):
 def test_the_batched_codes_are_the_one_by_one_codes(pipeline):
     p = pipeline
     whole, lengths, _ = read_codes(p.codes, "train_0_1")
-    one_by_one = [encode_utterance(p.model, p.store.utterance(i)) for i in range(len(p.store))]
+    one_by_one = [encode_batch(p.model, [p.store.utterance(i)])[0] for i in range(len(p.store))]
     assert [len(c) for c in one_by_one] == lengths
     np.testing.assert_array_equal(whole, np.concatenate(one_by_one))
 

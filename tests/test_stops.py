@@ -45,6 +45,19 @@ class Run:
             assert self.proc.poll() is None and time.monotonic() < deadline, self.text()[-3000:]
             time.sleep(0.05)
 
+    def signal_after(self, text, sig, delay=0.0, timeout=30) -> tuple[int, float]:
+        """`sig` once `text` is in the log and `delay` seconds more: the exit code and the seconds from the signal to
+        the exit."""
+        try:
+            self.wait_for(text)
+            time.sleep(delay)
+            sent = time.monotonic()
+            self.proc.send_signal(sig)
+            code = self.proc.wait(timeout=timeout)
+            return code, time.monotonic() - sent
+        finally:
+            self.kill()
+
     def signal_until_exit(self, sig, every=0.01, timeout=60) -> int:
         """Send `sig` again and again until the process ends (a teardown's every moment gets one); its exit code."""
         deadline = time.monotonic() + timeout
@@ -113,14 +126,7 @@ def test_sigterm_during_the_refit_saves_the_trained_weights_and_a_resume_does_th
 def test_sigint_during_the_kmeans_init_stops_within_seconds_with_nothing_trained(tmp_path, data):
     out = tmp_path / "run"
     run = Run(flags(data, out, "--max_steps", 4, "--kmeans_init_frames", 400000), tmp_path / "run.log")
-    try:
-        run.wait_for("k-means init:")  # its bar: the sample is read, the iterations begin
-        sent = time.monotonic()
-        run.proc.send_signal(signal.SIGINT)
-        code = run.proc.wait(timeout=30)
-        took = time.monotonic() - sent
-    finally:
-        run.kill()
+    code, took = run.signal_after("k-means init:", signal.SIGINT)  # its bar: the sample is read, the iterations begin
     print(f"SIGINT in the k-means init: exit {took:.1f} s after the signal")
     assert code == 0 and took < 10, run.text()[-3000:]
     assert "codebooks: k-means init of 2 levels x 32 codes" in run.text()  # it says so when it starts
@@ -129,6 +135,26 @@ def test_sigint_during_the_kmeans_init_stops_within_seconds_with_nothing_trained
                                     "reason": "signal SIGINT during the k-means init"}]
     assert not events(out, "train") and not list((out / "checkpoints").iterdir())
     assert_not_glued(run.text())
+
+
+@pytest.mark.timeout(240)
+def test_sigint_in_the_default_codecs_kmeans_init_on_200k_frames_ends_the_run_within_5_s(tmp_path, data):
+    """The default codec (8 levels x 1024 codes) on a sample of 200,000 frames: each of the library's passes over the
+    whole sample takes seconds on 2 CPU cores, and a stop does not wait for one. Nothing is timed or shown after it
+    (no GEMM timed for MFU, no training bar)."""
+    out = tmp_path / "run"
+    run = Run(["--data_dir", data, "--output_dir", out, "--max_steps", 4, "--eval_every", 100, "--compile", "off",
+               "--kmeans_init_frames", 200000], tmp_path / "run.log")
+    code, took = run.signal_after("k-means init:", signal.SIGINT, delay=1, timeout=60)  # in the library's passes
+    print(f"SIGINT in the default codec's k-means init on 200k frames: exit {took:.1f} s after the signal")
+    text = run.text()
+    assert code == 0 and took < 5, (took, text[-3000:])
+    assert "codebooks: k-means init of 8 levels x 1024 codes (10 iterations each) on about 200000 frames" in text
+    assert "SIGINT received during the k-means init: it is abandoned" in text
+    assert [e["reason"] for e in events(out, "stop")] == ["signal SIGINT during the k-means init"]
+    assert "MFU:" not in text and "step/s" not in text and "compile:" not in text, text[-3000:]  # step/s: the bar's
+    assert not list((out / "checkpoints").iterdir())
+    assert_not_glued(text)
 
 
 @pytest.mark.timeout(180)
@@ -179,6 +205,37 @@ def test_a_stop_requested_during_an_eval_leaves_it_between_two_batches(tmp_path,
     assert (tmp_path / "metrics.jsonl").read_text() == ""
 
 
+def test_a_signal_during_an_eval_batch_leaves_the_eval_at_once(tmp_path, data):
+    """A signal abandons this rank's share of an eval where it is, inside a batch (the share changes no state):
+    the batch's forward does not finish, and the eval raises Stopped as a stop between batches does."""
+    import os
+
+    from data.training_data import DataConfig, open_training_data
+    from models.codec import CodecConfig, RVQCodec
+    from training.distributed import DistContext
+    from training.evaluate import evaluate
+    from training.faults import FaultInjector
+    from training.metrics_log import MetricsLog
+    from training.signals import Stopped, StopRequest
+
+    held_out = open_training_data(DataConfig(data_dir=str(data), segment_length=32), rank=0, world_size=1, seed=0,
+                                  multiple_of=1, device_type="cpu").eval
+    model = RVQCodec(CodecConfig(feature_dim=16, latent_dim=32, num_quantizers=2, codebook_size=32))
+    stop, decoded = StopRequest().install(), []
+    model.encoder.register_forward_hook(lambda *_: os.kill(os.getpid(), signal.SIGTERM))  # the signal in batch 1
+    model.decoder.register_forward_hook(lambda *_: decoded.append(1))
+    metrics = MetricsLog(tmp_path / "metrics.jsonl")
+    try:
+        with pytest.raises(Stopped, match="^signal SIGTERM$"):
+            evaluate(model, held_out, DistContext(0, 1, 0, torch.device("cpu")), amp_dtype=None, batch_frames=64,
+                     step=4, metrics=metrics, faults=FaultInjector(0, ""), stop=stop)
+    finally:
+        stop.restore()
+        metrics.close()
+    assert not decoded and model.training and stop.interrupt is None
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
 COMPILED = ["--compile", "on", "--refit_iters", "0"]
 
 
@@ -217,13 +274,12 @@ def test_a_compile_after_a_trained_step_saves_it_first_and_a_sigterm_in_it_ends_
         torch.testing.assert_close(b["model"][key], a["model"][key], rtol=0, atol=0, msg=key)
 
 
-def sigterm_to_rank_1_in_a_compile(tmp_path, data, *extra) -> tuple[list, float, str, str]:
-    """Two ranks under --compile on; SIGTERM to rank 1 once rank 0 logs a compile: (exit codes, seconds from the
-    signal to the last exit, rank 0's output, rank 1's)."""
-    job = Ranks(flags(data, tmp_path / "run", "--max_steps", 6, "--sync_timeout", 10, *extra, *COMPILED),
-                log_dir=tmp_path / "logs")
+def sigterm_to_rank_1_in(phase: str, tmp_path, data, *extra) -> tuple[list, float, str, str]:
+    """Two ranks; SIGTERM to rank 1 a second after rank 0 logs `phase`: (exit codes, seconds from the signal to the
+    last exit, rank 0's output, rank 1's)."""
+    job = Ranks(flags(data, tmp_path / "run", "--sync_timeout", 10, *extra), log_dir=tmp_path / "logs")
     try:
-        job.wait_for(0, "compile: compiling the training step", timeout=150)
+        job.wait_for(0, phase, timeout=150)
         time.sleep(1)
         sent = time.monotonic()
         job.procs[1].send_signal(signal.SIGTERM)
@@ -232,6 +288,29 @@ def sigterm_to_rank_1_in_a_compile(tmp_path, data, *extra) -> tuple[list, float,
     finally:
         job.close()
     return codes, took, job.output(0), job.output(1)
+
+
+def sigterm_to_rank_1_in_a_compile(tmp_path, data, *extra) -> tuple[list, float, str, str]:
+    """Two ranks under --compile on; SIGTERM to rank 1 once rank 0 logs a compile."""
+    return sigterm_to_rank_1_in("compile: compiling the training step", tmp_path, data, "--max_steps", 6, *extra,
+                                *COMPILED)
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_to_one_rank_in_the_kmeans_init_ends_every_rank_at_once_with_nothing_to_save(tmp_path, data):
+    """Two ranks in the k-means init, whose passes hold the library's collectives: the signalled rank abandons it
+    at once and leaves, and the other, inside a pass or waiting in its collective, finds it gone and stops too with
+    exit 0 rather than report it lost."""
+    out = tmp_path / "run"
+    codes, took, rank0, rank1 = sigterm_to_rank_1_in("k-means init:", tmp_path, data, "--max_steps", 4,
+                                                     "--kmeans_init_frames", 400000)
+    print(f"SIGTERM to rank 1 in the k-means init: both ranks ended {took:.1f} s after the signal")
+    assert codes == [0, 0] and took < 20, rank0 + rank1
+    assert "SIGTERM received during the k-means init: it is abandoned" in rank1
+    assert ("rank(s) [1] stopped on request at step 0, with nothing trained since the last checkpoint: this rank "
+            "stops too, with nothing to save. Exit code 0") in rank0
+    assert [e["step"] for e in events(out, "stop")] == [0]
+    assert not list((out / "checkpoints").iterdir()) and "MFU:" not in rank0
 
 
 @pytest.mark.timeout(300)

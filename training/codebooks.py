@@ -5,7 +5,9 @@ The k-means init and the refit run collectives (the quantizer's own, and sums
 over ranks): every rank calls them together, and the trainer gives them the
 slow-phase timeout. Each says what it does when it starts, shows a bar on rank 0,
 and looks for a stop between its iterations (training/slow_phase.py): a stop
-raises Stopped on every rank at the same point.
+raises Stopped on every rank at the same point. The refit also cuts a pass short
+between chunks of its sample on a rank asked to stop; the k-means init, whose
+passes are the library's, is abandoned at once on a signal (the trainer's).
 """
 from __future__ import annotations
 
@@ -51,8 +53,9 @@ def init_codebooks(model: RVQCodec, shard: FeatureStore, *, frames: int, length:
                    ctx: DistContext, stop: StopRequest) -> None:
     """k-means on more frames than one batch holds (2048 frames are thin for 1024 codes), before the first step.
 
-    The library syncs it across ranks: every rank calls it together. A stop between two iterations raises
-    Stopped (the codebooks are then part initialised: nothing to save).
+    The library syncs it across ranks: every rank calls it together. A stop agreed between two iterations raises
+    Stopped (the codebooks are then part initialised: nothing to save); the trainer also abandons it at once on a
+    signal (StopRequest.abandoning), since one iteration is a pass over the whole sample.
     """
     config = model.config
     start = time.perf_counter()

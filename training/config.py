@@ -22,7 +22,7 @@ from pathlib import Path
 
 from data.training_data import DataConfig
 from models.codec import CodecConfig
-from training.device import COMPILE_CHOICES, CPU_COMPILE_MIN_MINUTES, CPU_COMPILE_MIN_STEPS
+from models.compiled_step import COMPILE_CHOICES, CPU_COMPILE_MIN_MINUTES, CPU_COMPILE_MIN_STEPS
 from training.flag_help import FlagHelpFormatter
 
 DEFAULT_NCCL_TIMEOUT = 1800  # seconds; PyTorch's own default for NCCL groups

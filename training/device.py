@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import shutil
 
 import torch
 
@@ -94,51 +93,3 @@ def compute_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     if precision == "auto":
         precision = "bf16" if bf16_supported(device) else "fp32"
     return PRECISIONS[precision]
-
-
-# --compile: torch.compile's mode for each choice (None: eager)
-COMPILE_MODES = {"on": "default", "cudagraphs": "cudagraphs", "off": None}
-COMPILE_CHOICES = ("auto", *COMPILE_MODES)
-# --compile auto on a CPU compiles a run whose step budget (where given) and --max_minutes (where given) are at least
-# these: on 2 cores the default codec's step compiles in up to ~45 s and then runs 1.27x-1.51x faster, which pays after
-# some 800 steps or 2-3 minutes of training; a short run stays eager (benchmarks/README.md, "The compiled step")
-CPU_COMPILE_MIN_STEPS = 1000
-CPU_COMPILE_MIN_MINUTES = 5.0
-
-
-def compile_mode(choice: str, device: torch.device, *, steps: int | None = None,
-                 minutes: float | None = None) -> tuple[str | None, str]:
-    """torch.compile's mode for the training step under --compile (None: eager), and why. steps: the run's
-    steps, if a step budget bounds it; minutes: its --max_minutes. auto: compiled on a GPU, where an eager step
-    waits for the host to dispatch ~1,200 ops; on a CPU compiled when the run is long enough to pay back the
-    compile time and a C++ compiler is there for inductor's kernels."""
-    check_compile(choice, device)
-    if choice != "auto":
-        return COMPILE_MODES[choice], f"--compile {choice}"
-    if device.type == "cuda":
-        return COMPILE_MODES["on"], "--compile auto on a GPU"
-    if device.type != "cpu":
-        return None, f"--compile auto on {device.type}: eager"
-    short = []
-    if steps is not None and steps < CPU_COMPILE_MIN_STEPS:
-        short.append(f"{steps} steps")
-    if minutes is not None and minutes < CPU_COMPILE_MIN_MINUTES:
-        short.append(f"--max_minutes {minutes:g}")
-    if short:
-        return None, (f"--compile auto on a CPU: eager for a run of {' or '.join(short)} (compiling pays from "
-                      f"{CPU_COMPILE_MIN_STEPS} steps and {CPU_COMPILE_MIN_MINUTES:g} minutes)")
-    if cxx_compiler() is None:
-        return None, "--compile auto on a CPU: eager, no C++ compiler for inductor (set CXX, or install g++)"
-    return COMPILE_MODES["on"], "--compile auto on a CPU, for a run this long"
-
-
-def check_compile(choice: str, device: torch.device) -> None:
-    """--compile cudagraphs needs CUDA: exit 2 before anything is written."""
-    if choice == "cudagraphs" and device.type != "cuda":
-        raise BadInputError(f"--compile cudagraphs needs a GPU; this run is on {device}: use --compile on or off")
-
-
-def cxx_compiler() -> str | None:
-    """The C++ compiler inductor would build CPU kernels with, if one is on the PATH."""
-    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
-    return next((path for path in map(shutil.which, names) if path), None)

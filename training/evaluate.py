@@ -10,7 +10,8 @@ hang a peer; the ranks then agree over the control plane whether every one
 succeeded, and all-reduce the sums (errors, counts, code histograms), never
 per-frame outputs. An eval that failed anywhere is skipped everywhere, logged,
 and training goes on. A rank asked to stop leaves its windows between two
-batches; the same exchange tells the others, and every rank raises Stopped.
+batches, or at once on a signal (its share changes no state); the same exchange
+tells the others, and every rank raises Stopped.
 
 When the held-out split's phone labels lie beside its features (`{split}.phn`: data/training_data.py
 EvalPhones), the final eval also sums, per level, the joint counts of phones and codes (a [levels, phones,
@@ -28,11 +29,12 @@ import torch
 from data.alignments import labels_at_code_rate
 from data.training_data import EvalPhones, EvalWindows
 from errors import BadInputError
-from models.codec import RVQCodec, dead_code_counts
+from models.codebook_ops import dead_code_counts
+from models.codec import RVQCodec
 from models.codes import code_frames, decode_utterance, encode_batch, length_sorted_batches
 from models.metrics import EvalSums
 from training.distributed import DistContext, agree, all_reduce_sum, exchange, raise_together
-from training.signals import Stopped, StopRequest, stop_reason
+from training.signals import Interrupted, Stopped, StopRequest, stop_reason
 from training.slow_phase import Chunks
 
 log = logging.getLogger(__name__)
@@ -129,14 +131,15 @@ def evaluate(model: RVQCodec, windows: EvalWindows, ctx: DistContext, *, amp_dty
         batches = math.ceil(len(windows.utterances) / max(1, batch_frames // windows.length))
     try:
         faults.in_eval(step)
-        with Chunks("final eval", total=batches, unit="batch", ctx=ctx, stop=stop, agreed=False,
-                    show=final) as chunks:
+        # this rank's part changes no state and holds no collective: a signal abandons it at once, mid-batch
+        with stop.abandoning("the eval"), Chunks("final eval", total=batches, unit="batch", ctx=ctx, stop=stop,
+                                                   agreed=False, show=final) as chunks:
             if final:
                 sums = score_utterances(model, windows, ctx.device, batch_frames, beam_size, between=chunks)
             else:
                 sums = evaluate_shard(model, windows, ctx.device, amp_dtype, batch_frames, beam_size, between=chunks)
         vector = sums.vector()
-    except Stopped:
+    except (Stopped, Interrupted):  # the exchange below carries this rank's stop to every rank
         stopped = True
     except Exception as e:  # noqa: BLE001 - reported, agreed on, and training goes on
         log.error("eval at step %d failed on rank %d: %r", step, ctx.rank, e)

@@ -10,13 +10,16 @@ a signal changes nothing, up to the process's exit (`restore(ignore=True)`), so
 a late SIGTERM cannot turn a clean exit into 143. A second SIGINT exits at once
 (with the settled exit code, once there is one).
 
-A compile of the training step can outlast a scheduler's grace period. While the
-trainer says a compile may be abandoned (`interrupt`), a stop signal raises
-`CompileInterrupted` where the main thread is, as Ctrl-C would, rather than wait
-for the compile's end.
+Some work has nothing to save and may take longer than a scheduler's grace period:
+a compile of the training step (the trained state is saved before it), and the
+k-means init before the first step, whose library passes over the whole sample
+cannot be cut into chunks from outside. While the trainer says such work may be
+abandoned (`abandoning`), a stop signal raises `Interrupted` where the main thread
+is, as Ctrl-C would, rather than wait for the work's end.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -33,16 +36,17 @@ class Stopped(Exception):
     """A stop agreed inside a slow phase: its work is abandoned on every rank alike. The text is the stop reason."""
 
 
-class CompileInterrupted(BaseException):
-    """A stop signal during a compile that may be abandoned (StopRequest.interrupt). Not an Exception, so that the
-    compiler's own handlers let it through, as they do KeyboardInterrupt. The text is the signal's name."""
+class Interrupted(BaseException):
+    """A stop signal during work that may be abandoned (StopRequest.abandoning: a compile, the k-means init). Not an
+    Exception, so that the compiler's and libraries' own handlers let it through, as they do KeyboardInterrupt. The
+    text is the signal's name."""
 
 
 class StopRequest:
     def __init__(self):
         self.reason: str | None = None
         self.settled: int | None = None  # the exit code, once the run's outcome is saved
-        self.interrupt = False  # a stop signal now raises CompileInterrupted (set by the trainer around a compile)
+        self.interrupt: str | None = None  # the work a stop signal now abandons, raising Interrupted (abandoning)
         self._previous = {}
 
     def __bool__(self) -> bool:
@@ -76,11 +80,24 @@ class StopRequest:
             log.error("second SIGINT: exiting now, without a checkpoint")
             os._exit(130)
         if self.interrupt:
-            self.interrupt = False
-            log.warning("%s received during the compile: the compile is abandoned", name)
-            raise CompileInterrupted(name)
+            work, self.interrupt = self.interrupt, None
+            log.warning("%s received during %s: it is abandoned", name, work)
+            raise Interrupted(name)
         log.warning("%s received: stopping at the next point all ranks agree on (a step boundary, or between two "
                     "chunks of the k-means init, the refit or an eval), with a checkpoint", name)
+
+    @contextlib.contextmanager
+    def abandoning(self, work: str):
+        """While the block runs, a stop signal raises Interrupted at once where the main thread is: `work` (the
+        compile, the k-means init) has nothing to save and is abandoned. A stop requested before the block raises
+        it at once."""
+        if self:
+            raise Interrupted(self.reason)
+        self.interrupt = work
+        try:
+            yield
+        finally:
+            self.interrupt = None
 
     def restore(self, ignore: bool = False) -> None:
         """Put the previous handlers back; or, with ignore (the process ends with the run), ignore the stop

@@ -1,4 +1,4 @@
-"""A slow phase's work in chunks (the k-means init, the refit, the final eval): a bar on rank 0, and between two
+"""A slow phase's work in chunks (the k-means init, the refit, the evals): a bar on rank 0, and between two
 chunks a look at the stop request, so that a signal is honoured within seconds in these phases too.
 
 Where the chunks hold collectives (the k-means init, the refit), every rank looks at the same points and the
