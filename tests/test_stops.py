@@ -348,7 +348,7 @@ def test_sigterm_to_one_rank_in_the_first_compile_ends_every_rank_at_once_with_n
     assert not events(out, "train") and not list((out / "checkpoints").iterdir())
 
 
-def test_stop_and_resume_gives_identical_newest_checkpoint(tmp_path, small_data):
+def test_stop_and_resume_gives_identical_weights(tmp_path, small_data):
     common = ["--data_dir", small_data, *TINY, "--max_steps", "24", "--eval_every", "8", "--save_every", "100",
               "--multi_length_training", "--segment_lengths", "16,32,64", "--quantize_dropout"]
     straight = tmp_path / "straight"
