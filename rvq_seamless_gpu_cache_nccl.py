@@ -50,7 +50,7 @@ from training.output_dir import OutputDirLock
 from training.progress import END_OF_SCHEDULE, FAILED, STOPPED, Progress
 from training.resume import agree_on_resume
 from training.run_folder import RunFolder
-from training.schedule import REFIT_SHARE, Schedule
+from training.schedule import REFIT_SHARE, Schedule, ScheduleEnd
 from training.signals import Interrupted, Stopped, StopRequest, stop_reason
 from training.step_guard import StepOutcome, guarded_step
 from training.sync_check import sync_check
@@ -58,7 +58,6 @@ from training.throughput import start_step_timer
 from training.watchdog import PeerWatchdog
 
 log = logging.getLogger("rvq")
-SCHEDULE_ENDS = ("max_steps", "epochs", "max_minutes", "schedule")  # stops that get the refit and the final eval
 
 
 def train(cfg: TrainConfig, stop: StopRequest) -> int:
@@ -109,7 +108,7 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
             if trainer.progress.stop_reason is None and trainer.progress.step % cfg.run.eval_every == 0:
                 trainer.evaluate()  # a stop agreed during it ends the loop
             trainer.maybe_save()
-        if trainer.progress.stop_reason in SCHEDULE_ENDS:
+        if isinstance(trainer.progress.stop_reason, ScheduleEnd):
             trainer.end_of_schedule()  # the codebook refit and the final eval, or what a resumed run has left
         trainer.save_last()
         return trainer.finish()
@@ -152,6 +151,7 @@ class Trainer:
         self.saved = None  # (step, end-of-schedule work done) of the last checkpoint written or resumed from
         self.write_failed = False  # a checkpoint write failed: the run stops, the one before stays the newest
         self.progress.on_enter.append(faults.on_phase)
+        self.progress.slow_timeout = self.slow_phase  # a slow phase's longer process-group timeout (PHASES)
         self.watchdog = (PeerWatchdog(ctx.rank, ctx.world_size, timeout_s=cfg.dist.sync_timeout,
                                       slow_timeout_s=cfg.dist.slow_phase_s, progress=self.progress,
                                       on_verdict=lambda: dump_flight_recorder(ctx, self.folder.root),
@@ -183,13 +183,13 @@ class Trainer:
             self.checkpointer.restore(resume, self.model, self.optimizer, self.scaler, p)
             if resume.new_data:  # --finetune: the codec standardises the features it now trains on by their own
                 self.model.set_feature_stats(*(t.to(ctx.device) for t in feature_stats(self.data.train)))
-            self.saved = (p.step, tuple(p.end_done))
+            self.saved = (p.step, tuple(p.end_of_schedule))
         self.schedule = Schedule(cfg.optim, steps_per_epoch=self.steps_per_epoch, world_size=ctx.world_size,
                                  frames_per_step=cfg.data.frames_per_step * cfg.optim.grad_accum,
                                  codebook_size=self.codec.codebook_size, started_at=STARTED, start_step=p.step,
                                  start_fraction=p.schedule_fraction)
         if self.schedule.stop_reason(p.step) is None:  # training goes on: the end-of-schedule work is to come
-            p.end_done = []
+            p.end_of_schedule = []
         self.ddp_model = wrap_ddp(self.model, ctx)
         self.open_outputs()
         self.batches = batch_source(cfg.data, self.data.shard, self.data.plan, ctx.device,
@@ -216,7 +216,7 @@ class Trainer:
         p.phase = "train"
         if p.stop_reason is None:  # a run resumed at the end of its schedule goes to what is left of its end
             p.stop_reason = self.schedule.stop_reason(p.step)
-        if resume is not None and p.stop_reason and set(END_OF_SCHEDULE) <= set(p.end_done):
+        if resume is not None and p.stop_reason and set(END_OF_SCHEDULE) <= set(p.end_of_schedule):
             log.warning("%s holds a finished run (step %d, %s; its refit and final eval done): nothing is left to "
                         "do. To train afresh, give another --output_dir; to train on from it, a larger budget "
                         "(--max_steps, --max_minutes)", self.folder.root, p.step, self.schedule.describe())
@@ -228,7 +228,7 @@ class Trainer:
         cfg, ctx, p = self.cfg, self.ctx, self.progress
         interrupted = False
         try:
-            with self.stop.abandoning("the k-means init"), self.slow_phase(), p.phase_of("k-means init"):
+            with self.stop.abandoning("the k-means init"), p.phase_of("k-means init"):
                 init_codebooks(self.model, self.data.shard, frames=cfg.codebooks.kmeans_init_frames,
                                length=min(self.data.plan.segment_lengths), seed=cfg.optim.seed + ctx.rank,
                                batch_frames=cfg.data.frames_per_step, ctx=ctx, stop=self.stop)
@@ -257,12 +257,11 @@ class Trainer:
             log.info("compile: compiling the training step for segment length %d (forward and backward)", x.shape[1])
         # a signal before it raises at once: nothing is compiled
         with self.stop.abandoning("the compile") if compiling else contextlib.nullcontext():
-            with self.slow_phase() if compiling else contextlib.nullcontext():
-                with p.phase_of("compile" if compiling else "forward"), torch.autocast(
-                        self.ctx.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-                    out = self.ddp_model(x, keep, dropout_seed=seed)
-                with p.phase_of("compile" if compiling else "backward"):  # the gradient all-reduce
-                    self.scaler.scale(self.faults.loss(p.step, out.loss) / micro_batches).backward()
+            with p.phase_of("compile" if compiling else "forward"), torch.autocast(
+                    self.ctx.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                out = self.ddp_model(x, keep, dropout_seed=seed)
+            with p.phase_of("compile" if compiling else "backward"):  # the gradient all-reduce
+                self.scaler.scale(self.faults.loss(p.step, out.loss) / micro_batches).backward()
         if compiling:
             log.info("compile: the training step for segment length %d compiled (forward and backward) in %.1f s",
                      x.shape[1], time.monotonic() - start)
@@ -317,24 +316,23 @@ class Trainer:
         # the forward updates them; a skipped step puts them back (copied into the same tensors every step)
         self.codebooks_before = self.model.codebook_state(into=self.codebooks_before)
         seen = p.samples_seen
-        try:  # the first step may run the k-means init across ranks: it gets the slow-phase timeout
-            with self.slow_phase() if p.step == 0 else contextlib.nullcontext():
-                for micro in range(accum):
-                    with self.timer.waiting_for_data(), p.phase_of("data"):
-                        batch, x = self.batches.get(p.step * accum + micro)
-                    keep = self.bad_crops.check(batch, x)  # crops with a NaN or Inf frame are dropped on the device
-                    compiles = self.model.compiles(x, self.dropout_seed(p.step * accum + micro))
-                    if compiles and not self.nothing_to_save():
-                        self.save_before_compile(seen)
-                        if self.write_failed:  # on every rank alike (rank 0 sent the outcome): the run ends here
-                            self.untake_step(seen)
-                            return
-                    # gradients are all-reduced once per step, on the last micro-batch
-                    with (self.ddp_model.no_sync() if ctx.is_distributed and micro < accum - 1
-                          else contextlib.nullcontext()):
-                        out = self.forward_backward(x, keep, p.step * accum + micro, micro_batches=accum)
-                    p.samples_seen += len(batch.utterances)
-                    self.timer.add_frames(batch.frames * ctx.world_size)
+        try:  # every phase of the first step, which may run the k-means init across ranks, is slow (PHASES)
+            for micro in range(accum):
+                with self.timer.waiting_for_data(), p.phase_of("data"):
+                    batch, x = self.batches.get(p.step * accum + micro)
+                keep = self.bad_crops.check(batch, x)  # crops with a NaN or Inf frame are dropped on the device
+                compiles = self.model.compiles(x, self.dropout_seed(p.step * accum + micro))
+                if compiles and not self.nothing_to_save():
+                    self.save_before_compile(seen)
+                    if self.write_failed:  # on every rank alike (rank 0 sent the outcome): the run ends here
+                        self.untake_step(seen)
+                        return
+                # gradients are all-reduced once per step, on the last micro-batch
+                with (self.ddp_model.no_sync() if ctx.is_distributed and micro < accum - 1
+                      else contextlib.nullcontext()):
+                    out = self.forward_backward(x, keep, p.step * accum + micro, micro_batches=accum)
+                p.samples_seen += len(batch.utterances)
+                self.timer.add_frames(batch.frames * ctx.world_size)
         except Interrupted as interrupted:
             self.untake_step(seen)
             self.abandon_step(f"signal {interrupted}" + (f" on rank {ctx.rank}" if ctx.is_distributed else ""))
@@ -368,7 +366,7 @@ class Trainer:
         """No step trained since the last checkpoint written or resumed from (or none at all), nor anything done
         after the schedule's end: alike on every rank."""
         p = self.progress
-        return self.saved == (p.step, tuple(p.end_done)) if self.saved is not None else p.step == 0
+        return self.saved == (p.step, tuple(p.end_of_schedule)) if self.saved is not None else p.step == 0
 
     def untake_step(self, samples_seen: int) -> None:
         """The step is not taken: its forwards' codebook updates and gradients are dropped; the loop ends."""
@@ -431,7 +429,7 @@ class Trainer:
         cfg, ctx, p, schedule = self.cfg, self.ctx, self.progress, self.schedule
         if p.bad_in_a_row > cfg.optim.max_bad_steps:
             p.stop_reason, self.exit_code = f"{p.bad_in_a_row} non-finite steps in a row", EXIT_FAILURE
-        time_total = schedule.estimate(p.step, **self.end_work())
+        steps_in_time = schedule.estimate(p.step, **self.end_work())
         out_of_time = schedule.out_of_time()
         if not ctx.is_distributed:
             signal = stop_reason(ctx, self.stop, [])
@@ -440,16 +438,16 @@ class Trainer:
             with p.phase_of("sync check"):
                 result = sync_check(ctx, step=p.step, epoch=p.step // self.steps_per_epoch,
                                     samples_seen=p.samples_seen, stop=bool(self.stop), out_of_time=out_of_time,
-                                    time_total=time_total, codebooks=codebook_tensors(self.model))
+                                    steps_in_time=steps_in_time, codebooks=codebook_tensors(self.model))
             signal = stop_reason(ctx, self.stop, result.stop_ranks)
-            time_up, time_total = result.out_of_time, result.time_total  # rank 0's clock decides for every rank
+            time_up, steps_in_time = result.out_of_time, result.steps_in_time  # rank 0's clock decides for every rank
         else:
-            time_up, time_total, signal = False, None, None
-        schedule.set_time_total(time_total)
-        if time_total is not None and self.bar.total != schedule.total:
+            time_up, steps_in_time, signal = False, None, None
+        schedule.set_steps_in_time(steps_in_time)
+        if steps_in_time is not None and self.bar.total != schedule.total:
             self.bar.total = schedule.total
         if p.stop_reason is None:
-            p.stop_reason = signal or ("max_minutes" if time_up else schedule.stop_reason(p.step))
+            p.stop_reason = signal or (ScheduleEnd.MAX_MINUTES if time_up else schedule.stop_reason(p.step))
 
     def end_work(self) -> dict:
         """What the end of the schedule will do: the refit's frames on this rank, the final eval's over all."""
@@ -461,16 +459,16 @@ class Trainer:
 
     def end_of_schedule(self) -> None:
         """The codebooks' last pass over whole utterances, then the final eval, or what a resumed run has left of
-        them (Progress.end_done, kept in the checkpoint). A stop on request before them skips both (a preempted
+        them (Progress.end_of_schedule, kept in the checkpoint). A stop on request before them skips both (a preempted
         job may have seconds left); one during them ends them at their next chunk, and a resume does the rest."""
         p = self.progress
         start = time.monotonic()
         self.bar.close()  # the training bar ends before the refit's and the final eval's start
-        if "refit" not in p.end_done:
+        if "refit" not in p.end_of_schedule:
             self.refit()
-        if p.stop_reason in SCHEDULE_ENDS and "final eval" not in p.end_done:
+        if isinstance(p.stop_reason, ScheduleEnd) and "final eval" not in p.end_of_schedule:
             self.evaluate(final=True)  # the codes encode gives; the evals before follow training's
-        if self.schedule.deadline is not None and p.stop_reason in SCHEDULE_ENDS:
+        if self.schedule.deadline is not None and isinstance(p.stop_reason, ScheduleEnd):
             log.info("end of schedule: refit and final eval took %.0f s (%.0f s were kept for them and the "
                      "checkpoint)", time.monotonic() - start, self.schedule.end_work)
 
@@ -486,7 +484,7 @@ class Trainer:
                          "of --max_minutes", frames, cfg.codebooks.refit_frames, 100 * REFIT_SHARE)
             trained = self.codebooks_before = self.model.codebook_state(into=self.codebooks_before)
             try:
-                with self.slow_phase(), p.phase_of("refit"):
+                with p.phase_of("refit"):
                     refit(self.model, self.data.shard, self.ctx, iters=iters, frames=frames,
                           batch_frames=cfg.data.frames_per_step, seed=cfg.optim.seed, step=p.step,
                           metrics=self.metrics, stop=self.stop)
@@ -496,14 +494,14 @@ class Trainer:
                 log.warning("stopped during the refit: the codebooks are put back as training left them, and the "
                             "checkpoint holds them; a run resumed from it does the refit and the final eval")
                 return
-        p.end_done.append("refit")
+        p.end_of_schedule.append("refit")
 
     def evaluate(self, final: bool = False) -> None:
         """An eval on every rank; the final one's codes come from the codec's beam search. A stop during it ends
         the run (the eval is left unfinished)."""
         p = self.progress
         try:
-            with self.slow_phase(), p.phase_of("eval"):
+            with p.phase_of("eval"):
                 result = evaluate(self.model, self.data.eval, self.ctx, amp_dtype=self.amp_dtype,
                                   batch_frames=self.cfg.data.frames_per_step, step=p.step, metrics=self.metrics,
                                   faults=self.faults, stop=self.stop,
@@ -517,7 +515,7 @@ class Trainer:
         if result is not None:  # the checkpoints say how good the codec was: the tools that load it tell
             self.checkpointer.last_eval = {"step": p.step, "rel_mse": result["rel_mse"], "final": final}
         if final:
-            p.end_done.append("final eval")
+            p.end_of_schedule.append("final eval")
 
     def maybe_save(self) -> None:
         """A checkpoint every --save_every steps while training goes on; the last one is save_last's."""
@@ -529,20 +527,20 @@ class Trainer:
         """The run's last checkpoint, unless there is nothing new to keep: no step trained (a stop during the
         k-means init), nothing done since the checkpoint resumed from, or a write that failed."""
         p = self.progress
-        if p.step and not self.write_failed and self.saved != (p.step, tuple(p.end_done)):
+        if p.step and not self.write_failed and self.saved != (p.step, tuple(p.end_of_schedule)):
             self.save()
 
     def save(self) -> None:
         p = self.progress
         try:
-            with self.slow_phase(), p.phase_of("checkpoint"):  # the others wait for rank 0's write
+            with p.phase_of("checkpoint"):  # the others wait for rank 0's write
                 path = self.checkpointer.save(self.model, self.optimizer, self.scaler, p,
                                               before_write=self.faults.before_write)
         except TransientFault as e:  # on every rank together: rank 0 sent the outcome
             p.stop_reason, self.exit_code, self.write_failed = str(e), EXIT_FAILURE, True
             log.error("%s: stopping", e)
             return
-        self.saved = (p.step, tuple(p.end_done))
+        self.saved = (p.step, tuple(p.end_of_schedule))
         if path is not None:
             self.metrics.write("checkpoint", p.step, path=str(path))
             log.info("checkpoint: %s", path)

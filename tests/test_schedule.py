@@ -69,7 +69,7 @@ def test_time_alone_estimates_the_steps_that_fit_and_keeps_time_for_the_end():
     # + 5 s for the checkpoint = 80 s
     assert s.end_work == pytest.approx(80.0)
     assert total == 10 + int(600 - 80 - 30)
-    s.set_time_total(total)
+    s.set_steps_in_time(total)
     assert s.total == total and s.stop_reason(total - 1) is None and s.stop_reason(total) == "max_minutes"
     assert s.learning_rate(total) == pytest.approx(s.optim.lr * s.optim.min_lr_ratio)
     assert not s.out_of_time(now=515.0) and s.out_of_time(now=520.0)  # the hard stop keeps the end's time
@@ -92,16 +92,16 @@ def test_under_a_time_budget_the_refit_reads_what_fits_in_its_share():
 
 def test_with_steps_and_time_the_smaller_total_decides():
     s = schedule(max_steps=100, max_minutes=10)
-    s.set_time_total(1000)
+    s.set_steps_in_time(1000)
     assert s.total == 100
-    s.set_time_total(60)
+    s.set_steps_in_time(60)
     assert s.total == 60 and s.stop_reason(60) == "max_minutes"
 
 
 def test_a_resumed_time_budget_decays_the_rest_of_the_schedule():
     s = Schedule(OptimConfig(warmup_steps=10, max_minutes=10), steps_per_epoch=40, frames_per_step=2048,
                  world_size=1, codebook_size=1024, started_at=0.0, start_step=500, start_fraction=0.6)
-    s.set_time_total(900)
+    s.set_steps_in_time(900)
     assert s.fraction(500) == pytest.approx(0.6)
     assert s.fraction(700) == pytest.approx(0.6 + 0.4 * 0.5)
     assert s.fraction(900) == pytest.approx(1.0)

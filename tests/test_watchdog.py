@@ -143,3 +143,40 @@ def test_a_peer_gone_after_leaving_on_a_stop_ends_this_rank_with_0_else_3(store,
     wds[1].round(time.monotonic())  # rank 1 publishes, then goes
     wds[0]._lost([1], "rank(s) [1] lost: the process is gone")
     assert ended[0] == ((0, [1]) if phase == STOPPED else (3, "rank(s) [1] lost: the process is gone"))
+
+
+def test_progress_gives_slow_phases_the_slow_timeout_once_however_they_nest():
+    import contextlib
+
+    entered = []
+
+    @contextlib.contextmanager
+    def slow_timeout():
+        entered.append(p.phase)
+        yield
+
+    p = Progress(step=5, slow_timeout=slow_timeout)
+    with p.phase_of("data"), p.phase_of("sync check"):
+        pass
+    assert entered == []
+    with p.phase_of("eval"), p.phase_of("checkpoint"):  # nested in a slow phase: its timeout already holds
+        pass
+    with p.phase_of("refit"):
+        pass
+    assert entered == ["setup", "setup"]  # entered before the phase is: once for eval, once for refit
+    p.step = 0  # every phase of the first step may wait for the k-means init
+    with p.phase_of("data"):
+        pass
+    assert len(entered) == 3
+
+
+def test_every_phase_the_trainer_enters_is_in_the_phase_table():
+    import re
+
+    from tests.helpers import TRAINER
+    from training.progress import PHASES
+
+    source = TRAINER.read_text()
+    named = set(re.findall(r'(?:phase_of|enter)\("([^"]+)"', source))
+    named |= {n for pair in re.findall(r'phase_of\("([^"]+)" if \w+ else "([^"]+)"\)', source) for n in pair}
+    assert named and named <= set(PHASES), named - set(PHASES)

@@ -276,7 +276,7 @@ class Checkpointer:
                      "scaler": scaler.state_dict(), "step": progress.step, "samples_seen": progress.samples_seen,
                      "schedule_fraction": progress.schedule_fraction,
                      "epoch": progress.step // self.steps_per_epoch, "codec": self.codec.to_dict(),
-                     "config": self.config, "rng": rng, "end_of_schedule": list(progress.end_done),
+                     "config": self.config, "rng": rng, "end_of_schedule": list(progress.end_of_schedule),
                      "data": {**self.data, "stats": feature_stats_record(model)} if self.data else None,
                      "data_history": self.data_history, "eval": self.last_eval}
             try:
@@ -294,7 +294,7 @@ class Checkpointer:
         progress.step, progress.samples_seen = state["step"], state["samples_seen"]
         progress.schedule_fraction = state.get("schedule_fraction", 0.0)
         # a checkpoint from before this entry was saved after the end-of-schedule work, if any was due
-        progress.end_done = list(state.get("end_of_schedule", END_OF_SCHEDULE))
+        progress.end_of_schedule = list(state.get("end_of_schedule", END_OF_SCHEDULE))
         restore_rng_states(state["rng"], self.ctx)
         self.data_history = list(state.get("data_history") or [])
         self.last_eval = None if resume.new_data else state.get("eval")  # an eval on other data says nothing now

@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 
 from errors import BadInputError
-from training.progress import AFTER_STEP, IN_STEP, SLOW_PHASES
+from training.progress import PHASES
 
 KINDS = ("kill", "hang", "nan", "desync", "eval_error", "signal", "stall", "extra_collective", "slow_save")
-STALL_PHASES = tuple(dict.fromkeys(IN_STEP + AFTER_STEP + SLOW_PHASES))
+STALL_PHASES = tuple(PHASES)
 log = logging.getLogger(__name__)
 
 

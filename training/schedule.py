@@ -8,7 +8,7 @@ DEFAULT_STEPS and one epoch: a few epochs of a small corpus are too few steps fo
 the codebooks, and one epoch of a large one is a sensible unit.
 
 Under a time budget the schedule is steps too: the clock gives an estimate of the
-steps that fit (`time_total`), refreshed as the loop runs, and the learning rate
+steps that fit (`steps_in_time`), refreshed as the loop runs, and the learning rate
 decays over the smaller of the two totals. On several ranks the estimate is rank
 0's, carried by the sync check, so every rank computes the same learning rate at
 every step. A resumed run starts its schedule where the checkpoint left it
@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from enum import Enum
 
 from training.config import DEFAULT_STEPS, OptimConfig
 
@@ -43,6 +44,19 @@ END_SHARE = 0.25
 REFIT_SHARE = 0.1
 
 
+class ScheduleEnd(str, Enum):
+    """Why a schedule ended: the stops that get the end-of-schedule work (the refit and the final eval), as the
+    loop, the checkpoint and metrics.jsonl's stop event name them. A stop on request (a signal, non-finite steps)
+    is a description of its own, not one of these."""
+
+    MAX_STEPS = "max_steps"
+    EPOCHS = "epochs"
+    MAX_MINUTES = "max_minutes"
+    SCHEDULE = "schedule"
+
+    __str__ = str.__str__  # logs and JSON show the value
+
+
 class Schedule:
     def __init__(self, optim: OptimConfig, *, steps_per_epoch: int, frames_per_step: int, world_size: int,
                  codebook_size: int, started_at: float, start_step: int = 0, start_fraction: float = 0.0):
@@ -50,19 +64,19 @@ class Schedule:
         --max_minutes counts from. start_step, start_fraction: where a resumed run's schedule was."""
         self.optim = optim
         if optim.max_steps:
-            self.steps, self.end, why = optim.max_steps, "max_steps", f"--max_steps {optim.max_steps}"
+            self.steps, self.end, why = optim.max_steps, ScheduleEnd.MAX_STEPS, f"--max_steps {optim.max_steps}"
         elif optim.epochs:
-            self.steps, self.end = optim.epochs * steps_per_epoch, "epochs"
+            self.steps, self.end = optim.epochs * steps_per_epoch, ScheduleEnd.EPOCHS
             why = f"--epochs {optim.epochs} of {steps_per_epoch} steps"
         elif optim.max_minutes:
-            self.steps, self.end, why = None, "max_minutes", f"--max_minutes {optim.max_minutes:g} alone"
+            self.steps, self.end, why = None, ScheduleEnd.MAX_MINUTES, f"--max_minutes {optim.max_minutes:g} alone"
         else:
-            self.steps, self.end = max(DEFAULT_STEPS, steps_per_epoch), "schedule"
+            self.steps, self.end = max(DEFAULT_STEPS, steps_per_epoch), ScheduleEnd.SCHEDULE
             why = (f"no --max_steps, --epochs or --max_minutes: the larger of {DEFAULT_STEPS} steps and one epoch "
                    f"of {steps_per_epoch}")
         self.deadline = None if optim.max_minutes is None else started_at + 60 * optim.max_minutes
         self.start_step, self.start_fraction = start_step, start_fraction
-        self.time_total = None  # steps that fit in the time left, estimated from the clock
+        self.steps_in_time = None  # steps that fit in the time left, estimated from the clock
         self._warned = False
         self._origin = None  # (step, time) the step-time clock counts from: after the first step, which is slower
         self.end_work = 0.0  # estimated seconds for the refit, the final eval and the checkpoint
@@ -105,7 +119,7 @@ class Schedule:
     @property
     def total(self) -> float:
         """The steps the learning rate decays over: the step budget, or what the clock says fits if fewer."""
-        totals = [t for t in (self.steps, self.time_total) if t is not None]
+        totals = [t for t in (self.steps, self.steps_in_time) if t is not None]
         return min(totals) if totals else math.inf
 
     def fraction(self, step: int) -> float:
@@ -133,7 +147,7 @@ class Schedule:
         """The steps that fit before the deadline, keeping time for the end of the schedule (None: no deadline,
         or too early to tell). refit_frames: this rank's; eval_frames: over all ranks; beam_size: the codec's,
         which the refit fits for and the final eval encodes with. The trainer shares rank 0's answer and passes
-        it to `set_time_total`."""
+        it to `set_steps_in_time`."""
         if self.deadline is None:
             return None
         now = time.monotonic() if now is None else now
@@ -164,16 +178,16 @@ class Schedule:
         per_refit_frame = self.per_frame * REFIT_COST * (iters + 1) * beam_size
         return min(frames, int(REFIT_SHARE * 60 * self.optim.max_minutes / per_refit_frame))
 
-    def set_time_total(self, total: int | None) -> None:
+    def set_steps_in_time(self, total: int | None) -> None:
         if total is not None:
-            self.time_total = total
+            self.steps_in_time = total
 
-    def stop_reason(self, step: int) -> str | None:
+    def stop_reason(self, step: int) -> ScheduleEnd | None:
         """Why the schedule ends after `step` (the same on every rank), or None."""
         if self.steps is not None and step >= self.steps:
             return self.end
-        if self.time_total is not None and step >= self.time_total:
-            return "max_minutes"
+        if self.steps_in_time is not None and step >= self.steps_in_time:
+            return ScheduleEnd.MAX_MINUTES
         return None
 
     def out_of_time(self, now: float | None = None) -> bool:

@@ -17,7 +17,7 @@ import torch
 from training.distributed import DistContext, exchange
 from errors import RanksDiverged
 
-FIELDS = ("step", "epoch", "samples_seen", "stop", "out_of_time", "time_total", "codebook_sum", "codebook_sq")
+FIELDS = ("step", "epoch", "samples_seen", "stop", "out_of_time", "steps_in_time", "codebook_sum", "codebook_sq")
 CHECKSUM_RTOL = 1e-6
 
 
@@ -36,7 +36,7 @@ def codebook_checksum(codebooks) -> tuple[float, float]:
 class SyncResult:
     stop_ranks: list  # ranks on which a stop was requested (a signal)
     out_of_time: bool  # rank 0's --max_minutes are up
-    time_total: int | None  # the steps rank 0's clock says fit in --max_minutes (None: no estimate)
+    steps_in_time: int | None  # the steps rank 0's clock says fit in --max_minutes (None: no estimate)
 
 
 def _differs(column: torch.Tensor, rtol: float = 0.0) -> list[int]:
@@ -46,9 +46,9 @@ def _differs(column: torch.Tensor, rtol: float = 0.0) -> list[int]:
 
 
 def sync_check(ctx: DistContext, *, step: int, epoch: int, samples_seen: int, stop: bool, out_of_time: bool,
-               time_total: int | None, codebooks) -> SyncResult:
+               steps_in_time: int | None, codebooks) -> SyncResult:
     table = exchange(ctx, [step, epoch, samples_seen, int(stop), int(out_of_time),
-                           -1 if time_total is None else time_total, *codebook_checksum(codebooks)])
+                           -1 if steps_in_time is None else steps_in_time, *codebook_checksum(codebooks)])
     col = {name: table[:, i] for i, name in enumerate(FIELDS)}
     for name in ("step", "epoch", "samples_seen"):
         bad = _differs(col[name])
@@ -63,5 +63,5 @@ def sync_check(ctx: DistContext, *, step: int, epoch: int, samples_seen: int, st
             f"sync check at step {step}: the codebooks of rank(s) {ranks} differ from rank 0's "
             f"(checksums {[round(float(v), 6) for v in col['codebook_sum']]})")
     stop_ranks = [r for r in range(len(table)) if col["stop"][r] > 0]
-    total = int(col["time_total"][0])
+    total = int(col["steps_in_time"][0])
     return SyncResult(stop_ranks, bool(col["out_of_time"][0] > 0), None if total < 0 else total)

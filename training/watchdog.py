@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from errors import EXIT_DISTRIBUTED, EXIT_OK
 from training.log_stream import exit_now
-from training.progress import FAILED, SLOW_PHASES, STOPPED, order
+from training.progress import FAILED, STOPPED, is_slow, order
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class PeerWatchdog:
 
     def allowance(self, phase: str, step: int) -> float:
         """How long the main thread may stay in one phase: the first step may run the k-means init."""
-        return self.slow_timeout_s if phase in SLOW_PHASES or step == 0 else self.timeout_s
+        return self.slow_timeout_s if is_slow(phase, step) else self.timeout_s
 
     def start(self) -> "PeerWatchdog":
         self._thread.start()
