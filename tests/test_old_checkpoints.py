@@ -1,0 +1,26 @@
+"""A checkpoint written by an earlier trainer resumes, and the run goes on as that trainer's own would have.
+
+tests/data/checkpoint_c2e2232/ was written by the trainer of commit c2e2232 on the `small_data` dump (conftest.py),
+with TINY and `--max_steps 8 --save_every 4 --eval_every 100 --refit_iters 0`: its checkpoint at step 4, and the
+model weights of its step 8 (that run unbroken, the refit and the final eval done)."""
+import torch
+
+from tests.helpers import REPO, TINY, events, newest_checkpoint, trainer_in_process
+
+EARLIER = REPO / "tests" / "data" / "checkpoint_c2e2232"
+
+
+def test_a_checkpoint_of_an_earlier_trainer_resumes_to_the_weights_of_its_unbroken_run(tmp_path, small_data):
+    out = tmp_path / "run"
+    r = trainer_in_process(["--data_dir", small_data, "--output_dir", out, *TINY, "--max_steps", "8",
+                            "--save_every", "4", "--eval_every", "100", "--refit_iters", "0",
+                            "--resume", EARLIER / "step_00000004.pt"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stderr and "at step 4" in r.stderr
+    assert events(out, "stop")[-1]["step"] == 8 and events(out, "stop")[-1]["reason"] == "max_steps"
+    state = newest_checkpoint(out)
+    assert state["step"] == 8 and state["end_of_schedule"] == ["refit", "final eval"]
+    unbroken = torch.load(EARLIER / "model_step_00000008.pt", weights_only=True)
+    assert unbroken.keys() == state["model"].keys()
+    for key, value in unbroken.items():  # bit for bit on the machine that wrote them; kernels elsewhere may differ in
+        torch.testing.assert_close(state["model"][key], value, rtol=1e-4, atol=1e-5, msg=key)  # the last bits
