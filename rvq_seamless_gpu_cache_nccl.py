@@ -54,6 +54,7 @@ from training.schedule import REFIT_SHARE, Schedule, ScheduleEnd
 from training.signals import Interrupted, Stopped, StopRequest, stop_reason
 from training.step_guard import StepOutcome, guarded_step
 from training.sync_check import sync_check
+from training.threads import choose_threads, set_torch_threads
 from training.throughput import start_step_timer
 from training.watchdog import PeerWatchdog
 
@@ -72,6 +73,7 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
         make_deterministic()  # before any CUDA work
     device = select_device(cfg.run.device, launch.local_rank, bind_local_rank=launch.world_size > 1)
     check_compile(cfg.optim.compile, device)
+    set_threads(cfg.run.threads, device)
     data = open_training_data(cfg.data, rank=launch.rank, world_size=launch.world_size, seed=cfg.optim.seed,
                               multiple_of=cfg.codec["downsample"], device_type=device.type,
                               manifest_dir=Path(cfg.run.output_dir), save_manifests=False)
@@ -593,6 +595,15 @@ class Trainer:
         if not self.failed:  # tearing down groups with a lost peer can block; the process exit frees them
             destroy()
         self.output.release()
+
+
+def set_threads(flag: int | None, device: torch.device) -> None:
+    """torch's CPU threads: on a CPU the cores this run can get (training/threads.py); on a GPU --threads alone."""
+    if device.type != "cpu" and flag is None:
+        return
+    choice = choose_threads(flag, default=torch.get_num_threads())
+    set_torch_threads(choice)
+    log.info("threads: %d (%s)", choice.threads, choice.why)
 
 
 def setup_logging(rank: int) -> None:

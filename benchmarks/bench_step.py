@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -37,18 +38,27 @@ CODECS = {
 }
 
 
-def run(repo: Path, flags: list[str], steps: int, log_every: int, data_dir: Path) -> dict:
+# the trainer's log line with its thread count and why (rvq_seamless_gpu_cache_nccl.set_threads)
+THREADS_LOG = re.compile(r"threads: (\d+) \((.*)\)\s*$", re.MULTILINE)
+
+
+def run(repo: Path, flags: list[str], steps: int, log_every: int, data_dir: Path, env: dict | None = None) -> dict:
+    """env: the trainer's environment (default: this process's)."""
     with tempfile.TemporaryDirectory(prefix="bench_step") as out:
         cmd = [sys.executable, str(repo / "rvq_seamless_gpu_cache_nccl.py"), "--data_dir", str(data_dir),
                "--output_dir", out, "--resume", "none", "--max_steps", str(steps), "--log_every", str(log_every),
                "--eval_every", str(10 * steps), "--save_every", str(10 * steps), "--refit_iters", "0", *flags]
-        job = subprocess.run(cmd, capture_output=True, text=True, cwd=repo)
+        job = subprocess.run(cmd, capture_output=True, text=True, cwd=repo, env=env)
         if job.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{job.stderr[-3000:]}")
         events = run_events(out)
     windows = [e["frames_per_sec"] for e in events if e["event"] == "train"][1:]
-    return {"frames_per_sec": round(len(windows) / sum(1 / f for f in windows)), "windows": len(windows),
-            "compile_seconds": compile_seconds(job.stderr)}
+    threads = THREADS_LOG.search(job.stderr)  # absent from a trainer before training/threads.py
+    # no window after the first: a run cut short by --max_minutes before it got there (frames/s 0)
+    return {"frames_per_sec": round(len(windows) / sum(1 / f for f in windows)) if windows else 0,
+            "windows": len(windows),
+            "compile_seconds": compile_seconds(job.stderr),
+            **({"threads": int(threads[1]), "threads_why": threads[2]} if threads else {})}
 
 
 def main() -> None:

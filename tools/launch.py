@@ -7,8 +7,8 @@
 Takes the preset from training/presets.py and the environment in LAUNCH_VARIABLES
 (tools/launch_rules.py, whose rules decide the ranks, the nodes and the rendezvous); an
 environment that cannot work ends with a message naming every problem and exit 2, before
-anything is started or written. Sets the preset's NCCL variables and OMP_NUM_THREADS
-unless you set them (yours are kept, and named). One process: it
+anything is started or written. Sets the preset's NCCL variables and OMP_NUM_THREADS (not for one CPU rank,
+which picks its own) unless you set them (yours are kept, and named). One process: it
 becomes the trainer (os.execvpe, as bash's exec: signals reach the trainer directly).
 Several ranks: it runs torchrun and passes a stop signal to this node's ranks (see
 run_torchrun), then exits with torchrun's code, or 3 when a rank was aborted (signal 6:
@@ -181,6 +181,9 @@ def share_the_cores(environ, nproc: int, gpus: int, exports: Exports) -> None:
         say(cpu_ranks(nproc))
     if environ.get("OMP_NUM_THREADS"):
         exports.keep("OMP_NUM_THREADS")
+    elif not gpus and nproc == 1:
+        say("OMP_NUM_THREADS left unset: one rank on the CPU picks its threads from the cores it can get "
+            "(training/threads.py)")
     else:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         exports.set("OMP_NUM_THREADS", str(max(cores // nproc, 1)), f" ({cores} cores / {nproc} rank(s) on this node)")

@@ -51,7 +51,8 @@ LAUNCH_VARIABLES = {
                              "the last checkpoint (a c10d rendezvous, so that each starts afresh)", "0"),
     LOOPBACK_DRILL: Variable("1: every node of the job runs on this host (a drill), so a loopback master is "
                              "accepted", "0"),
-    "OMP_NUM_THREADS": Variable("threads per rank", "this node's cores / its ranks"),
+    "OMP_NUM_THREADS": Variable("threads per rank", "this node's cores / its ranks; unset for one rank on a CPU, "
+                                                    "whose trainer picks from the cores it can get"),
     "DRY_RUN": Variable("1: print the environment and the command, start nothing", "0"),
     "PYTHON": Variable("the Python that runs the trainer (and torchrun)", "the one running the launcher"),
     "NCCL_*, TORCH_*, GLOO_*": Variable("yours are kept and win over the preset's and the trainer's; NCCL_TIMEOUT "

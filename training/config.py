@@ -157,6 +157,9 @@ class RunConfig:
     tensorboard: bool = flag(False, "also write the metrics as TensorBoard scalars to OUTPUT_DIR/tensorboard "
                                     "(pip install -r requirements-report.txt)")
     device: str = flag("auto", "auto, cpu, cuda, or cuda:N (single process)")
+    threads: int | None = flag(None, "torch's intra-op threads per rank; none: OMP_NUM_THREADS when set, else on a CPU "
+                                     "the cores this process can get (its CPU affinity and cgroup quota, less those "
+                                     "other processes keep busy at start-up), on a GPU torch's default")
 
 
 @dataclass(kw_only=True)
