@@ -1,9 +1,8 @@
 """How many threads a CPU run computes with: the cores it can actually get, decided once at start-up.
 
 A compiled CPU step is many small OpenMP kernels, each ending at a barrier: with one thread more than the
-cores that are free, every kernel waits for the thread that has lost its core (on 2 cores beside another
-2-thread torch job, 2 threads ran at 0.79x the speed of one; benchmarks/README.md, "Threads on a shared
-machine"). So a CPU run takes, in this order:
+cores that are free, every kernel waits for the thread that has lost its core (benchmarks/README.md, "Threads
+on a shared machine"). So a CPU run takes, in this order:
 
 1. `--threads N`;
 2. OMP_NUM_THREADS from the environment (the user's, or a launcher's share of the node);
