@@ -219,11 +219,8 @@ def flex_relative_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     gathered bias, exact, where it is not, with a warning; eager elsewhere."""
     table = distance_table(q, embedding, scaling)
     score_mod = relative_key_score_mod(table, valid, left, right)
-    if torch.compiler.is_compiling():  # inside a compiled model: the outer compile traces flex attention itself
-        from torch.nn.attention.flex_attention import flex_attention
-        return flex_attention(q, k, v, score_mod=score_mod, scale=scaling)
-    if not q.is_cuda:
-        from torch.nn.attention.flex_attention import flex_attention
+    if torch.compiler.is_compiling() or not q.is_cuda:  # inside a compiled model the outer compile traces flex
+        from torch.nn.attention.flex_attention import flex_attention  # attention itself; elsewhere it runs eagerly
         return flex_attention(q, k, v, score_mod=score_mod, scale=scaling)
     kernel = compiled_flex_attention()
     if kernel is not None and flex_proven(kernel, q, embedding, valid is not None, scaling, left, right):

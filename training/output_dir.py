@@ -66,9 +66,10 @@ class OutputDirLock:
 
     def __init__(self, output_dir: str | Path, rank: int):
         self.folder, self.rank = Path(output_dir), rank
+        self.run = RunFolder(self.folder)  # its lock file and marker
         self.error: str | None = None
         self.busy = False  # the refusal is another run's lock, not a folder that cannot be written
-        self._lock = WriterLock(RunFolder(self.folder).lock, f"--output_dir {self.folder}")
+        self._lock = WriterLock(self.run.lock, f"--output_dir {self.folder}")
         self.made: list[Path] = []  # the folders this run made, deepest first
         self.made_lock_file = self.made_marker = False
         self.lock_found: tuple[bytes, int, int] | None = None  # the lock file as found: content, atime, mtime
@@ -83,7 +84,7 @@ class OutputDirLock:
                               "an empty or new folder, or the --output_dir of one of this trainer's runs")
                 return self
             self.made = [p for p in (self.folder, *self.folder.parents) if not p.exists()]
-            lock_file = RunFolder(self.folder).lock
+            lock_file = self.run.lock
             self.made_lock_file = not lock_file.exists()
             if not self.made_lock_file:
                 found = lock_file.stat()
@@ -102,7 +103,7 @@ class OutputDirLock:
 
     def _mark(self) -> None:
         """The marker that makes the folder this trainer's run, written once, under the lock."""
-        marker = RunFolder(self.folder).marker
+        marker = self.run.marker
         if not marker.exists():
             self.made_marker = True
             marker.write_text(json.dumps({"run_of": "rvq_seamless_gpu_cache_nccl.py",
@@ -119,9 +120,9 @@ class OutputDirLock:
     def abandon(self) -> None:
         """Release after a start that failed: the marker, the lock file and the folders this run made go again, a
         lock file it found is put back as it was (while still held; a folder that holds anything else stays)."""
-        lock_file = RunFolder(self.folder).lock
+        lock_file = self.run.lock
         if self._lock.held and self.made_marker:
-            (RunFolder(self.folder).marker).unlink(missing_ok=True)
+            self.run.marker.unlink(missing_ok=True)
         if self._lock.held and self.made_lock_file:
             lock_file.unlink(missing_ok=True)
         elif self._lock.held and self.lock_found is not None:

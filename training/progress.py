@@ -20,14 +20,14 @@ PHASES = {"setup": True, "k-means init": True, "compile": True, "data": False, "
 IN_STEP = ("data", "forward", "backward", "optimizer")
 # ... then after the step's count went up.
 AFTER_STEP = ("train", "sync check", "refit", "eval", "checkpoint", "teardown")
+FAILED = "failed"  # the main thread raised on one of several ranks and waits for the watchdog's verdict
+STOPPED = "stopped on request"  # the rank left at once on a stop with nothing to save: its peers stop too, exit 0
+END_OF_SCHEDULE = ("refit", "final eval")  # the work after the last step, in order
 
 
 def is_slow(phase: str, step: int) -> bool:
     """Whether `phase` at `step` (steps done) gets the slow-phase allowance (PHASES; the first step's every phase)."""
     return PHASES.get(phase, False) or step == 0
-FAILED = "failed"  # the main thread raised on one of several ranks and waits for the watchdog's verdict
-STOPPED = "stopped on request"  # the rank left at once on a stop with nothing to save: its peers stop too, exit 0
-END_OF_SCHEDULE = ("refit", "final eval")  # the work after the last step, in order
 
 
 def order(step: int, phase: str) -> tuple:
@@ -46,8 +46,9 @@ class Progress:
     bad_steps: int = 0  # non-finite steps skipped so far
     bad_in_a_row: int = 0
     schedule_fraction: float = 0.0  # how far along the learning-rate decay (saved, for a resumed time budget)
-    end_of_schedule: list = field(default_factory=list)  # END_OF_SCHEDULE's parts done after this step (saved: a resume
-    # at the end of the schedule does the rest)
+    # END_OF_SCHEDULE's parts done after this step (saved as the checkpoint's "end_of_schedule": a resume at the end
+    # of the schedule does the rest)
+    end_of_schedule: list = field(default_factory=list)
     phase: str = "setup"  # what the main thread is doing: setup, data, forward, backward, eval, checkpoint ...
     stop_reason: str | None = None  # set when the loop is to end after this step
     since: float = field(default_factory=time.monotonic)  # when the main thread entered `phase`
