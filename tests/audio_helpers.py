@@ -3,12 +3,11 @@ pipeline steps."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 
-from tests.helpers import REPO, env
+from tests.helpers import env, run_python
 
 
 def voice_like(seconds: float, rate: int, seed: int) -> np.ndarray:
@@ -55,8 +54,7 @@ def write_corpus(folder: Path, corpus=CORPUS) -> list[str]:
 
 def run_module(module: str, *args, timeout=120) -> subprocess.CompletedProcess:
     """`python -m module args...` from the repo root, as a user runs a pipeline step."""
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=env(), cwd=REPO)
+    return run_python(["-m", module, *args], env=env(), timeout=timeout)
 
 
 def tiny_w2v_bert(folder: Path, seed: int = 0) -> Path:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.zygote import REPO, zygote_for
+
 TRAINER = REPO / "rvq_seamless_gpu_cache_nccl.py"
 
 # A codec small enough that a step takes milliseconds on a CPU.
@@ -28,13 +29,49 @@ def env(**extra) -> dict:
     return e
 
 
+commands_env = env  # the environment of the tests' commands (start_python's parameter `env` hides the function)
+
+
 # extra_env that makes a subprocess print its OS threads at the interpreter's exit (tests/exit_probe)
 EXIT_PROBE = {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "exit_probe")])}
 
 
+def start_python(argv, *, env: dict, stdout: Path, stderr: Path | None = None, cwd=REPO):
+    """`python ARGV` (a script, -m MODULE or -c CODE, and its arguments) as a process of its own with this
+    environment and folder, its stdout and its stderr (None: with the stdout) appended to files: forked from this
+    worker's zygote where the environment allows (tests/zygote.py), else a fresh interpreter. Returns a
+    subprocess.Popen, or what the tests use of one."""
+    argv = [str(a) for a in argv]
+    for path in (stdout, stderr):  # there when this returns, as subprocess.Popen's files are
+        if path is not None:
+            Path(path).touch()
+    zygote = zygote_for(env, base=commands_env())
+    if zygote is not None:
+        return zygote.start(argv, env=env, cwd=Path(cwd), stdout=Path(stdout), stderr=stderr and Path(stderr))
+    with open(stdout, "a") as out, open(stderr or os.devnull, "a") as err:
+        return subprocess.Popen([sys.executable, *argv], stdout=out, stderr=err if stderr else subprocess.STDOUT,
+                                env=env, cwd=cwd)
+
+
+def run_python(argv, *, env: dict, timeout: float, cwd=REPO) -> subprocess.CompletedProcess:
+    """What subprocess.run(capture_output=True, text=True, timeout=...) gives for `python ARGV`, started as
+    start_python starts it."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="python") as folder:
+        out, err = Path(folder, "stdout"), Path(folder, "stderr")
+        proc = start_python(argv, env=env, stdout=out, stderr=err, cwd=cwd)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+            raise
+        return subprocess.CompletedProcess([sys.executable, *map(str, argv)], code, out.read_text(), err.read_text())
+
+
 def run_trainer(args, *, timeout=240, extra_env=None, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(TRAINER), *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=env(**(extra_env or {})), cwd=cwd or REPO)
+    return run_python([TRAINER, *args], env=env(**(extra_env or {})), timeout=timeout, cwd=cwd or REPO)
 
 
 def trainer_in_process(args, *, extra_env=None, cwd=None) -> subprocess.CompletedProcess:
@@ -91,8 +128,7 @@ def help_in_process(*command: str) -> subprocess.CompletedProcess:
 
 def help_output(*command: str) -> subprocess.CompletedProcess:
     """`python COMMAND --help` (the trainer's script, or -m MODULE [WORD]) run as a user runs it."""
-    return subprocess.run([sys.executable, *command, "--help"], capture_output=True, text=True, timeout=120,
-                          env=env(), cwd=REPO)
+    return run_python([*command, "--help"], env=env(), timeout=120)
 
 
 def run_torchrun(args, *, nproc=2, timeout=240, extra_env=None, launcher="torch.distributed.run"):
@@ -139,17 +175,25 @@ _PORTS = _port_band()
 def run_gloo_ranks(script: str, world_size: int = 2, timeout: int = 120) -> list[str]:
     """Run a Python script as `world_size` ranks (RANK/WORLD_SIZE/MASTER_* set for init_process_group("gloo")
     over 127.0.0.1); assert every rank exits 0 and return each rank's output."""
+    import tempfile
+    import time
+
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
+    with tempfile.TemporaryDirectory(prefix="gloo_ranks") as folder:
+        logs = [Path(folder, f"rank{r}.log") for r in range(world_size)]
+        procs = [start_python(["-c", script], stdout=logs[r],
                               env=env(RANK=r, WORLD_SIZE=world_size, MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
-             for r in range(world_size)]
-    try:
-        outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+                 for r in range(world_size)]
+        deadline = time.monotonic() + timeout
+        try:
+            for p in procs:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(timeout=30)
+        outs = [log.read_text() for log in logs]
     assert [p.returncode for p in procs] == [0] * world_size, outs
     return outs
 
@@ -233,7 +277,7 @@ class Ranks:
         port = free_port()
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="ranks"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.procs, self.logs, self.ended, self.stopped = [], [], {}, {}
+        self.procs, self.ended, self.stopped = [], {}, {}
         for rank in range(world):
             e = env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **(extra_env or {}))
             if style == "slurm":
@@ -242,11 +286,10 @@ class Ranks:
                 e.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
                 if style == "accelerate":
                     e.update(ACCELERATE_MIXED_PRECISION="no")
-            log = open(self.log_dir / f"rank{rank}.log", "w+")
-            self.logs.append(log)
+            log = self.log_dir / f"rank{rank}.log"
+            log.write_text("")
             flags = args(rank) if callable(args) else args
-            self.procs.append(subprocess.Popen([sys.executable, str(TRAINER), *map(str, flags)], stdout=log,
-                                               stderr=subprocess.STDOUT, env=e, cwd=REPO))
+            self.procs.append(start_python([TRAINER, *flags], stdout=log, env=e))
 
     def wait(self, timeout, ranks=None):
         """Wait until `ranks` (default all) have ended or `timeout` passed; returns every rank's exit code
@@ -279,5 +322,3 @@ class Ranks:
                 p.send_signal(self._signal.SIGCONT)
                 p.kill()
                 p.wait(timeout=30)
-        for log in self.logs:
-            log.close()

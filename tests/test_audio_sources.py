@@ -5,8 +5,6 @@ import io
 import json
 import logging
 import signal
-import subprocess
-import sys
 import tarfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +19,7 @@ import webdataset as wds
 
 from data.audio_features import SeamlessFbank, model_input
 from tests.audio_helpers import random_codec, write_corpus
-from tests.helpers import REPO, env
+from tests.helpers import env, run_python
 from tools import encode, extract, tokenize
 
 pytestmark = pytest.mark.timeout(180)
@@ -187,8 +185,7 @@ def test_a_source_of_no_known_kind_exits_2_naming_what_is_accepted(tmp_path, cap
 
 
 def run_killed(module: str, args: list) -> None:
-    killed = subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True,
-                            timeout=120, cwd=REPO, env=env(RVQ_FAULT="kill:step=2"))
+    killed = run_python(["-m", module, *args], timeout=120, env=env(RVQ_FAULT="kill:step=2"))
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
 
 

@@ -17,7 +17,7 @@ from data.demo_corpus import default_demo_dir
 from data.feature_settings import describe, dump_feature_settings, settings_differ
 from models.codec import CodecConfig, RVQCodec
 from tests.audio_helpers import CORPUS, write_corpus
-from tests.helpers import REPO, TRAINER, TINY, _state, env, events, trainer_in_process
+from tests.helpers import REPO, TRAINER, TINY, _state, env, events, start_python, trainer_in_process
 from tools import encode, extract, tokenize
 from tools.trained_codec import TRUSTED_STEPS, codec_doubts
 
@@ -64,10 +64,8 @@ def test_a_shard_of_another_checkpoint_or_of_a_run_still_training_exits_2_naming
     assert zero["codec_digest"].startswith("sha256:")
     assert zero["feature_check"].startswith("the statistics of the first")  # demo features: no notes, stats agree
     # the run trains on, for real: while it holds its --output_dir, RUN is refused
-    with open(tmp_path / "trainer.log", "w") as log_file:
-        trainer = subprocess.Popen([sys.executable, str(TRAINER), "--output_dir", str(d.run), "--max_steps", "100000",
-                                    "--save_every", "100000", *map(str, DEMO)], stdout=log_file, stderr=log_file,
-                                   env=env(), cwd=REPO)
+    trainer = start_python([TRAINER, "--output_dir", d.run, "--max_steps", "100000", "--save_every", "100000", *DEMO],
+                           stdout=tmp_path / "trainer.log", env=env())
     try:
         deadline = time.monotonic() + 90
         while not [e for e in (events(d.run, "train") if (d.run / "metrics.jsonl").exists() else [])

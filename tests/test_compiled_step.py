@@ -451,17 +451,13 @@ def test_the_trainer_reads_a_steps_outputs_before_the_next_forward(tmp_path, sma
     """Under CUDA graphs a replay's outputs live until the next replay. The trainer with a forward that poisons
     its last outputs when called again (gradient accumulation: two forwards a step; expiry every 2 steps)
     logs the same losses and ends with the same weights as with the plain forward."""
-    import subprocess
-    import sys
-
-    from tests.helpers import REPO, env
+    from tests.helpers import env, run_python
 
     common = ["--data_dir", small_data, *TINY, "--max_steps", "8", "--grad_accum", "2", "--dead_code_every", "2",
               "--eval_every", "4", "--refit_iters", "0", "--compile", "on"]
     plain = run_trainer([*common, "--compile", "off", "--output_dir", tmp_path / "plain"])
     assert plain.returncode == 0, plain.stderr[-3000:]
-    proxy = subprocess.run([sys.executable, "-c", REPLAY_PROXY, *map(str, common), "--output_dir", tmp_path / "proxy"],
-                           capture_output=True, text=True, timeout=220, env=env(), cwd=REPO)
+    proxy = run_python(["-c", REPLAY_PROXY, *common, "--output_dir", tmp_path / "proxy"], timeout=220, env=env())
     assert proxy.returncode == 0, proxy.stderr[-3000:]
     assert [e["loss"] for e in events(tmp_path / "proxy", "train")] == \
         [e["loss"] for e in events(tmp_path / "plain", "train")]

@@ -3,8 +3,6 @@ import json
 import logging
 import math
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,7 +16,7 @@ from data.stores import find_split
 from models.codes import encode_batch
 from tools import encode, export
 from tests.audio_helpers import run_module, write_corpus
-from tests.helpers import REPO, TINY, env, events, run_trainer
+from tests.helpers import TINY, env, events, run_python, run_trainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -200,9 +198,9 @@ def test_a_shard_killed_while_writing_resumes_to_the_codes_of_an_uninterrupted_r
     flags = ["--checkpoint", p.run, "--data_dir", p.feats, "--output_dir", out, "--nshard", 2, "--commit_frames", 100,
              "--batch_frames", 256]
     assert encode.main([*flags, "--rank", 0]) == 0
-    command = [sys.executable, "-m", "tools.encode", *map(str, flags), "--rank", "1"]
-    killed = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO,
-                            env=env(RVQ_FAULT="kill:rank=1:step=3"))  # SIGKILL once chunk 3 is written, uncommitted
+    command = ["-m", "tools.encode", *flags, "--rank", "1"]
+    # SIGKILL once chunk 3 is written, uncommitted
+    killed = run_python(command, timeout=120, env=env(RVQ_FAULT="kill:rank=1:step=3"))
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert not (out / "train_1_2.codes.npy").exists()
     committed = json.loads((out / "train_1_2.codes.progress").read_text())
@@ -214,7 +212,7 @@ def test_a_shard_killed_while_writing_resumes_to_the_codes_of_an_uninterrupted_r
     assert encode.main([*flags, "--rank", 1, "--num_quantizers", 1]) == 2
     assert "was begun with other settings (levels: 2 -> 1)" in caplog.text
 
-    resumed = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO, env=env())
+    resumed = run_python(command, timeout=120, env=env())
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming at utterance 3 of 5" in resumed.stderr and "bytes written after the last commit dropped" in \
         resumed.stderr

@@ -3,8 +3,6 @@ read to the same frame labels, the k-means baseline, and bad alignments refused 
 import json
 import logging
 import math
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,7 +16,7 @@ from data.feature_settings import dump_feature_settings
 from models.codec import CodecConfig, RVQCodec
 from models.kmeans import fit_kmeans, nearest_centroids
 from models.unit_quality import joint_units, phone_information, unit_quality
-from tests.helpers import REPO, env, write_fairseq
+from tests.helpers import env, run_python, write_fairseq
 from tools import encode, evaluate
 
 RATE = 50  # feature frames per second
@@ -223,9 +221,8 @@ def test_the_json_holds_every_figure_and_the_phone_measures_of_the_codes_encode_
 def test_the_kmeans_baseline_is_scored_beside_the_codec(data, tmp_path):
     d = data
     out = tmp_path / "eval.json"
-    r = subprocess.run([sys.executable, "-m", "tools.evaluate", "--checkpoint", str(d.checkpoint), "--data_dir",
-                        str(d.feats), "--split", "valid", "--alignments", str(d.ctm), "--baseline", "kmeans",
-                        "--json", str(out)], capture_output=True, text=True, timeout=80, cwd=REPO, env=env())
+    r = run_python(["-m", "tools.evaluate", "--checkpoint", d.checkpoint, "--data_dir", d.feats, "--split", "valid",
+                    "--alignments", d.ctm, "--baseline", "kmeans", "--json", out], timeout=80, env=env())
     assert r.returncode == 0, r.stderr[-3000:]
     baseline = json.loads(out.read_text())["baseline"]
     assert baseline["method"] == "kmeans" and baseline["clusters"] == 16 and baseline["split"] == "train"

@@ -3,15 +3,13 @@ the first and touches nothing; a folder that cannot be written exits 2 before an
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import (REPO, Ranks, TINY, TRAINER, env, events, run_flags, run_trainer, trainer_in_process, tree,
-                           write_dump)
+from tests.helpers import (Ranks, TINY, TRAINER, env, events, run_flags, run_trainer, start_python, trainer_in_process,
+                           tree, write_dump)
 
 pytestmark = pytest.mark.slow  # end to end: processes, ranks or compiles (pytest.ini)
 
@@ -29,39 +27,37 @@ def flags(data, out, *extra):
 @pytest.mark.timeout(200)
 def test_a_second_run_into_a_busy_output_dir_exits_2_naming_the_first_and_touches_nothing(tmp_path, data):
     out = tmp_path / "run"
-    with open(tmp_path / "first.log", "w+") as log:
-        first = subprocess.Popen([sys.executable, str(TRAINER), *map(str, flags(data, out, "--max_steps", 12,
-                                                                                  "--save_every", 4))],
-                                 stdout=log, stderr=subprocess.STDOUT, env=env(), cwd=REPO)
-        others = None
-        try:
-            deadline = time.monotonic() + 120
-            while "training for" not in (tmp_path / "first.log").read_text():  # logged once it holds the lock
-                assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()
-                time.sleep(0.1)
-            first.send_signal(signal.SIGSTOP)  # stopped mid-run, not dead: its output dir is still its own
-            before = tree(out)
-            started = time.monotonic()
-            # a job submitted twice: as one process, and as two ranks whose rank 0 finds the lock taken
-            others = Ranks(flags(data, out, "--max_steps", 12), log_dir=tmp_path / "ranks")
-            second = run_trainer(flags(data, out, "--max_steps", 12), timeout=120)
-            assert others.wait(timeout=120) == [2, 2], others.output(0) + others.output(1)
-            took = time.monotonic() - started
-            assert tree(out) == before  # no config.json, metrics line, checkpoint or manifest of theirs
-        finally:
-            first.send_signal(signal.SIGCONT)
-            if others is not None:
-                others.close()
-        holder = f"is being written by another process (pid {first.pid} on host {socket.gethostname()}, since "
-        assert second.returncode == 2 and f"--output_dir {out} {holder}" in second.stderr, second.stderr[-3000:]
-        assert "Traceback" not in second.stderr
-        for rank in (0, 1):
-            assert holder in others.output(rank), others.output(rank)[-3000:]
-        assert f"rank 0: --output_dir {out} {holder}" in others.output(1)
-        print(f"the second run and the two ranks were refused within {took:.1f} s of their start")
-        assert took < 60  # process start and the data checks, on 2 busy cores
+    first = start_python([TRAINER, *flags(data, out, "--max_steps", 12, "--save_every", 4)],
+                         stdout=tmp_path / "first.log", env=env())
+    others = None
+    try:
+        deadline = time.monotonic() + 120
+        while "training for" not in (tmp_path / "first.log").read_text():  # logged once it holds the lock
+            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()
+            time.sleep(0.1)
+        first.send_signal(signal.SIGSTOP)  # stopped mid-run, not dead: its output dir is still its own
+        before = tree(out)
+        started = time.monotonic()
+        # a job submitted twice: as one process, and as two ranks whose rank 0 finds the lock taken
+        others = Ranks(flags(data, out, "--max_steps", 12), log_dir=tmp_path / "ranks")
+        second = run_trainer(flags(data, out, "--max_steps", 12), timeout=120)
+        assert others.wait(timeout=120) == [2, 2], others.output(0) + others.output(1)
+        took = time.monotonic() - started
+        assert tree(out) == before  # no config.json, metrics line, checkpoint or manifest of theirs
+    finally:
+        first.send_signal(signal.SIGCONT)
+        if others is not None:
+            others.close()
+    holder = f"is being written by another process (pid {first.pid} on host {socket.gethostname()}, since "
+    assert second.returncode == 2 and f"--output_dir {out} {holder}" in second.stderr, second.stderr[-3000:]
+    assert "Traceback" not in second.stderr
+    for rank in (0, 1):
+        assert holder in others.output(rank), others.output(rank)[-3000:]
+    assert f"rank 0: --output_dir {out} {holder}" in others.output(1)
+    print(f"the second run and the two ranks were refused within {took:.1f} s of their start")
+    assert took < 60  # process start and the data checks, on 2 busy cores
 
-        assert first.wait(timeout=120) == 0, (tmp_path / "first.log").read_text()[-3000:]
+    assert first.wait(timeout=120) == 0, (tmp_path / "first.log").read_text()[-3000:]
     # the first run's files are its own alone: one run's events, its checkpoints
     rows = events(out)
     assert len({(r["event"], r["step"]) for r in rows}) == len(rows)

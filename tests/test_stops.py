@@ -2,15 +2,13 @@
 teardown, to real trainer processes whose stderr goes to a file (where no log line may be glued to a bar's)."""
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from tests.helpers import (REPO, Ranks, TINY, TRAINER, env, events, newest_checkpoint, run_flags, run_trainer,
-                           trainer_in_process, write_dump)
+from tests.helpers import (Ranks, TINY, TRAINER, env, events, newest_checkpoint, run_flags, run_python,
+                           run_trainer, start_python, trainer_in_process, write_dump)
 
 pytestmark = pytest.mark.slow  # end to end: processes, ranks or compiles (pytest.ini)
 
@@ -32,9 +30,8 @@ class Run:
 
     def __init__(self, args, log):
         self.log = log
-        with open(log, "w") as f:
-            self.proc = subprocess.Popen([sys.executable, str(TRAINER), *map(str, args)], stdout=f,
-                                         stderr=subprocess.STDOUT, env=env(), cwd=REPO)
+        log.write_text("")
+        self.proc = start_python([TRAINER, *args], stdout=log, env=env())
 
     def text(self) -> str:
         return self.log.read_text()
@@ -379,11 +376,6 @@ def test_stop_and_resume_gives_identical_weights(tmp_path, small_data):
 
 
 def test_first_sigint_requests_a_stop_and_the_second_exits_at_once():
-    import subprocess
-    import sys
-
-    from tests.helpers import REPO, env
-
     script = (
         "import os, signal\n"
         "from training.signals import StopRequest\n"
@@ -393,6 +385,7 @@ def test_first_sigint_requests_a_stop_and_the_second_exits_at_once():
         "os.kill(os.getpid(), signal.SIGINT)\n"
         "print('still running', flush=True)\n"
     )
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env(), cwd=REPO)
+    r = run_python(["-c", script], env=env(), timeout=60)
     assert r.returncode == 130
     assert "stop requested: SIGINT" in r.stdout and "still running" not in r.stdout
+

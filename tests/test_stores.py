@@ -1,5 +1,4 @@
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -7,7 +6,7 @@ import torch
 
 from data.stores import find_split, open_stores
 from errors import BadInputError
-from tests.helpers import REPO, TINY, env, events, trainer_in_process, write_fairseq
+from tests.helpers import TINY, env, events, run_python, trainer_in_process, write_fairseq
 
 
 def test_fairseq_dump_reads_every_shard_in_order(tmp_path):
@@ -105,8 +104,7 @@ def test_a_fairseq_dump_is_never_read_as_utterance_files_but_files_named_like_sh
 
 
 def run_check(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tools.check", *map(str, args)], capture_output=True, text=True,
-                          timeout=120, env=env(), cwd=REPO)
+    return run_python(["-m", "tools.check", *args], timeout=120, env=env())
 
 
 def test_check_names_every_non_finite_utterance_and_exits_2(tmp_path):
