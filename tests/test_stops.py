@@ -389,3 +389,26 @@ def test_first_sigint_requests_a_stop_and_the_second_exits_at_once():
     assert r.returncode == 130
     assert "stop requested: SIGINT" in r.stdout and "still running" not in r.stdout
 
+
+def test_an_error_the_abandoned_work_raises_while_unwinding_from_the_signal_is_that_stop():
+    """A signal inside work being abandoned raises Interrupted there; when that work's own clean-up then fails
+    (dynamo's tracer popping a frame it never pushed, as seen in a compile), the stop is still a stop."""
+    import os
+
+    from training.signals import Interrupted, StopRequest
+
+    stop = StopRequest().install()
+    try:
+        with pytest.raises(Interrupted, match="SIGTERM") as raised:
+            with stop.abandoning("the compile"):
+                try:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(5)  # the handler raises here
+                finally:
+                    [].pop()  # the clean-up's own error, raised while Interrupted unwinds
+        assert isinstance(raised.value.__cause__, IndexError)
+        with pytest.raises(ValueError):  # an error with no signal behind it is that error
+            with StopRequest().abandoning("the compile"):
+                raise ValueError("not a stop")
+    finally:
+        stop.restore()

@@ -15,7 +15,8 @@ a compile of the training step (the trained state is saved before it), and the
 k-means init before the first step, whose library passes over the whole sample
 cannot be cut into chunks from outside. While the trainer says such work may be
 abandoned (`abandoning`), a stop signal raises `Interrupted` where the main thread
-is, as Ctrl-C would, rather than wait for the work's end.
+is, as Ctrl-C would, rather than wait for the work's end; an error that the abandoned
+code raises while unwinding from it (a compiler's own clean-up) is that stop too.
 """
 from __future__ import annotations
 
@@ -96,6 +97,15 @@ class StopRequest:
         self.interrupt = work
         try:
             yield
+        except Interrupted:
+            raise
+        except BaseException as error:
+            if (interrupted := raised_while_interrupted(error)) is None:
+                raise
+            # the code the signal broke out of failed in its own clean-up (dynamo's tracer, popping a frame it
+            # had not pushed): the signal's stop, not that error, is what happened
+            log.warning("%s, while abandoning %s: %s: %s", interrupted, work, type(error).__name__, error)
+            raise Interrupted(str(interrupted)) from error
         finally:
             self.interrupt = None
 
@@ -106,6 +116,17 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, signal.SIG_IGN if ignore else handler)
         self._previous.clear()
+
+
+def raised_while_interrupted(error: BaseException) -> Interrupted | None:
+    """The Interrupted that `error` was raised while handling (its __context__ chain), None when there is none."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, Interrupted):
+            return error
+        seen.add(id(error))
+        error = error.__context__
+    return None
 
 
 def agree_to_stop(ctx: DistContext, stop: StopRequest) -> str | None:
