@@ -350,3 +350,29 @@ def test_a_finished_w2v_code_shard_from_before_pass_rules_is_complete(corpus, tm
     args = [c.manifest, "train", 1, 0, out, "--checkpoint", c.w2v_run, *COMMIT, "--batch_seconds", 2.5, "--km"]
     assert tokenize.main(args) == 0 and f"{SHARD} is complete" in caplog.text
     assert files_of(out, SHARD, CODES) == before
+
+
+def test_a_w2v_shard_goes_on_under_the_compile_it_was_begun_with(corpus, tmp_path, caplog):
+    """torch.compile changes a layer's last bits, so a w2v-bert shard records it and keeps it: a shard begun
+    compiled is compiled again without the flag, and a --compile naming the other is refused, either way."""
+    c = corpus
+    args = [c.manifest, "train", 1, 0, None, *COMMIT, *W2V, "--checkpoint", c.w2v]
+    compiled, eager = tmp_path / "compiled", tmp_path / "eager"
+    shutil.copytree(c.w2v_feats, compiled)
+    shutil.copytree(c.w2v_feats, eager)
+    meta = compiled / f"{SHARD}.json"
+    record = json.loads(meta.read_text())
+    assert "compile" not in record.get("settings", record)  # --compile off, the default: nothing noted
+    record.get("settings", record)["compile"] = "on"
+    meta.write_text(json.dumps(record) + "\n")
+
+    args[4] = compiled
+    assert extract.main(args) == 0 and f"{SHARD} is complete" in caplog.text
+    assert "under torch.compile" in caplog.text
+    caplog.clear()
+    assert extract.main([*args, "--compile", "off"]) == 2
+    assert "the shard was begun with --compile on" in caplog.text
+    args[4] = eager
+    caplog.clear()
+    assert extract.main([*args, "--compile", "on"]) == 2 and "compile" in caplog.text
+    assert extract.main([*args, "--compile", "off"]) == 0

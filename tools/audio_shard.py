@@ -28,6 +28,7 @@ from data.audio_features import FRAME_RATE
 from data.audio_sources import AUDIO_COLUMN, AUDIO_EXTENSIONS, KEY_COLUMNS, SourceFlags, Utterances, source_share
 from data.audio_pipeline import FeatureWindows, Window
 from data.resumable_shard import ShardWriter
+from errors import BadInputError
 from models.codes import least_cost_passes, length_sorted_batches
 from training.device import shard_device
 from training.faults import FaultInjector
@@ -122,10 +123,10 @@ def add_input_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--key_column",
                    help="parquet: the column that names each utterance in the outputs (default: the first of "
                         f"{', '.join(KEY_COLUMNS)} the table has, else file:row)")
-    p.add_argument("--compile", choices=("on", "off"), default="off",
+    p.add_argument("--compile", choices=("on", "off"),
                    help="w2v-bert: run the truncated encoder under torch.compile, with dynamic shapes (the graphs "
                         "compiled are logged); not shown to pay yet (benchmarks/README.md, \"Tokenization at steady "
-                        "state\")")
+                        "state\"); a shard goes on as it was begun; default: off")
     p.add_argument("--overwrite", action="store_true",
                    help="delete the shard's output, finished or partial, and write it from the start")
 
@@ -152,6 +153,7 @@ class PipelineSettings:
     commit_files: int
     commit_seconds: float
     compile: bool  # w2v-bert: the truncated encoder under torch.compile
+    compile_given: bool  # --compile named on the command line
     pass_flags_given: frozenset[str]  # the PASS_FLAGS named on the command line
 
     def batch_seconds_on(self, device: torch.device) -> float:
@@ -184,7 +186,7 @@ def input_settings(p: argparse.ArgumentParser,
         commit_files=COMMIT_FILES if args.commit_files is None else args.commit_files,
         commit_seconds=(COMMIT_SECONDS[device_kind(args.device)] if args.commit_seconds is None
                         else args.commit_seconds),
-        compile=args.compile == "on",
+        compile=args.compile == "on", compile_given=args.compile is not None,
         pass_flags_given=frozenset(name for name in PASS_FLAGS if getattr(args, name) is not None))
     share = AudioInput(args.source, args.split, args.nshard, args.rank,
                        SourceFlags(args.audio_ext, args.audio_column, args.key_column))
@@ -246,12 +248,30 @@ def begun_before_pass_rules(pipeline: PipelineSettings, recorded: dict | None,
     return pipeline, True
 
 
+def shard_compile(pipeline: PipelineSettings, recorded: dict | None) -> PipelineSettings:
+    """The `pipeline` a w2v-bert shard begun with settings `recorded` (None: a new one) goes on with: under
+    torch.compile as it was begun (pass_settings records it), the compiled encoder's last bits being its own.
+    --compile that names the other is refused (BadInputError), as the shard's other settings are; a shard that
+    records none was begun eager."""
+    if not isinstance(recorded, dict):
+        return pipeline
+    begun = recorded.get("compile") == "on"
+    if pipeline.compile_given and pipeline.compile != begun:
+        raise BadInputError(f"the shard was begun with --compile {'on' if begun else 'off'}, whose last bits differ "
+                            f"from --compile {'on' if pipeline.compile else 'off'}'s: rerun with --compile "
+                            f"{'on' if begun else 'off'} (or without it), or --overwrite to start it over")
+    return dataclasses.replace(pipeline, compile=begun)
+
+
 def pass_settings(pipeline: PipelineSettings, device: torch.device, before_pass_rules: bool = False) -> dict:
-    """What decides w2v-BERT's passes, for a shard's settings: the passes change a layer's last bits, so a resumed
-    shard keeps them. A shard begun before pass rules were recorded records none (begun_before_pass_rules)."""
+    """What decides w2v-BERT's passes and their bits, for a shard's settings: the passes change a layer's last bits,
+    and so does torch.compile (noted when on, so that a shard begun before it was recorded reads as eager), so a
+    resumed shard keeps them (shard_compile). A shard begun before pass rules were recorded records none
+    (begun_before_pass_rules)."""
     return {"batch_seconds": pipeline.batch_seconds_on(device),
             **({} if before_pass_rules else {"passes": PASS_RULE}),
-            "commit_files": pipeline.commit_files, "commit_seconds": pipeline.commit_seconds}
+            "commit_files": pipeline.commit_files, "commit_seconds": pipeline.commit_seconds,
+            **({"compile": "on"} if pipeline.compile else {})}
 
 
 def w2v_attention(before_pass_rules: bool) -> str:

@@ -68,7 +68,7 @@ from data.resumable_shard import FEATURE_DUMP, ShardWriter, claim_shard, shard_s
 from errors import EXIT_FAILURE, EXIT_OK, BadInputError  # noqa: E402
 from tools.audio_shard import (AudioInput, AudioShare, PipelineSettings, ShardOutput, add_input_args,  # noqa: E402
                                audio_share, begun_before_pass_rules, input_settings, log_input_wait, model_device,
-                               pass_settings, progress_bar, shard_passes, w2v_attention, write_windows,
+                               pass_settings, progress_bar, shard_compile, shard_passes, w2v_attention, write_windows,
                                written_lengths)
 from tools.cli import bad_input_exits_2, run  # noqa: E402
 from training.device import compute_dtype  # noqa: E402
@@ -195,7 +195,7 @@ def extract(cfg: ExtractSettings) -> int:
     before_pass_rules = False
     if cfg.features.feature == "w2v-bert":  # such a shard goes on with its own passes and commits
         pipeline, before_pass_rules = begun_before_pass_rules(cfg.pipeline, recorded, log)
-        cfg = dataclasses.replace(cfg, pipeline=pipeline)
+        cfg = dataclasses.replace(cfg, pipeline=shard_compile(pipeline, recorded))
     fbank, encoder, features = feature_maker(cfg.features, cfg.pipeline, share, recorded, before_pass_rules)
     settings = {**features, "split": split, **share.settings}
     if encoder is not None:

@@ -58,7 +58,7 @@ from errors import EXIT_FAILURE, EXIT_OK, BadInputError  # noqa: E402
 from models.codes import TAIL_PADDING, code_frames, encode_in_batches, km_lines  # noqa: E402
 from tools.audio_shard import (AudioInput, AudioShare, PipelineSettings, ShardOutput, add_input_args,  # noqa: E402
                                audio_share, begun_before_pass_rules, input_settings, log_input_wait, model_device,
-                               pass_settings, progress_bar, shard_passes, w2v_attention, write_windows,
+                               pass_settings, progress_bar, shard_compile, shard_passes, w2v_attention, write_windows,
                                written_lengths)
 from tools.cli import bad_input_exits_2, run  # noqa: E402
 from tools.trained_codec import (CodesRequest, CodesSpec, add_codes_args, begin_code_shard,  # noqa: E402
@@ -187,7 +187,7 @@ def tokenize(cfg: TokenizeSettings) -> int:
     before_pass_rules = False
     if trained["feature"] == "w2v-bert":  # such a shard goes on with its own passes and commits
         pipeline, before_pass_rules = begun_before_pass_rules(cfg.pipeline, recorded, log)
-        cfg = dataclasses.replace(cfg, pipeline=pipeline)
+        cfg = dataclasses.replace(cfg, pipeline=shard_compile(pipeline, recorded))
     fbank, encoder, features = feature_maker(trained, cfg.features.w2v_bert, device, ckpt_path, before_pass_rules,
                                              compile=cfg.pipeline.compile)
     settings = {**spec.settings, "features": {k: v for k, v in features.items() if k != "checkpoint"},
