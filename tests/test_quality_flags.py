@@ -37,7 +37,7 @@ def test_max_minutes_stops_cleanly_with_final_eval_and_checkpoint(tmp_path, data
 
 def test_max_minutes_alone_fits_the_whole_run_in_the_budget_and_finishes_the_decay(tmp_path, data):
     out = tmp_path / "run"
-    budget_s = 30
+    budget_s = 20
     start = time.monotonic()
     r = run_trainer(["--data_dir", data, "--output_dir", out, *TINY, "--max_minutes", str(budget_s / 60),
                      "--kmeans_init_frames", "0", "--eval_every", "100000", "--save_every", "100000"], timeout=180)

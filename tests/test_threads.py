@@ -3,7 +3,7 @@ other processes' load), from fake inputs; the environment is always passed, neve
 import pytest
 import torch
 
-from tests.helpers import TINY, trainer_in_process
+from tests.helpers import QUICK, TINY, trainer_in_process
 from training.threads import (busy_cores, choose_threads, cpu_times, decide, omp_threads, parse_cfs, parse_cpu_max,
                               quota_cores)
 
@@ -114,12 +114,11 @@ def test_the_trainer_says_what_it_chose_and_why(tmp_path):
     """The flag is applied and logged; without it, OMP_NUM_THREADS (conftest sets 1) is."""
     before = torch.get_num_threads()
     try:
-        r = trainer_in_process(["--output_dir", tmp_path / "a", "--device", "cpu", *TINY, "--max_steps", "1",
-                                "--threads", "2"])
+        quick = ["--device", "cpu", *TINY, *QUICK, "--refit_iters", "0", "--max_steps", "1"]
+        r = trainer_in_process(["--output_dir", tmp_path / "a", *quick, "--threads", "2"])
         assert r.returncode == 0, r.stderr[-2000:]
         assert "threads: 2 (--threads 2)" in r.stderr
-        r = trainer_in_process(["--output_dir", tmp_path / "b", "--device", "cpu", *TINY, "--max_steps", "1"],
-                               extra_env={"OMP_NUM_THREADS": "1"})
+        r = trainer_in_process(["--output_dir", tmp_path / "b", *quick], extra_env={"OMP_NUM_THREADS": "1"})
         assert r.returncode == 0, r.stderr[-2000:]
         assert "threads: 1 (OMP_NUM_THREADS=1 from the environment)" in r.stderr
     finally:
