@@ -16,7 +16,9 @@ runs as it did with subprocesses alone), or when the zygote cannot start.
 
 The zygote stays single-threaded (it checks), so that its forks hold no lock another thread had; it never
 computes anything, so no OpenMP thread pool exists before a fork. It reads one request per line on stdin and
-answers on the stdout it was given: `ready`, `started ID PID`, and `exited PID CODE` when it has reaped a command.
+answers on the stdout it was given: `ready`, `started ID PID`, and `exited PID CODE` when a command has ended. It
+reaps an ended command only when the tests say they have its code, so that its pid is not given to another
+process while a test may still signal it.
 """
 from __future__ import annotations
 
@@ -76,6 +78,7 @@ def serve() -> int:
     reply.write("ready\n")
     requests = sys.stdin.buffer.raw
     pending = b""
+    running: set[int] = set()  # forks not yet seen to end
     while True:
         ready, _, _ = select.select([requests], [], [], 0.05)
         if ready:
@@ -86,21 +89,29 @@ def serve() -> int:
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
                 request = json.loads(line)
+                if "reap" in request:  # the tests have its exit code: its pid may now be given to another process
+                    os.waitpid(request["reap"], 0)
+                    continue
                 sys.stdout.flush()
                 sys.stderr.flush()
                 pid = os.fork()
                 if pid == 0:
                     reply.close()
                     run_command(request, devnull)  # never returns
+                running.add(pid)
                 reply.write(f"started {request['id']} {pid}\n")
-        while True:
+        for pid in list(running):
+            # seen ended, not reaped: until the tests ask (`reap`), the pid stays this zombie's, so that a signal the
+            # tests send it cannot reach another process that was given the pid
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
             except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            reply.write(f"exited {pid} {os.waitstatus_to_exitcode(status)}\n")
+                running.discard(pid)
+                continue
+            if ended is not None and ended.si_pid == pid:
+                running.discard(pid)
+                code = ended.si_status if ended.si_code == os.CLD_EXITED else -ended.si_status
+                reply.write(f"exited {pid} {code}\n")
 
 
 def run_command(request: dict, devnull: int) -> None:
@@ -209,6 +220,7 @@ class Zygote:
         self.started: dict[int, int] = {}
         self.changed = threading.Condition()
         self.lock = threading.Lock()
+        self.sending = threading.Lock()  # requests from a test's thread and reaps from the reader thread
         self.next_id = 0
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.zygote"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=environ, cwd=REPO)
@@ -230,9 +242,19 @@ class Zygote:
                     self.started[int(fields[0])] = int(fields[1])
                 elif kind == "exited":
                     self.exit_codes[int(fields[0])] = int(fields[1])
+                    self._send({"reap": int(fields[0])})
                 self.changed.notify_all()
         with self.changed:
             self.changed.notify_all()
+
+    def _send(self, request: dict) -> None:
+        with self.sending:
+            try:
+                self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+                self.proc.stdin.flush()
+            except (BrokenPipeError, ValueError):  # the zygote has ended (or is closed): nothing to reap
+                if "reap" not in request:
+                    raise
 
     def forkable(self, environ: dict) -> bool:
         keys = set(environ) | set(self.environ)
@@ -242,10 +264,8 @@ class Zygote:
         with self.lock:
             self.next_id += 1
             request_id = self.next_id
-            request = {"id": request_id, "argv": [str(a) for a in argv], "env": env, "cwd": str(cwd),
-                       "stdout": str(stdout), "stderr": None if stderr is None else str(stderr)}
-            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
-            self.proc.stdin.flush()
+            self._send({"id": request_id, "argv": [str(a) for a in argv], "env": env, "cwd": str(cwd),
+                        "stdout": str(stdout), "stderr": None if stderr is None else str(stderr)})
             with self.changed:
                 while request_id not in self.started:
                     if not self.alive():
@@ -255,7 +275,8 @@ class Zygote:
 
     def close(self) -> None:
         if self.alive():
-            self.proc.stdin.close()
+            with self.sending:
+                self.proc.stdin.close()
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
