@@ -82,7 +82,11 @@ def test_a_sigkilled_main_process_leaves_no_worker_and_the_same_command_resumes(
             time.sleep(0.1)
         workers = children(main.pid)
         assert len(workers) == 2 and not any(gone(w) for w in workers)
-        assert json.loads((out / f"{SHARD}.progress").read_text())["done"] == 2
+        committed = json.loads((out / f"{SHARD}.progress").read_text())
+        if committed["done"] != 2:  # seen twice under the full suite's load, not understood yet: say what it did
+            main.kill()
+            pytest.fail(f"stopped before its second commit with {committed} committed; its log: "
+                        f"{main.communicate(timeout=30)[1][-3000:]}")
         main.kill()
         main.wait(10)
         deadline = time.monotonic() + 3  # a kernel signal: no worker waits for torch's own 5-s check
