@@ -157,7 +157,7 @@ class Trainer:
         self.watchdog = (PeerWatchdog(ctx.rank, ctx.world_size, timeout_s=cfg.dist.sync_timeout,
                                       slow_timeout_s=cfg.dist.slow_phase_s, progress=self.progress,
                                       on_verdict=lambda: dump_flight_recorder(ctx, self.folder.root),
-                                      on_peer_stopped=self.record_stop).start()
+                                      on_peer_stopped=self.record_stop, stop=stop).start()
                          if ctx.is_distributed else None)
 
     def slow_phase(self):

@@ -48,9 +48,11 @@ def start_python(argv, *, env: dict, stdout: Path, stderr: Path | None = None, c
     zygote = zygote_for(env, base=commands_env())
     if zygote is not None:
         return zygote.start(argv, env=env, cwd=Path(cwd), stdout=Path(stdout), stderr=stderr and Path(stderr))
-    with open(stdout, "a") as out, open(stderr or os.devnull, "a") as err:
-        return subprocess.Popen([sys.executable, *argv], stdout=out, stderr=err if stderr else subprocess.STDOUT,
-                                env=env, cwd=cwd)
+    with open(stdout, "a") as out:
+        if stderr is None:
+            return subprocess.Popen([sys.executable, *argv], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+        with open(stderr, "a") as err:
+            return subprocess.Popen([sys.executable, *argv], stdout=out, stderr=err, env=env, cwd=cwd)
 
 
 def run_python(argv, *, env: dict, timeout: float, cwd=REPO) -> subprocess.CompletedProcess:

@@ -176,6 +176,80 @@ def test_sighup_to_one_rank_during_the_refit_stops_every_rank_with_the_trained_w
     assert newest_checkpoint(out)["step"] == 8 and newest_checkpoint(out)["end_of_schedule"] == []
 
 
+PEER_STOP = r"""
+import os, time, torch, torch.distributed as dist
+from data.training_data import DataConfig, open_training_data
+from models.codec import CodecConfig, RVQCodec
+from training.codebooks import refit
+from training.distributed import DistContext
+from training.evaluate import evaluate
+from training.faults import FaultInjector
+from training.metrics_log import MetricsLog
+from training.progress import Progress
+from training.signals import Stopped, StopRequest
+from training.watchdog import PeerWatchdog
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+ctx = DistContext(rank, 2, rank, torch.device("cpu"), control=dist.group.WORLD)
+data = open_training_data(DataConfig(data_dir=DATA, segment_length=32), rank=rank, world_size=2, seed=0,
+                          multiple_of=1, device_type="cpu")
+torch.manual_seed(0)
+model = RVQCodec(CodecConfig(feature_dim=16, latent_dim=32, num_quantizers=2, codebook_size=32))
+model.init_codebooks(torch.randn(8, 16, 16), batch_frames=64)
+stop = StopRequest()
+watchdog = PeerWatchdog(rank, 2, timeout_s=60, slow_timeout_s=60, progress=Progress(), interval_s=0.5,
+                        stop=stop).start()
+encoded, asked = [], []
+
+def hook(*_):
+    encoded.append(time.time())
+    if rank == 1 and len(encoded) == 2:  # rank 1 is asked to stop inside its pass, between two of its encodes
+        asked.append(time.time())
+        stop.request("SIGTERM")
+    if rank == 0:
+        time.sleep(0.5)  # rank 0's share takes half a second an encode
+
+model.encoder.register_forward_hook(hook)
+try:
+    if PHASE == "refit":  # one encode an utterance in the first pass
+        total = len(data.shard)
+        refit(model, data.shard, ctx, iters=3, frames=10**9, batch_frames=64, seed=0, step=8,
+              metrics=MetricsLog(None), stop=stop)
+    else:  # one window a batch
+        total = len(data.eval.utterances)
+        evaluate(model, data.eval, ctx, amp_dtype=None, batch_frames=32, step=8, metrics=MetricsLog(None),
+                 faults=FaultInjector(rank, ""), stop=stop)
+except Stopped as e:
+    print(f"rank {rank} stopped: {e}; share {total}, encoded {len(encoded)}, at {time.time():.3f}, "
+          f"asked {asked[0] if asked else ''}")
+watchdog.stop()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("phase", ["refit", "eval"])
+def test_a_stop_on_one_rank_cuts_short_the_share_of_a_rank_with_no_signal(tmp_path, phase):
+    """A stop requested on rank 1 inside the refit's first pass, or inside an eval: rank 0, which got no signal,
+    learns of it from its watchdog (rank 1's published state) and leaves its share after an encode or two,
+    rather than finish it (half a second an encode here) while rank 1 waits; both raise Stopped with rank 1's
+    reason."""
+    from tests.helpers import run_gloo_ranks, write_dump
+
+    data = write_dump(tmp_path / "data", train=40, valid=40, seed=3)
+    outs = run_gloo_ranks(f"DATA, PHASE = {str(data)!r}, {phase!r}\n" + PEER_STOP, timeout=100)
+    found = [re.search(r"rank (\d) stopped: (.*); share (\d+), encoded (\d+), at ([\d.]+), asked ([\d.]*)", out)
+             for out in outs]
+    assert all(found), outs
+    (_, reason0, share0, encoded0, at0, _), (_, reason1, _, _, at1, asked) = (m.groups() for m in found)
+    print(f"{phase}: rank 0 encoded {encoded0} of {share0}; stopped {float(at0) - float(asked):.1f} s after rank "
+          f"1's request")
+    assert reason0 == reason1 == "signal on rank(s) [1]"
+    assert int(share0) >= 15 and int(encoded0) <= 8, outs[0]  # its whole share would take 7.5 s or more
+    assert float(at0) - float(asked) < 5 and float(at1) - float(asked) < 5
+
+
 def test_a_stop_requested_during_an_eval_leaves_it_between_two_batches(tmp_path, data):
     """evaluate() looks at the stop request before each batch: the eval is left unfinished and writes nothing."""
     from data.training_data import DataConfig, open_training_data

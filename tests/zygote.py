@@ -242,8 +242,9 @@ class Zygote:
                     self.started[int(fields[0])] = int(fields[1])
                 elif kind == "exited":
                     self.exit_codes[int(fields[0])] = int(fields[1])
-                    self._send({"reap": int(fields[0])})
                 self.changed.notify_all()
+            if kind == "exited":  # the tests have its code now
+                self._send({"reap": int(fields[0])})
         with self.changed:
             self.changed.notify_all()
 

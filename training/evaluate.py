@@ -143,9 +143,10 @@ def evaluate(model: RVQCodec, windows: EvalWindows, ctx: DistContext, *, amp_dty
         stopped = True
     except Exception as e:  # noqa: BLE001 - reported, agreed on, and training goes on
         log.error("eval at step %d failed on rank %d: %r", step, ctx.rank, e)
-    table = exchange(ctx, [vector is None and not stopped, stopped])
-    stopping = [r for r, flag in enumerate(table[:, 1]) if flag > 0]
-    if stopping:
+    # a rank may have left its share for a peer's stop (read by its watchdog): the stop is the requesting ranks'
+    table = exchange(ctx, [vector is None and not stopped, stopped, stopped and bool(stop)])
+    if table[:, 1].any():
+        stopping = [r for r, flag in enumerate(table[:, 2]) if flag > 0]
         log.info("eval at step %d left unfinished on every rank: a stop was requested on rank(s) %s", step, stopping)
         raise Stopped(stop_reason(ctx, stop, stopping))
     failed = [r for r, flag in enumerate(table[:, 0]) if flag > 0]

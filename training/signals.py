@@ -48,6 +48,7 @@ class StopRequest:
         self.reason: str | None = None
         self.settled: int | None = None  # the exit code, once the run's outcome is saved
         self.interrupt: str | None = None  # the work a stop signal now abandons, raising Interrupted (abandoning)
+        self.peer: int | None = None  # a peer rank whose stop request the watchdog saw published (training/watchdog.py)
         self._previous = {}
 
     def __bool__(self) -> bool:
@@ -56,6 +57,16 @@ class StopRequest:
     def request(self, reason: str) -> None:
         if self.reason is None:
             self.reason = reason
+
+    def seen_on(self, peer: int) -> None:
+        """The watchdog read `peer`'s published state: a stop is requested there (from the watchdog's thread)."""
+        if self.peer is None:
+            self.peer = peer
+
+    def anywhere(self) -> bool:
+        """A stop is requested on this rank or, as far as the watchdog has read, on a peer: work between two
+        agreed points may end early on it, and the next agreement raises on every rank (agree_to_stop)."""
+        return self.reason is not None or self.peer is not None
 
     def settle(self, exit_code: int) -> None:
         """The run's outcome is saved (its last checkpoint written, or none due): later signals change nothing."""

@@ -5,7 +5,9 @@ Where the chunks hold collectives (the k-means init, the refit), every rank look
 look is agreed over the control plane (training/signals.py, `agree_to_stop`): every rank raises Stopped
 together, and none is left alone in a collective. An eval holds no collective until its end: there each rank
 looks at its own flag (`agreed=False`), and the eval's one exchange carries a stop to the others
-(training/evaluate.py).
+(training/evaluate.py). Between two such points a rank also heeds a stop requested on a peer, as its watchdog
+last read the peers' published states (`StopRequest.anywhere`): a rank that got no signal cuts its pass short
+within a heartbeat or two, rather than finish it while the signalled rank waits.
 """
 from __future__ import annotations
 
@@ -26,15 +28,18 @@ class Chunks:
 
     def __call__(self) -> None:
         """Before each chunk, on every rank alike."""
-        reason = agree_to_stop(self.ctx, self.stop) if self.agreed else (self.stop.reason if self.stop else None)
+        if self.agreed:
+            reason = agree_to_stop(self.ctx, self.stop)
+        else:  # this rank's own request, or a peer's the watchdog has read: the caller's exchange says whose
+            reason = self.stop.reason or (f"a stop on rank {self.stop.peer}" if self.stop.anywhere() else None)
         if reason:
             raise Stopped(reason)
         self.bar.update(1)
 
     def requested(self) -> bool:
-        """This rank's own stop request, with no exchange: work between two calls may end early on it (then the
-        next call raises on every rank, this one's request among those agreed)."""
-        return bool(self.stop)
+        """A stop requested on this rank, or on a peer as the watchdog last read, with no exchange: work between
+        two calls may end early on it (then the next call raises on every rank, the requests agreed)."""
+        return self.stop.anywhere()
 
     def close(self) -> None:
         self.bar.close()

@@ -113,12 +113,17 @@ def stuck_ranks(states: dict, allowance) -> tuple[list, bool]:
 
 class PeerWatchdog:
     def __init__(self, rank: int, world_size: int, *, timeout_s: float, slow_timeout_s: float, progress,
-                 interval_s: float | None = None, on_verdict=None, on_peer_stopped=None, host: str | None = None):
-        """progress: where the main loop is (its step and phase). on_verdict() runs before any exit and returns
+                 interval_s: float | None = None, on_verdict=None, on_peer_stopped=None, host: str | None = None,
+                 stop=None):
+        """progress: where the main loop is (its step and phase). stop: this rank's StopRequest, published with
+        the state (within a quarter second of its request) and told of a peer's (`seen_on`). on_verdict() runs
+        before any exit and returns
         text for the message (the flight-recorder dump on NCCL). on_peer_stopped(text) runs before the exit 0 that
         follows a peer's `leave` (rank 0 records the stop). host: the name peers compare with their own to
         check this rank's process directly (default: this machine's)."""
         self.rank, self.world_size, self.timeout_s, self.progress = rank, world_size, timeout_s, progress
+        self.stop_request = stop
+        self.stop_published = False
         self.slow_timeout_s, self.on_verdict, self.on_peer_stopped = slow_timeout_s, on_verdict, on_peer_stopped
         self.interval_s = interval_s or max(0.5, min(5.0, timeout_s / 6))
         store_host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -179,6 +184,9 @@ class PeerWatchdog:
         p = self.progress
         self.beat += 1
         state = {"beat": self.beat, "step": p.step, "phase": p.phase, "for": round(time.monotonic() - p.since, 1)}
+        if self.stop_request:  # peers read it: their slow phases cut their work short (StopRequest.anywhere)
+            state["stop"] = 1
+        self.stop_published = "stop" in state
         self.store.multi_set([self.state_keys[self.rank], self.where_keys[self.rank]],
                              [json.dumps(state), where(self.main_id)])
         self.published = state["beat"]
@@ -201,6 +209,8 @@ class PeerWatchdog:
             for r in self.peers:
                 if states[r]["beat"] != self.moved[r][0]:
                     self.moved[r] = (states[r]["beat"], now)
+                if self.stop_request is not None and states[r].get("stop"):
+                    self.stop_request.seen_on(r)
             # a peer whose beats stopped publishes a stale state: the silence check names it instead
             beating = all(now - t <= 2 * self.interval_s + 1 for _, t in self.moved.values())
             if not verdict and beating:
@@ -224,8 +234,12 @@ class PeerWatchdog:
         return self.store.compare_set(self.verdict_key, "", proposal).decode()
 
     def _sleep(self) -> bool:
-        """Wait for the next round (an interval, or a wake-up); False once the watchdog is to stop."""
-        self._wake.wait(self.interval_s)
+        """Wait for the next round (an interval, a wake-up, or a stop requested on this rank and not yet
+        published); False once the watchdog is to stop."""
+        end = time.monotonic() + self.interval_s
+        while (left := end - time.monotonic()) > 0 and not self._wake.wait(min(left, 0.25)):
+            if self.stop_request and not self.stop_published:
+                break
         self._wake.clear()
         return not self._stop.is_set()
 
