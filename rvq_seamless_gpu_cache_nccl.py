@@ -34,7 +34,7 @@ from data.training_data import TrainingData, batch_source, open_training_data
 from errors import EXIT_FAILURE, EXIT_OK, BadInputError, DistributedFailure, RanksDiverged, TransientFault
 from models.codebook_ops import codebook_tensors
 from models.codec import CodecConfig, RVQCodec
-from models.compiled_step import check_compile, compile_mode
+from models.compiled_step import check_compile, compile_mode, graphs_and_breaks
 from training.checkpoint import Checkpointer, Resume
 from training.codebooks import feature_stats, init_codebooks, refit
 from training.config import TrainConfig, parse_args, save_config
@@ -254,7 +254,7 @@ class Trainer:
         p = self.progress
         seed = self.dropout_seed(step)
         compiling = self.model.compiles(x, seed)
-        start = time.monotonic()
+        start, before = time.monotonic(), graphs_and_breaks()
         if compiling:
             log.info("compile: compiling the training step for segment length %d (forward and backward)", x.shape[1])
         # a signal before it raises at once: nothing is compiled
@@ -265,8 +265,9 @@ class Trainer:
             with p.phase_of("compile" if compiling else "backward"):  # the gradient all-reduce
                 self.scaler.scale(self.faults.loss(p.step, out.loss) / micro_batches).backward()
         if compiling:
-            log.info("compile: the training step for segment length %d compiled (forward and backward) in %.1f s",
-                     x.shape[1], time.monotonic() - start)
+            graphs, breaks = (after - earlier for after, earlier in zip(graphs_and_breaks(), before))
+            log.info("compile: the training step for segment length %d compiled (forward and backward) in %.1f s: "
+                     "%d graph(s), %d graph break(s)", x.shape[1], time.monotonic() - start, graphs, breaks)
         return out
 
     def dropout_seed(self, step: int) -> int:

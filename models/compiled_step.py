@@ -128,6 +128,26 @@ class CompiledStep:
         return (tuple(features.shape), seed) not in self.variants
 
 
+def graphs_and_breaks() -> tuple[int, int]:
+    """Graphs dynamo has captured in this process, and graph breaks it has met: their differences across a compile
+    say what it made (one graph and no break, but for quantize dropout's depth branch)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+def require_grad_as_training_does(rvq: torch.nn.Module) -> None:
+    """Each level's `zero` buffer (the loss a level returns without a commitment term) made to require grad, as the
+    library's training forward makes it (`loss.requires_grad_()`), a call dynamo cannot trace: where the buffer
+    does not yet require grad, the compiled forward breaks there into several graphs, which round otherwise than
+    the one graph. A run that trained from scratch has it set by the k-means init's eager forwards; a resumed run
+    skips those, so it is set here, before the first compiled call."""
+    for level in rvq.layers:
+        zero = getattr(level, "zero", None)
+        if isinstance(zero, torch.Tensor) and zero.is_floating_point():
+            zero.requires_grad_()
+
+
 def compile_step(codec: torch.nn.Module, forward: Callable, mode: str = "default", variants: int = 1) -> CompiledStep:
     """`forward` (the codec's training forward, and so its backward) under torch.compile, one graph per input shape
     (static shapes: one per segment length) and per quantize-dropout depth; `variants`: how many such shapes the
@@ -139,6 +159,7 @@ def compile_step(codec: torch.nn.Module, forward: Callable, mode: str = "default
     if mode not in ("default", "cudagraphs"):
         raise ValueError(f"compile mode {mode!r}: default or cudagraphs")
     cuda_graphs = mode == "cudagraphs"
+    require_grad_as_training_does(rvq)
     options = CUDA_GRAPH_OPTIONS if cuda_graphs else COMPILE_OPTIONS.get(codec.feature_mean.device.type)
     # torch.compile takes a mode or options, not both: options alone compile in the default mode
     settings = {"options": options} if options else {}

@@ -45,6 +45,21 @@ def test_the_training_forward_is_one_graph_with_no_break():
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
+def test_a_codec_loaded_from_a_checkpoint_compiles_to_the_same_one_graph():
+    """A resumed run loads its codebooks instead of running the k-means init, whose eager forwards made the
+    library's `zero` buffers require grad; compile_training sets them so, or the library's requires_grad_() call
+    breaks the graph (a resumed compiled run then rounds otherwise than an unbroken one)."""
+    trained = small_codec()
+    trained.init_codebooks(torch.randn(8, 16, 12), batch_frames=64)
+    model = small_codec()
+    model.load_state_dict(trained.state_dict())
+    assert model.init_done()
+    model.compile_training()  # lazy: nothing is traced or compiled until a call
+    x, keep = torch.randn(4, 16, 12), torch.tensor([True, False, True, True])
+    explained = torch._dynamo.explain(model._forward)(x, keep, 1, None)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
 def test_under_quantize_dropout_the_only_breaks_are_the_librarys_depth_branch():
     """The library draws the depth with Python's random.Random(seed), which torch.compile feeds to the graph as
     an input, so its comparisons with the depth at the head of its loop over levels (`is_last_step = ... ==
@@ -310,10 +325,10 @@ def test_auto_compiles_on_a_gpu_and_on_a_cpu_only_for_a_long_run(monkeypatch):
 
 @pytest.mark.timeout(420)
 def test_the_compiled_trainer_resumes_bit_for_bit_and_follows_eager(tmp_path, small_data):
-    """Two segment lengths (a graph each), dead codes expired every 3 steps, a NaN loss at step 5 skipped, a
-    SIGTERM at step 8 and a resume: the compiled run ends bit for bit where an unbroken compiled run does, and
-    close to the eager run."""
-    common = ["--data_dir", small_data, *TINY, "--max_steps", "14", "--eval_every", "7", "--save_every", "100",
+    """Two segment lengths (a graph each), dead codes expired every 3 steps, a NaN loss at step 5 skipped, and a
+    compiled run resumed from the step-7 checkpoint of an unbroken one (a stop's checkpoint is the same save:
+    test_stops.py): it ends bit for bit where the unbroken compiled run does, and close to the eager run."""
+    common = ["--data_dir", small_data, *TINY, "--max_steps", "14", "--eval_every", "7", "--save_every", "7",
               "--multi_length_training", "--segment_lengths", "16,32", "--dead_code_every", "3", "--refit_iters", "0"]
     runs = {}
     for name, compile_flag in (("eager", "off"), ("compiled", "on")):
@@ -322,15 +337,16 @@ def test_the_compiled_trainer_resumes_bit_for_bit_and_follows_eager(tmp_path, sm
                         extra_env={"RVQ_FAULT": "nan:step=5"})
         assert r.returncode == 0, r.stderr[-3000:]
         assert ("compile: the training step for segment length" in r.stderr) == (compile_flag == "on"), r.stderr[-3000:]
-    split = tmp_path / "split"
-    r = run_trainer([*common, "--compile", "on", "--output_dir", split],
-                    extra_env={"RVQ_FAULT": "nan:step=5,signal:step=8:sig=TERM"})
-    assert r.returncode == 0 and events(split, "stop")[-1]["step"] == 9, r.stderr[-3000:]
-    r = run_trainer([*common, "--compile", "on", "--output_dir", split])
-    assert r.returncode == 0 and "at step 9" in r.stderr, r.stderr[-3000:]
+        assert r.stderr.count("1 graph(s), 0 graph break(s)") == (2 if compile_flag == "on" else 0), r.stderr[-3000:]
+    resumed_run = tmp_path / "resumed"
+    r = run_trainer([*common, "--compile", "on", "--output_dir", resumed_run,
+                     "--resume", runs["compiled"] / "checkpoints" / "step_00000007.pt"])
+    assert r.returncode == 0 and "at step 7" in r.stderr, r.stderr[-3000:]
+    assert r.stderr.count("1 graph(s), 0 graph break(s)") == 2, r.stderr[-3000:]  # one graph a length, as unbroken
 
     assert [e["step"] for e in events(runs["compiled"], "skipped_step")] == [6]
-    whole, resumed, eager = (newest_checkpoint(run)["model"] for run in (runs["compiled"], split, runs["eager"]))
+    whole, resumed, eager = (newest_checkpoint(run)["model"] for run in (runs["compiled"], resumed_run, runs["eager"]))
+    assert newest_checkpoint(resumed_run)["step"] == 14
     for key in whole:
         torch.testing.assert_close(resumed[key], whole[key], rtol=0, atol=0, msg=key)
     losses = {name: [e["loss"] for e in events(run, "train")] for name, run in runs.items()}

@@ -4,7 +4,7 @@ and the refit after the last.
 The k-means init and the refit run collectives (the quantizer's own, and sums
 over ranks): every rank calls them together, and the trainer gives them the
 slow-phase timeout. Each says what it does when it starts, shows a bar on rank 0,
-and looks for a stop between its iterations (training/slow_phase.py): a stop
+and looks for a stop between its iterations (training/signals.py, `Chunks`): a stop
 raises Stopped on every rank at the same point. The refit also cuts a pass short
 between chunks of its sample on a rank asked to stop; the k-means init, whose
 passes are the library's, is abandoned at once on a signal (the trainer's).
@@ -22,8 +22,7 @@ from data.crops import assemble_crops
 from data.stores import FeatureStore
 from models.codec import RVQCodec
 from training.distributed import DistContext, all_reduce_sum
-from training.signals import StopRequest
-from training.slow_phase import Chunks
+from training.signals import Chunks, StopRequest
 
 log = logging.getLogger(__name__)
 

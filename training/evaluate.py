@@ -34,8 +34,7 @@ from models.codec import RVQCodec
 from models.codes import code_frames, decode_utterance, encode_batch, length_sorted_batches
 from models.metrics import EvalSums
 from training.distributed import DistContext, agree, all_reduce_sum, exchange, raise_together
-from training.signals import Interrupted, Stopped, StopRequest, stop_reason
-from training.slow_phase import Chunks
+from training.signals import Chunks, Interrupted, Stopped, StopRequest, stop_reason
 
 log = logging.getLogger(__name__)
 

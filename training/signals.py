@@ -2,10 +2,16 @@
 
 The loop stops at a step boundary, on every rank at the same step (agreed at
 the next sync check), and writes a checkpoint. The slow phases (k-means init,
-refit, eval) look at the flag between chunks of their work (training/slow_phase.py),
+refit, eval) look at the flag between chunks of their work (`Chunks`, below),
 so that a stop is honoured there within seconds too; where those chunks hold
 collectives the look is agreed by every rank (`agree_to_stop`) and every rank
-raises `Stopped` at the same point. Once the run's outcome is saved (`settle`),
+raises `Stopped` at the same point. An eval holds no collective until its end:
+there each rank looks at its own flag (`agreed=False`), and the eval's one
+exchange carries a stop to the others (training/evaluate.py). Between two such
+points a rank also heeds a stop requested on a peer, as its watchdog last read
+the peers' published states (`StopRequest.anywhere`): a rank that got no signal
+cuts its pass short within a heartbeat, rather than finish it while the
+signalled rank waits. Once the run's outcome is saved (`settle`),
 a signal changes nothing, up to the process's exit (`restore(ignore=True)`), so
 a late SIGTERM cannot turn a clean exit into 143. A second SIGINT exits at once
 (with the settled exit code, once there is one).
@@ -25,6 +31,8 @@ import logging
 import os
 import signal
 import threading
+
+from tqdm import tqdm
 
 from training.distributed import DistContext, exchange
 
@@ -154,3 +162,38 @@ def stop_reason(ctx: DistContext, stop: StopRequest, ranks: list[int]) -> str | 
     if not ctx.is_distributed:
         return f"signal {stop.reason}" if stop else None
     return f"signal on rank(s) {ranks}" if ranks else None
+
+
+class Chunks:
+    """`chunks()` between two chunks of a slow phase's work (the k-means init, the refit, the evals): a bar on
+    rank 0 moves on, and a stop requested raises Stopped."""
+
+    def __init__(self, what: str, *, total: int, unit: str, ctx: DistContext, stop: StopRequest,
+                 agreed: bool = True, show: bool = True):
+        self.ctx, self.stop, self.agreed = ctx, stop, agreed
+        self.bar = tqdm(total=total, desc=what, unit=unit, disable=ctx.rank != 0 or not show, dynamic_ncols=True,
+                        mininterval=1.0, leave=False)
+
+    def __call__(self) -> None:
+        """Before each chunk, on every rank alike."""
+        if self.agreed:
+            reason = agree_to_stop(self.ctx, self.stop)
+        else:  # this rank's own request, or a peer's the watchdog has read: the caller's exchange says whose
+            reason = self.stop.reason or (f"a stop on rank {self.stop.peer}" if self.stop.anywhere() else None)
+        if reason:
+            raise Stopped(reason)
+        self.bar.update(1)
+
+    def requested(self) -> bool:
+        """A stop requested on this rank, or on a peer as the watchdog last read, with no exchange: work between
+        two calls may end early on it (then the next call raises on every rank, the requests agreed)."""
+        return self.stop.anywhere()
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def __enter__(self) -> "Chunks":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
