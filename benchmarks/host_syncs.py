@@ -156,12 +156,19 @@ def profiled_ops(step) -> dict:
             "syncs_by_op": dict(syncs)}
 
 
-def step_report(model, x: torch.Tensor, optimizer, scaler, compiled: bool = False) -> dict:
+def step_report(model, x: torch.Tensor, optimizer, scaler, compiled: bool = False, kernel_profile: bool = True) -> dict:
     """One training step of `model` (the k-means init done first), eager or compiled as the trainer compiles it
     (`--compile on`): syncs by source line and ops by owner from the dispatch counter (eager only: a dispatch
-    mode turns torch.compile off), and ops and syncs from the profiler (both)."""
+    mode turns torch.compile off), and ops and syncs from the profiler (both). kernel_profile: the compiled
+    graphs' C++ kernels recorded too (their op count; inductor's option, set only for this call: its graphs are
+    compiled anew). Without it the profiler's syncs are the same (a sync is an aten op, never a kernel)."""
     from torch._inductor import config as inductor_config
 
+    with inductor_config.patch({"cpp.enable_kernel_profile": kernel_profile}):
+        return _step_report(model, x, optimizer, scaler, compiled)
+
+
+def _step_report(model, x: torch.Tensor, optimizer, scaler, compiled: bool) -> dict:
     from data.bad_crops import finite_crops
     from training.step_guard import guarded_step
 
@@ -176,7 +183,6 @@ def step_report(model, x: torch.Tensor, optimizer, scaler, compiled: bool = Fals
     model.init_codebooks(x, batch_frames=x.shape[0] * x.shape[1])  # as the trainer, before the first step
     report = {"compiled": compiled, "threads": torch.get_num_threads()}
     if compiled:
-        inductor_config.cpp.enable_kernel_profile = True
         model.compile_training()
         start = time.perf_counter()
         step()  # compiles the forward and the backward
