@@ -117,10 +117,9 @@ class PeerWatchdog:
                  stop=None):
         """progress: where the main loop is (its step and phase). stop: this rank's StopRequest, published with
         the state (within a quarter second of its request) and told of a peer's (`seen_on`). on_verdict() runs
-        before any exit and returns
-        text for the message (the flight-recorder dump on NCCL). on_peer_stopped(text) runs before the exit 0 that
-        follows a peer's `leave` (rank 0 records the stop). host: the name peers compare with their own to
-        check this rank's process directly (default: this machine's)."""
+        before any exit and returns text for the message (the flight-recorder dump on NCCL). on_peer_stopped(text)
+        runs before the exit 0 that follows a peer's `leave` (rank 0 records the stop). host: the name peers
+        compare with their own to check this rank's process directly (default: this machine's)."""
         self.rank, self.world_size, self.timeout_s, self.progress = rank, world_size, timeout_s, progress
         self.stop_request = stop
         self.stop_published = False
