@@ -254,8 +254,9 @@ class Trainer:
         p = self.progress
         seed = self.dropout_seed(step)
         compiling = self.model.compiles(x, seed)
-        start, before = time.monotonic(), graphs_and_breaks()
+        start = time.monotonic()
         if compiling:
+            before = graphs_and_breaks()
             log.info("compile: compiling the training step for segment length %d (forward and backward)", x.shape[1])
         # a signal before it raises at once: nothing is compiled
         with self.stop.abandoning("the compile") if compiling else contextlib.nullcontext():
