@@ -15,7 +15,8 @@ HEAD unpacked with `git archive HEAD | tar -x -C /tmp/before`, so that before an
 
 Steady state: the clock starts at the shard's first commit (data/resumable_shard.py ShardWriter.commit, the end
 of the first window: the model's load, the first window's decoding and passes and any compile are before it)
-and stops at its last; the audio counted is that of the files committed in between. --work_seconds stops a run
+and stops at its last; the audio counted is that of the files committed in between, the FLOPs and the model
+alone those of those files' windows' passes (each pass tagged with the window it computes). --work_seconds stops a run
 once it has that much steady-state work behind it (a run on a GPU: the corpus lists its files again and again,
 so that any speed has enough audio), so the windows must be several (--commit_seconds).
 
@@ -205,6 +206,19 @@ def child(spec_path: str) -> int:
 
     commits, passes, modules = [], [], []
     main_thread = threading.main_thread()
+    # each pass is tagged with the window it computes (the shard's `done` once that window is committed), not with
+    # the commits made so far: the writer thread commits a window while the next one's passes run
+    windows_class = importlib.import_module("data.audio_pipeline").FeatureWindows
+    compute, computing = windows_class._compute, threading.local()
+
+    def tagged_compute(self, window, *args, **kwargs):
+        computing.end = window.end
+        try:
+            return compute(self, window, *args, **kwargs)
+        finally:
+            computing.end = None
+
+    windows_class._compute = tagged_compute
 
     def stop_here(*_):
         raise EnoughWork
@@ -229,7 +243,7 @@ def child(spec_path: str) -> int:
         init(self, *args, **kwargs)
 
         def record(module, call_args, call_kwargs):
-            passes.append((len(commits), call_args, call_kwargs))
+            passes.append((getattr(computing, "end", None), call_args, call_kwargs))
 
         self.model.register_forward_pre_hook(record, with_kwargs=True)
         modules.append(self.model)
@@ -252,11 +266,18 @@ def child(spec_path: str) -> int:
         code, stopped = 0, True
     result = {"rc": code, "stopped": stopped, "seconds_total": time.perf_counter() - began,
               "commits": [(t - began, done) for t, done in commits],
-              "passes": [(tag, *pass_shape(a, kw)) for tag, a, kw in passes], "warnings": warnings}
-    if spec.get("model") and modules and code == 0:
-        result["model"] = replay(modules[0], [(a, kw) for tag, a, kw in passes if tag >= 1], device)
+              "passes": [(end, *pass_shape(a, kw)) for end, a, kw in passes], "warnings": warnings}
+    if spec.get("model") and modules and code == 0 and len(commits) > 1:
+        result["model"] = replay(modules[0], [(a, kw) for end, a, kw in passes
+                                              if steady_window(end, commits[0][1], commits[-1][1])], device)
     Path(spec["result"]).write_text(json.dumps(result))
     return 0
+
+
+def steady_window(end: int | None, first_done: int, last_done: int) -> bool:
+    """Whether a pass of the window ending at file `end` is steady-state work: a window committed after the first
+    commit (`first_done` files done), up to the last (`last_done`), the audio the figures count."""
+    return end is not None and first_done < end <= last_done
 
 
 def pass_shape(args, kwargs) -> tuple[int, int, list[int]]:
@@ -350,7 +371,7 @@ def figures(result: dict, corpus: dict, cfg: dict, layers: int, max_chunk: int, 
     (t0, done0), (t1, done1) = commits[0], commits[-1]
     seconds = t1 - t0
     audio = float(sum(corpus["seconds"][done0:done1]))
-    steady = [lengths for tag, _, _, lengths in result["passes"] if tag >= 1]
+    steady = [lengths for end, _, _, lengths in result["passes"] if steady_window(end, done0, done1)]
     if steady:
         lengths = [n for row in steady for n in row]
     else:  # no pass seen (the model was called some other way): chunks from the files' lengths
