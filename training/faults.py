@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 
@@ -99,7 +100,7 @@ class FaultInjector:
         if fault:
             os.kill(os.getpid(), signal.SIGABRT if fault.sig == "ABRT" else signal.SIGKILL)
         if self._take("hang", step):
-            os.kill(os.getpid(), signal.SIGSTOP)
+            stop_this_process()
         fault = self._take("signal", step)
         if fault:
             os.kill(os.getpid(), getattr(signal, f"SIG{fault.sig}"))
@@ -109,7 +110,7 @@ class FaultInjector:
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         """Called between the forward and the backward pass."""
         if self._take("hang", step, at="backward"):
-            os.kill(os.getpid(), signal.SIGSTOP)
+            stop_this_process()
         return loss * float("nan") if self._take("nan", step) else loss
 
     def in_eval(self, step: int) -> None:
@@ -140,7 +141,7 @@ class FaultInjector:
         if self._take("kill", step):
             os.kill(os.getpid(), signal.SIGKILL)
         if self._take("hang", step):
-            os.kill(os.getpid(), signal.SIGSTOP)
+            stop_this_process()
 
     def before_write(self, step: int) -> None:
         """Called on rank 0 as it starts writing a checkpoint."""
@@ -148,6 +149,14 @@ class FaultInjector:
         if fault and fault.seconds:
             log.warning("RVQ_FAULT: this checkpoint write takes %ds longer", fault.seconds)
             time.sleep(fault.seconds)
+
+
+def stop_this_process() -> None:
+    """SIGSTOP this process before the calling thread goes on. A stop sent to the process is taken by one of its
+    threads (the kernel picks the main thread first), and the thread that sent it runs on until that one has
+    stopped the others: a writer thread would commit the chunk it was stopped before. Sent to the calling thread,
+    it stops that thread on its way back from the call, and with it every other."""
+    signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
 def stall(seconds: int | None) -> None:
