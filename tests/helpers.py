@@ -262,6 +262,16 @@ def _state(pid: int) -> str:
         return ""
 
 
+def main_thread_cpu(pid: int) -> int | None:
+    """The CPU time (clock ticks, user and system) a process's main thread has used; None when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[11]) + int(fields[12])
+
+
 class Ranks:
     """Two (or more) trainer ranks started as a launcher would, each process observable on its own.
 
@@ -314,6 +324,20 @@ class Ranks:
             assert self._time.monotonic() < deadline and self.procs[rank].poll() is None, self.output(rank)
             self._time.sleep(0.1)
         return self._time.monotonic()
+
+    def wait_blocked(self, rank, timeout, quiet=1.0) -> None:
+        """Wait until `rank`'s main thread has used no CPU for `quiet` seconds (blocked: in a collective that
+        waits for a peer, say); fails after `timeout` s."""
+        deadline = self._time.monotonic() + timeout
+        last, since = None, self._time.monotonic()
+        while True:
+            used = main_thread_cpu(self.procs[rank].pid)
+            assert used is not None and self._time.monotonic() < deadline, self.output(rank)
+            if used != last:
+                last, since = used, self._time.monotonic()
+            elif self._time.monotonic() - since >= quiet:
+                return
+            self._time.sleep(0.1)
 
     def output(self, rank) -> str:
         return (self.log_dir / f"rank{rank}.log").read_text()

@@ -95,6 +95,20 @@ def test_checkpoints_only_another_rank_sees_are_ignored_with_a_warning(tmp_path,
     assert [e["step"] for e in events(fresh, "train")] == [1, 2]
 
 
+def test_a_rank_that_crashes_in_native_code_leaves_its_threads_stacks_and_is_named_lost(tmp_path, data, ranks):
+    out = tmp_path / "run"
+    job = ranks(flags(data, out, "--max_steps", 30), extra_env={"RVQ_FAULT": "kill:rank=1:step=3:sig=SEGV"})
+    codes = job.wait(timeout=SYNC_TIMEOUT + 90)
+    assert codes[1] == -11 and codes[0] == 3, job.output(0) + job.output(1)
+    assert "rank(s) [1] lost" in job.output(0)
+    crash = job.output(1)[job.output(1).index("Fatal Python error: Segmentation fault"):]
+    assert re.search(r"Current thread 0x[0-9a-f]+ \(most recent call first\):\n\s+File \".*training/faults\.py\", "
+                     r"line \d+ in kill_this_process\n\s+File \".*training/faults\.py\", line \d+ in before_step",
+                     crash), crash
+    assert re.search(r"\nThread 0x[0-9a-f]+ \(most recent call first\):\n(\s+File .*\n)*?"
+                     r"\s+File \".*training/watchdog\.py\", line \d+ in _run\n", crash), crash  # another thread's
+
+
 @pytest.mark.timeout(120)
 def test_rank_0s_fallback_from_a_truncated_checkpoint_is_what_every_rank_loads(tmp_path, data, checkpointed, ranks):
     out = tmp_path / "run"
@@ -312,7 +326,8 @@ def test_a_peer_killed_while_the_other_is_inside_the_compiled_step_is_named(tmp_
     job = ranks(flags(data, out, "--max_steps", 60, "--compile", "on", "--refit_iters", 0),
                 extra_env={"RVQ_FAULT": "stall:rank=1:step=2:seconds=120"}, log_dir=tmp_path / "logs")
     job.wait_for(1, "stalls in data at step 2", timeout=240)
-    time.sleep(1)  # rank 0 is in step 3's forward, the compiled graph, waiting for rank 1's part
+    job.wait_blocked(0, timeout=120)  # in step 2's forward, the compiled graph, waiting for rank 1's part (a
+    # recompile there first, on a busy machine, can take longer than any fixed wait)
     job.procs[1].kill()
     killed = time.monotonic()
     codes = job.wait(timeout=SYNC_TIMEOUT + 30, ranks=[0])

@@ -5,6 +5,7 @@ never stopped."""
 import json
 import logging
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -99,6 +100,28 @@ def test_a_sigkilled_main_process_leaves_no_worker_and_the_same_command_resumes(
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+    again = tool(args, env=env())
+    _, err = again.communicate(timeout=90)
+    assert again.returncode == 0, err[-3000:]
+    assert f"resuming at file 2 of {len(LONG_CORPUS)}" in err
+    assert dump_bytes(out) == dump_bytes(unbroken)
+
+
+@pytest.mark.timeout(120)
+def test_a_crash_in_native_code_leaves_every_threads_stack_and_the_same_command_resumes(audio, unbroken, tmp_path):
+    """A segmentation fault on the writer thread as it commits: the log holds each thread's Python stack (the
+    crashing one's first named current), and the same command resumes to the bytes of a run never stopped."""
+    out = tmp_path / "feats"
+    args = [audio, "train", 1, 0, out, "--commit_files", 2, "--num_workers", 0]
+    crashed = tool(args, env=env(RVQ_FAULT="kill:step=2:sig=SEGV"))
+    _, err = crashed.communicate(timeout=90)
+    assert crashed.returncode == -signal.SIGSEGV, err[-3000:]
+    crash = err[err.index("Fatal Python error: Segmentation fault"):]
+    assert re.search(r"Current thread 0x[0-9a-f]+ \(most recent call first\):\n\s+File \".*training/faults\.py\", "
+                     r"line \d+ in kill_this_process\n\s+File \".*training/faults\.py\", line \d+ in before_commit",
+                     crash), crash
+    assert re.search(r"\nThread 0x[0-9a-f]+ \(most recent call first\):\n(\s+File .*\n)*?"
+                     r"\s+File \".*tools/extract\.py\", line \d+ in main\n", crash), crash  # the main thread's
     again = tool(args, env=env())
     _, err = again.communicate(timeout=90)
     assert again.returncode == 0, err[-3000:]

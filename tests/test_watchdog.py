@@ -1,6 +1,9 @@
 """The watchdog's round against a real TCPStore, with several ranks' watchdogs in one process and a clock the
 test drives: what the store is asked per round, a silent peer, a peer that never published, a stuck rank."""
 import json
+import re
+import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -8,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from training.progress import FAILED, STOPPED, Progress
-from training.watchdog import PeerWatchdog, stuck_ranks
+from training.watchdog import PeerWatchdog, stuck_ranks, where
 
 TIMEOUT = 30  # the client's store timeout is a third of it: above a slow reverse lookup as it connects
 
@@ -180,3 +183,25 @@ def test_every_phase_the_trainer_enters_is_in_the_phase_table():
     named = set(re.findall(r'(?:phase_of|enter)\("([^"]+)"', source))
     named |= {n for pair in re.findall(r'phase_of\("([^"]+)" if \w+ else "([^"]+)"\)', source) for n in pair}
     assert named and named <= set(PHASES), named - set(PHASES)
+
+
+def test_where_names_the_main_threads_frame_and_its_project_caller_without_its_frame_objects(monkeypatch):
+    """The watchdog reads where the main thread is from its own thread, through faulthandler's dump: walking the
+    main thread's frame objects (sys._current_frames(), f_back) would let that thread run between steps."""
+    monkeypatch.setattr(sys, "_current_frames", lambda: pytest.fail("another thread's frame objects were read"))
+    main, seen, inside, done = threading.get_ident(), [], threading.Event(), threading.Event()
+
+    def watch():
+        inside.wait(10)
+        seen.append(where(main))
+        done.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    inside.set()
+    line = sys._getframe().f_lineno + 1
+    done.wait(10)  # threading.py's wait: a library's frame, called from this test's
+    assert len(seen) == 1
+    library, _, caller = seen[0].partition(", called from ")
+    assert re.fullmatch(r".*/threading\.py:\d+ in wait", library), library
+    assert caller == f"tests/test_watchdog.py:{line} in {sys._getframe().f_code.co_name}"
+    assert where(-1) == "unknown"

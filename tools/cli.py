@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 
 from errors import EXIT_BAD_INPUT, BadInputError, TransientFault
-from training.log_stream import log_to_stderr
+from training.log_stream import log_to_stderr, report_crashes
 
 
 def bad_input_exits_2(log: logging.Logger) -> Callable[[Callable[..., int]], Callable[..., int]]:
@@ -33,4 +33,5 @@ def bad_input_exits_2(log: logging.Logger) -> Callable[[Callable[..., int]], Cal
 def run(main: Callable[[], int], name: str) -> None:
     """`python -m tools.NAME`: log lines as `HH:MM:SS [name] LEVEL message` on stderr; exit with main()'s code."""
     log_to_stderr(name)  # beside the tool's progress bar, never glued to it
+    report_crashes()
     sys.exit(main())

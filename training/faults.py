@@ -6,7 +6,8 @@ Each fault fires once, and only in the first attempt of an elastic job
 (TORCHELASTIC_RESTART_COUNT 0 or unset), so that a restarted job runs clean;
 rank defaults to every rank, step to the first chance:
     kill:rank=1:step=30[:sig=ABRT]  SIGKILL this rank at step 30 (a lost rank); sig=ABRT: SIGABRT, as
-                                 NCCL's watchdog aborts a rank whose collective timed out; in tools.encode,
+                                 NCCL's watchdog aborts a rank whose collective timed out; sig=SEGV: SIGSEGV,
+                                 as a crash in native code ends a process; in tools.encode,
                                  tools.extract and tools.tokenize, the --rank 1 process once it has written
                                  chunk 30 of its shard, before committing it
     hang:rank=1:step=30[:at=backward]  SIGSTOP this rank at step 30 (stopped, not dead); at=backward
@@ -65,7 +66,7 @@ def parse_faults(text: str | None) -> list[Fault]:
             key, _, value = pair.partition("=")
             if key in ("rank", "step", "seconds") and value.isdigit():
                 fields[key] = int(value)
-            elif key == "sig" and value in (("ABRT",) if kind == "kill" else ("TERM", "INT", "USR1", "HUP")):
+            elif key == "sig" and value in (("ABRT", "SEGV") if kind == "kill" else ("TERM", "INT", "USR1", "HUP")):
                 fields[key] = value
             elif key == "at" and value in ("step", "backward") + (STALL_PHASES if kind == "stall" else ()):
                 fields[key] = value
@@ -98,7 +99,7 @@ class FaultInjector:
     def before_step(self, step: int, model) -> None:
         fault = self._take("kill", step)
         if fault:
-            os.kill(os.getpid(), signal.SIGABRT if fault.sig == "ABRT" else signal.SIGKILL)
+            kill_this_process(fault)
         if self._take("hang", step):
             stop_this_process()
         fault = self._take("signal", step)
@@ -138,8 +139,9 @@ class FaultInjector:
     def before_commit(self, step: int) -> None:
         """Called by tools.encode, tools.extract and tools.tokenize between writing chunk `step` (from 1) of their
         shard and committing it."""
-        if self._take("kill", step):
-            os.kill(os.getpid(), signal.SIGKILL)
+        fault = self._take("kill", step)
+        if fault:
+            kill_this_process(fault)
         if self._take("hang", step):
             stop_this_process()
 
@@ -149,6 +151,14 @@ class FaultInjector:
         if fault and fault.seconds:
             log.warning("RVQ_FAULT: this checkpoint write takes %ds longer", fault.seconds)
             time.sleep(fault.seconds)
+
+
+def kill_this_process(fault: Fault) -> None:
+    """SIGKILL this process; or the signal the fault names (ABRT, SEGV), raised on the calling thread as abort()
+    and a crash in native code raise theirs, so that the fatal-signal handler runs there and names it current."""
+    if fault.sig in ("ABRT", "SEGV"):
+        signal.pthread_kill(threading.get_ident(), getattr(signal, f"SIG{fault.sig}"))
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def stop_this_process() -> None:

@@ -8,6 +8,7 @@ bar. Here every bar that can have been drawn is cleared. A log line written by a
 thread is inside another line's write waits for that write to end (BarAwareHandler)."""
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import sys
@@ -68,6 +69,13 @@ def log_to_stderr(tag: str, level: int = logging.INFO) -> None:
     """Log lines as `HH:MM:SS [tag] LEVEL message` on stderr, beside any progress bar there."""
     logging.basicConfig(level=level, format=f"%(asctime)s [{tag}] %(levelname)s %(message)s", datefmt="%H:%M:%S",
                         handlers=[BarAwareHandler(sys.stderr)], force=True)
+
+
+def report_crashes() -> None:
+    """A crash in native code (SIGSEGV, SIGBUS, SIGFPE, SIGABRT, SIGILL) writes every thread's Python stack to
+    stderr before the process dies, so that the log says where each thread was; the exit code stays the signal's.
+    For a process that ends with its command (the trainer's script, a tool's `python -m`), not for a caller's."""
+    faulthandler.enable(file=sys.stderr, all_threads=True)
 
 
 def exit_now(code: int) -> None:

@@ -35,8 +35,10 @@ import faulthandler
 import json
 import logging
 import os
+import re
 import socket
 import sys
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -68,23 +70,47 @@ def _process_gone(pid: int) -> bool:
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _frame_text(frame) -> str:
-    path = frame.f_code.co_filename
+_THREAD = re.compile(r"(?:Current thread|Thread) (0x[0-9a-fA-F]+)")
+_FRAME = re.compile(r'  File "(.*)", line (\S+) in (.*)')
+
+
+def thread_stacks() -> dict[int, list[tuple[str, str, str]]]:
+    """Every Python thread's frames, innermost first, as (file, line, function), by thread id.
+
+    Read by faulthandler in one call that holds the GIL throughout, so that no thread's frames change while they
+    are read, and no frame object is made for them. Walking another thread's frame objects from Python
+    (sys._current_frames(), f_back, f_code) lets that thread run between steps, and has ended a rank with a
+    segmentation fault (CPython 3.11's PyFrame_GetCode, on this thread, reading a frame the main thread had left).
+    faulthandler keeps a thread's innermost 100 frames."""
+    with tempfile.TemporaryFile() as f:
+        faulthandler.dump_traceback(file=f, all_threads=True)
+        f.seek(0)
+        text = f.read().decode("utf-8", "replace")
+    stacks: dict[int, list[tuple[str, str, str]]] = {}
+    frames = None
+    for line in text.splitlines():
+        if head := _THREAD.match(line):
+            frames = stacks.setdefault(int(head.group(1), 16), [])
+        elif frames is not None and (frame := _FRAME.match(line)):
+            frames.append(frame.groups())
+    return stacks
+
+
+def _frame_text(path: str, line: str, function: str) -> str:
     if path.startswith(PROJECT + os.sep):
         path = os.path.relpath(path, PROJECT)
-    return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
+    return f"{path}:{line} in {function}"
 
 
 def where(thread_id: int) -> str:
     """A thread's innermost Python frame as `file:line in function`, and the project's frame that led there."""
-    frame = sys._current_frames().get(thread_id)
-    if frame is None:
+    frames = thread_stacks().get(thread_id)
+    if not frames:
         return "unknown"
-    text, caller = _frame_text(frame), frame
-    while caller is not None and not caller.f_code.co_filename.startswith(PROJECT + os.sep):
-        caller = caller.f_back
-    if caller is not None and caller is not frame:
-        text += f", called from {_frame_text(caller)}"
+    text = _frame_text(*frames[0])
+    caller = next((i for i, frame in enumerate(frames) if frame[0].startswith(PROJECT + os.sep)), None)
+    if caller:  # not None, and not the innermost frame itself
+        text += f", called from {_frame_text(*frames[caller])}"
     return text
 
 
