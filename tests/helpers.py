@@ -278,16 +278,16 @@ class Ranks:
     args: the trainer's flags, or a function of the rank that returns them (ranks with different flags).
     style: "env" (RANK/WORLD_SIZE/LOCAL_RANK, as torchrun and accelerate set them) or "slurm"
     (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, as srun sets them). Rank 0 hosts the rendezvous store.
+    log_dir: where each rank's log is written (rankN.log), a test's own folder.
     """
 
-    def __init__(self, args, *, world=2, style="env", extra_env=None, log_dir=None):
+    def __init__(self, args, *, log_dir, world=2, style="env", extra_env=None):
         import signal as _signal
-        import tempfile
         import time
 
         self._signal, self._time = _signal, time
         port = free_port()
-        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="ranks"))
+        self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs, self.ended, self.stopped = [], {}, {}
         for rank in range(world):

@@ -26,11 +26,11 @@ def flags(data, out, *extra):
 
 
 @pytest.fixture
-def ranks():
+def ranks(tmp_path):
     started = []
 
     def start(*args, **kw):
-        r = Ranks(*args, **kw)
+        r = Ranks(*args, **{"log_dir": tmp_path / f"ranks{len(started)}", **kw})
         started.append(r)
         return r
 
