@@ -253,23 +253,25 @@ def newest_checkpoint(run_dir: Path) -> dict:
     return load_checkpoint(list_checkpoints(RunFolder(run_dir).checkpoints)[0])
 
 
+def _stat(path: str) -> list[str] | None:
+    """The fields of a /proc stat file after the command name (state first), or None when it cannot be read."""
+    try:
+        with open(path) as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def _state(pid: int) -> str:
     """A process's state letter from /proc (T: stopped), or '' when it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return ""
+    fields = _stat(f"/proc/{pid}/stat")
+    return fields[0] if fields else ""
 
 
 def main_thread_cpu(pid: int) -> int | None:
     """The CPU time (clock ticks, user and system) a process's main thread has used; None when it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return int(fields[11]) + int(fields[12])
+    fields = _stat(f"/proc/{pid}/task/{pid}/stat")
+    return None if fields is None else int(fields[11]) + int(fields[12])
 
 
 class Ranks:

@@ -205,3 +205,13 @@ def test_where_names_the_main_threads_frame_and_its_project_caller_without_its_f
     assert re.fullmatch(r".*/threading\.py:\d+ in wait", library), library
     assert caller == f"tests/test_watchdog.py:{line} in {sys._getframe().f_code.co_name}"
     assert where(-1) == "unknown"
+
+
+def test_where_is_unknown_when_the_stacks_cannot_be_dumped_and_the_beat_goes_on(monkeypatch):
+    import faulthandler
+
+    def no_file(**_):
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(faulthandler, "dump_traceback", no_file)
+    assert where(threading.get_ident()) == "unknown"

@@ -39,6 +39,8 @@ from training.progress import PHASES
 
 KINDS = ("kill", "hang", "nan", "desync", "eval_error", "signal", "stall", "extra_collective", "slow_save")
 STALL_PHASES = tuple(PHASES)
+KILL_SIGNALS = ("ABRT", "SEGV")  # kill's sig=: raised on the calling thread (default: SIGKILL)
+SIGNAL_SIGNALS = ("TERM", "INT", "USR1", "HUP")  # signal's sig=
 log = logging.getLogger(__name__)
 
 
@@ -66,7 +68,7 @@ def parse_faults(text: str | None) -> list[Fault]:
             key, _, value = pair.partition("=")
             if key in ("rank", "step", "seconds") and value.isdigit():
                 fields[key] = int(value)
-            elif key == "sig" and value in (("ABRT", "SEGV") if kind == "kill" else ("TERM", "INT", "USR1", "HUP")):
+            elif key == "sig" and value in (KILL_SIGNALS if kind == "kill" else SIGNAL_SIGNALS):
                 fields[key] = value
             elif key == "at" and value in ("step", "backward") + (STALL_PHASES if kind == "stall" else ()):
                 fields[key] = value
@@ -156,7 +158,7 @@ class FaultInjector:
 def kill_this_process(fault: Fault) -> None:
     """SIGKILL this process; or the signal the fault names (ABRT, SEGV), raised on the calling thread as abort()
     and a crash in native code raise theirs, so that the fatal-signal handler runs there and names it current."""
-    if fault.sig in ("ABRT", "SEGV"):
+    if fault.sig in KILL_SIGNALS:
         signal.pthread_kill(threading.get_ident(), getattr(signal, f"SIG{fault.sig}"))
     os.kill(os.getpid(), signal.SIGKILL)
 

@@ -81,8 +81,9 @@ def thread_stacks() -> dict[int, list[tuple[str, str, str]]]:
     are read, and no frame object is made for them. Walking another thread's frame objects from Python
     (sys._current_frames(), f_back, f_code) lets that thread run between steps, and has ended a rank with a
     segmentation fault (CPython 3.11's PyFrame_GetCode, on this thread, reading a frame the main thread had left).
-    faulthandler keeps a thread's innermost 100 frames."""
-    with tempfile.TemporaryFile() as f:
+    faulthandler keeps a thread's innermost 100 frames. The dump goes to a file in memory (a pipe could fill while
+    the GIL is held), so a full or unwritable temporary folder does not touch the heartbeat."""
+    with _memory_file() as f:
         faulthandler.dump_traceback(file=f, all_threads=True)
         f.seek(0)
         text = f.read().decode("utf-8", "replace")
@@ -96,6 +97,13 @@ def thread_stacks() -> dict[int, list[tuple[str, str, str]]]:
     return stacks
 
 
+def _memory_file():
+    """A binary file held in memory (Linux's memfd), or a temporary file where there is none."""
+    if hasattr(os, "memfd_create"):
+        return os.fdopen(os.memfd_create("thread stacks", os.MFD_CLOEXEC), "w+b")
+    return tempfile.TemporaryFile()
+
+
 def _frame_text(path: str, line: str, function: str) -> str:
     if path.startswith(PROJECT + os.sep):
         path = os.path.relpath(path, PROJECT)
@@ -104,7 +112,10 @@ def _frame_text(path: str, line: str, function: str) -> str:
 
 def where(thread_id: int) -> str:
     """A thread's innermost Python frame as `file:line in function`, and the project's frame that led there."""
-    frames = thread_stacks().get(thread_id)
+    try:
+        frames = thread_stacks().get(thread_id)
+    except OSError:  # no file to dump into (out of memory, or of descriptors): the beat goes on without it
+        frames = None
     if not frames:
         return "unknown"
     text = _frame_text(*frames[0])
