@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Steady-state audio seconds per second and MFU of tools.extract, tools.tokenize and the model alone on one GPU:
-# a w2v-BERT-2.0-sized random model to layer 17 in bf16, this tree's encoder eager and compiled (--compile) and
-# (with --before) an earlier tree side by side,
-# through benchmarks/bench_tokenize.py. About 5 minutes on an H100 (30 s of steady-state work a run).
+# a w2v-BERT-2.0-sized random model to layer 17 in bf16, this tree's encoder eager and compiled (--compile), its
+# tokenize with the nearest codes (--beam_size 1) and (with --before) an earlier tree side by side, through
+# benchmarks/bench_tokenize.py. About 6 minutes on an H100 (30 s of steady-state work a run).
 #
 #   bash benchmarks/gpu_tokenize.sh [--before DIR] [--wheels DIR] [--cpu-only] [bench_tokenize.py flags...]
 #
@@ -38,8 +38,10 @@ if ! "$PYTHON" -c "import soundfile, soxr, vector_quantize_pytorch" 2>/dev/null;
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 # this tree twice, the encoder eager and under torch.compile (--compile), and the earlier tree's extraction and
-# model alone (the device time goes to this tree's runs), in that order: the compiled runs, the longest, come last
+# model alone (the device time goes to this tree's runs), in that order: the compiled runs, the longest, come last;
+# and this tree's tokenize with the nearest codes (--beam_size 1), which gives what the codec's beam search costs
 repos=(--repo "after=$PWD" --tool_flags "after=--compile off")
+repos+=(--repo "nearest=$PWD" --tool_flags "nearest=--compile off --beam_size 1" --label_modes "nearest=tokenize")
 [[ -n $before ]] && repos+=(--repo "before=$(cd "$before" && pwd)" --label_modes "before=extract,model")
 repos+=(--repo "compiled=$PWD" --tool_flags "compiled=--compile on")
 mkdir -p "$OUT"

@@ -70,6 +70,10 @@ class CodecConfig:
 
 
 MIN_ENCODE_STEPS = 16  # code frames: the shortest pass RVQCodec.encode runs (shorter inputs are zero-padded)
+# On a CPU, encode hands the quantizer a pass's code frames in parts of about this many one-hot entries each
+# (frames x beam x beam x codes): the library's beam search builds a one-hot of its candidates at every level, and
+# slows down once that outgrows the caches (benchmarks/README.md, "Encoding speed"). On a GPU one call takes them all.
+CPU_ONE_HOT_ENTRIES = 1 << 21
 
 
 class CodecOutput(NamedTuple):
@@ -400,13 +404,25 @@ class RVQCodec(nn.Module):
         lengths = torch.full((x.shape[0],), frames) if lengths is None else lengths
         lengths = lengths.to(x.device)
         beam_size = self.config.beam_size if beam_size is None else beam_size
-        _, codes, _ = self.rvq(self._encode_latent(x, lengths), beam_size=beam_size if beam_size > 1 else None)
-        codes = codes[:, : frames // s]
+        codes = self._quantize(self._encode_latent(x, lengths), beam_size)[:, : frames // s]
         past_end = torch.arange(codes.shape[1], device=x.device)[:, None] >= (lengths // s)[:, None, None]
         codes = codes.masked_fill(past_end, -1)
         if num_quantizers is not None:
             codes = codes[..., :num_quantizers]
         return codes[0] if single else codes
+
+    def _quantize(self, latent: torch.Tensor, beam_size: int) -> torch.Tensor:
+        """[B, T', C] latents -> [B, T', Q] codes of the library's search (beam 1: the nearest code at each level).
+        The quantizer codes each frame on its own, so on a CPU the frames go in parts of nearly equal size, none
+        over CPU_ONE_HOT_ENTRIES of one-hot: the same codes (tests/test_codec.py), in less time."""
+        rows = latent.reshape(1, -1, latent.shape[-1])
+        parts = 1
+        if latent.device.type == "cpu":
+            per_part = max(1, CPU_ONE_HOT_ENTRIES // (beam_size * beam_size * self.config.codebook_size))
+            parts = -(-rows.shape[1] // per_part)
+        codes = [self.rvq(part, beam_size=beam_size if beam_size > 1 else None)[1]
+                 for part in rows.tensor_split(parts, dim=1)]
+        return torch.cat(codes, dim=1).reshape(*latent.shape[:2], -1)
 
     @torch.no_grad()
     def decode(self, codes: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from data.bad_crops import finite_crops
+from models import codec as codec_module
 from models.codec import CodecConfig, RVQCodec
 from models.codes import encode_batch, encode_in_batches, length_sorted_batches
 from models.metrics import EvalSums
@@ -73,6 +74,31 @@ def test_a_batch_encodes_each_utterance_bit_for_bit_as_alone(downsample):
         for row, u in zip(latent, whole):
             alone = model._encode_latent(u[None], torch.tensor([len(u)]))[0]
             assert torch.equal(row[: len(u) // downsample], alone[: len(u) // downsample])
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_encode_quantizes_in_parts_on_a_cpu_and_gets_the_codes_of_one_call(beam, monkeypatch):
+    """On a CPU the quantizer takes a pass's frames in parts, none over CPU_ONE_HOT_ENTRIES of the beam search's
+    one-hot: the codes of every row are those of one call over the whole pass, bit for bit."""
+    torch.manual_seed(0)
+    model = RVQCodec(CodecConfig(feature_dim=24, latent_dim=32, codebook_size=256))
+    model(3 * torch.randn(4, 256, 24))  # the k-means init: codebooks with near ties to break
+    model.eval()
+    x = 3 * torch.randn(3, 300, 24)
+    lengths = torch.tensor([300, 211, 37])
+    calls = []
+    model.rvq.register_forward_pre_hook(lambda _, args: calls.append(args[0].shape[1]))
+    monkeypatch.setattr(codec_module, "CPU_ONE_HOT_ENTRIES", 1 << 40)
+    whole = model.encode(x, lengths=lengths, beam_size=beam)
+    assert calls == [900]
+    budget = beam * beam * 256 * 37  # parts of 36-37 code frames
+    monkeypatch.setattr(codec_module, "CPU_ONE_HOT_ENTRIES", budget)
+    calls.clear()
+    parts = model.encode(x, lengths=lengths, beam_size=beam)
+    assert len(calls) == 25 and sum(calls) == 900
+    assert all(frames * beam * beam * 256 <= budget for frames in calls)
+    assert torch.equal(parts, whole)
+    assert (parts[2, 37:] == -1).all() and (parts[2, :37] >= 0).all()
 
 
 def test_length_sorted_batches_cover_every_utterance_once_within_the_budget():
