@@ -32,8 +32,8 @@ from training.run_folder import CHECKPOINTS, RunFolder
 
 log = logging.getLogger("codec")
 
-# --batch_frames by device: on a CPU the quantizer slows down once a pass's intermediates outgrow the caches
-# (benchmarks/bench_encode.py); on a GPU longer passes spread the kernel launches over more frames
+# --batch_frames by device: on a CPU the fastest pass measured (benchmarks/bench_encode.py), its intermediates
+# within the caches; on a GPU longer passes spread the kernel launches over more frames
 BATCH_FRAMES = {"cpu": 2048, "cuda": 32768}
 CODEC_LOCK = ".codes.codec.lock"  # in a code output folder: held while a writer checks the codec and starts its shard
 # A codec is trusted when its schedule ended with a final eval, after at least this many steps, with a rel_mse
