@@ -398,6 +398,7 @@ class RVQCodec(nn.Module):
         levels of the full search's codes."""
         if self.training:
             raise RuntimeError("encode() runs the codec in eval mode; call model.eval() first")
+        self._settle_init()  # a trained codec's levels are initialised: no host read of their flags per pass
         single = features.dim() == 2
         x = features[None] if single else features
         frames, s = x.shape[1], self.config.downsample

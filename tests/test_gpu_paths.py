@@ -160,6 +160,27 @@ def test_deterministic_flag_sets_cublas_workspace_before_cuda_and_deterministic_
     assert out.stdout.split() == [device_mod.CUBLAS_DETERMINISTIC_WORKSPACE, "True"]
 
 
+def test_encoding_with_a_trained_codec_reads_nothing_back_from_the_device():
+    """tools.encode and tools.tokenize queue a pass's encode behind the work before it: the codec loaded from a
+    checkpoint reads its levels' init flags once, in its first encode, and no more (the library read each level's
+    flag on the host in every call). What the counter still sees are F.one_hot's bound checks, which PyTorch makes
+    on a CPU only (on CUDA the scatter checks on the device)."""
+    torch.manual_seed(0)
+    trained = RVQCodec(CodecConfig(feature_dim=16, latent_dim=16, num_quantizers=3, codebook_size=32))
+    trained(torch.randn(2, 64, 16))  # the k-means init
+    model = RVQCodec(trained.config)
+    model.load_state_dict(trained.state_dict())
+    model.eval()
+    x, lengths = torch.randn(2, 40, 16), torch.tensor([40, 23])
+    calls = []
+    for beam in (1, 4, 1, 4):
+        with count_host_syncs() as syncs:
+            model.encode(x, lengths=lengths, beam_size=beam)
+        calls.append({where.split(" ")[-1]: n for where, n in syncs.by_caller.items()})
+    assert calls[0].pop("_settle_init") == 1  # the one read, in the first encode
+    assert all(set(call) == {"gumbel_sample"} for call in calls), calls  # F.one_hot's, counted, not hidden
+
+
 def test_the_trainers_step_decision_syncs_the_host_once_per_step():
     torch.manual_seed(0)
     model = RVQCodec(CodecConfig(feature_dim=16, latent_dim=16, num_quantizers=2, codebook_size=32))
