@@ -99,8 +99,11 @@ def step_doctor(args):
 
 
 def step_host_syncs(args):
-    """The trainer's own host syncs per step (CPU proxy; on CUDA also torch.cuda.set_sync_debug_mode)."""
-    from benchmarks.host_syncs import one_step_syncs
+    """The trainer's own host syncs per step, and an encode's (CPU proxy; on CUDA also
+    torch.cuda.set_sync_debug_mode)."""
+    import warnings
+
+    from benchmarks.host_syncs import count_host_syncs, one_step_syncs
     from models.codec import CodecConfig, RVQCodec
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu_only else "cpu")
@@ -115,15 +118,30 @@ def step_host_syncs(args):
     model_ops, step_ops, _ = one_step_syncs(model, x, optimizer, scaler, count_ops=True)
     details["ops_by_owner"] = dict(model_ops.ops_by_owner + step_ops.ops_by_owner)  # host work per step
     if device.type == "cuda":  # the driver's own count: every sync warns once
-        import warnings
         torch.cuda.set_sync_debug_mode("warn")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             one_step_syncs(model, x, optimizer, scaler)
         torch.cuda.set_sync_debug_mode(0)
         details["cuda_sync_warnings"] = len(caught)
-    figure = f"{step_syncs.total} in the trainer's step, {model_syncs.total} in the library ({device}, {seconds * 1e3:.0f} ms)"
-    return step_syncs.total == 1, figure, details
+    # the encode of tools.encode and tools.tokenize, at the codec's beam: on CUDA nothing read back (F.one_hot's
+    # bound checks, which the CPU proxy counts, are made on a CPU only)
+    model.eval()
+    with torch.no_grad(), count_host_syncs() as encode_syncs:
+        model.encode(x, beam_size=model.config.beam_size)
+    details["encode_syncs_cpu_proxy"] = dict(encode_syncs.by_caller)
+    encode_ok = True
+    if device.type == "cuda":
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.encode(x, beam_size=model.config.beam_size)
+        torch.cuda.set_sync_debug_mode(0)
+        details["encode_cuda_sync_warnings"] = len(caught)
+        encode_ok = not caught
+    figure = (f"{step_syncs.total} in the trainer's step, {model_syncs.total} in the library ({device}, "
+              f"{seconds * 1e3:.0f} ms); encode: {details.get('encode_cuda_sync_warnings', encode_syncs.total)}")
+    return step_syncs.total == 1 and encode_ok, figure, details
 
 
 def open_demo(world_size=1):
