@@ -18,7 +18,10 @@ from torch import nn
 # error (the earlier levels' terms vanish beside it), which is what the reconstruction keeps: lower held-out
 # rel_mse at beam 4 than equal weights (benchmarks/README.md).
 BEAM_SCORE_GROWTH = 1000.0
-REFIT_CHUNK = 16384  # frames per pass of the refit's distance computations: [chunk x beam, codebook_size] at most
+# Rows per pass of the refit's and the k-means' distance computations ([rows, codebook_size] at most), by device:
+# on a CPU the distances stay within the caches, the same results in less time (benchmarks/bench_refit.py); on a
+# GPU fewer, larger kernels. A pass is also how often the refit looks at cut_short.
+REFIT_CHUNK = {"cpu": 4096, "cuda": 16384}
 RARE_SHARE = 0.1  # the refit moves a code that wins fewer than this share of the mean frames per code (and none)
 
 
@@ -48,7 +51,7 @@ def refit_codebooks(model: nn.Module, utterances: list[torch.Tensor], iters: int
     beam extension, and once at the end ((iters + 1) x levels + 1 calls), at the same points on every rank;
     it may raise to abandon the refit, whose levels are then part refitted: the caller keeps a copy
     (`codebook_state`) to put back. cut_short(): looked at between two utterances encoded and between
-    REFIT_CHUNKs of a pass, on this rank alone; when true the rest is skipped (the sums over ranks are still
+    REFIT_CHUNK rows of a pass, on this rank alone; when true the rest is skipped (the sums over ranks are still
     joined), and the next between() must raise: what was computed is not used.
     """
     if model.training:
@@ -144,6 +147,11 @@ def calling_between(reduce, between):
     return reduce_between
 
 
+def chunk_rows(t: torch.Tensor) -> int:
+    """REFIT_CHUNK for t's device (a device not listed: the GPU's)."""
+    return REFIT_CHUNK.get(t.device.type, REFIT_CHUNK["cuda"])
+
+
 def lloyd_step(samples: torch.Tensor, means: torch.Tensor, reduce,
                cut_short=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One Lloyd iteration: [N, d] samples assigned to the nearest of [K, d] means, the sums and counts summed
@@ -154,7 +162,7 @@ def lloyd_step(samples: torch.Tensor, means: torch.Tensor, reduce,
     cut_short(): when true, the rows left are skipped (the sums are still reduced)."""
     sums, counts = torch.zeros_like(means), torch.zeros(len(means), dtype=torch.long, device=means.device)
     norms = (means * means).sum(-1)
-    for chunk in samples.split(REFIT_CHUNK):
+    for chunk in samples.split(chunk_rows(samples)):
         if cut_short is not None and cut_short():
             break
         nearest = torch.addmm(norms, chunk, means.T, alpha=-2).argmin(-1)  # ||x||^2 is the same for every code
@@ -172,7 +180,7 @@ def extend_beam(residual: torch.Tensor, codebook: torch.Tensor, beam: int, cut_s
     frames left are dropped (fewer rows out)."""
     norms = (codebook * codebook).sum(-1)
     out = []
-    for chunk in residual.split(max(1, REFIT_CHUNK // residual.shape[1])):
+    for chunk in residual.split(max(1, chunk_rows(residual) // residual.shape[1])):
         if out and cut_short is not None and cut_short():
             break
         n, b, d = chunk.shape

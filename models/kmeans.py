@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from models.codebook_ops import REFIT_CHUNK, lloyd_step, split_empty_codes
+from models.codebook_ops import chunk_rows, lloyd_step, split_empty_codes
 
 KMEANS_ITERS = 20  # Lloyd iterations after the k-means++ seeding
 
@@ -61,5 +61,5 @@ def nearest_centroids(samples: torch.Tensor, means: torch.Tensor) -> torch.Tenso
     """[N] int64: the nearest of `means` [K, d] to each of `samples` [N, d]."""
     norms = (means * means).sum(-1)
     return torch.cat([torch.addmm(norms, chunk, means.T, alpha=-2).argmin(-1)
-                      for chunk in samples.float().split(REFIT_CHUNK)]) if len(samples) else \
+                      for chunk in samples.float().split(chunk_rows(samples))]) if len(samples) else \
         torch.zeros(0, dtype=torch.int64)

@@ -214,7 +214,7 @@ def test_a_lloyd_step_in_chunks_is_the_librarys_kmeans_step(monkeypatch):
     g = torch.Generator().manual_seed(0)
     samples = torch.randn(5000, 8, generator=g)
     start = samples[:64].clone() + 0.01
-    monkeypatch.setattr(codebook_ops, "REFIT_CHUNK", 700)  # several chunks, the last one short
+    monkeypatch.setitem(codebook_ops.REFIT_CHUNK, "cpu", 700)  # several chunks, the last one short
     means, counts = codebook_ops.lloyd_step(samples, start.clone(), lambda t: t)
     want, bins = kmeans(samples[None], 64, 1, sample_fn=lambda x, n: start[None])
     torch.testing.assert_close(means, want[0], rtol=1e-5, atol=1e-5)
