@@ -420,7 +420,7 @@ class RVQCodec(nn.Module):
         parts = 1
         if latent.device.type == "cpu":
             per_part = max(1, CPU_ONE_HOT_ENTRIES // (beam_size * beam_size * self.config.codebook_size))
-            parts = -(-rows.shape[1] // per_part)
+            parts = max(1, -(-rows.shape[1] // per_part))
         codes = [self.rvq(part, beam_size=beam_size if beam_size > 1 else None)[1]
                  for part in rows.tensor_split(parts, dim=1)]
         return torch.cat(codes, dim=1).reshape(*latent.shape[:2], -1)
