@@ -269,7 +269,8 @@ def child(spec_path: str) -> int:
               "passes": [(end, *pass_shape(a, kw)) for end, a, kw in passes], "warnings": warnings}
     if spec.get("model") and modules and code == 0 and len(commits) > 1:
         result["model"] = replay(modules[0], [(a, kw) for end, a, kw in passes
-                                              if steady_window(end, commits[0][1], commits[-1][1])], device)
+                                              if steady_window(end, commits[0][1], commits[-1][1])], device,
+                                 spec.get("profile", 0))
     Path(spec["result"]).write_text(json.dumps(result))
     return 0
 
@@ -289,9 +290,10 @@ def pass_shape(args, kwargs) -> tuple[int, int, list[int]]:
     return rows, frames, [int(n) for n in real]
 
 
-def replay(module, calls: list, device) -> dict | None:
+def replay(module, calls: list, device, profile: int = 0) -> dict | None:
     """The model alone: `calls` (args, kwargs) made again on `module`, inputs as the pipeline left them on the
-    device; the first untimed (warm-up), the others timed."""
+    device; the first untimed (warm-up), the others timed; then, with `profile`, that many of them again under
+    torch.profiler (`profile_summary`)."""
     import torch
 
     if not calls:
@@ -308,7 +310,61 @@ def replay(module, calls: list, device) -> dict | None:
         for args, kwargs in calls:
             module(*args, **kwargs)
         sync()
-    return {"seconds": time.perf_counter() - began, "passes": len(calls)}
+        out = {"seconds": time.perf_counter() - began, "passes": len(calls)}
+        if profile:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as profiler
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            with profiler(activities=activities) as prof:
+                began = time.perf_counter()
+                for args, kwargs in calls[:profile]:
+                    module(*args, **kwargs)
+                sync()
+                wall = time.perf_counter() - began
+            out["profile"] = profile_summary(prof.key_averages(), device.type == "cuda", wall,
+                                             len(calls[:profile]))
+    return out
+
+
+# what a kernel (on a GPU) or an aten op (on a CPU) of the w2v-BERT forward is, by its name; the first match wins
+KERNEL_KINDS = (
+    ("attention", r"flex|attention|attn|fmha|flash|softmax"),
+    ("matmul", r"gemm|xmma|cutlass|cublas|nvjet|matmul|aten::mm$|aten::bmm$|aten::addmm$|aten::baddbmm$"),
+    ("convolution", r"conv|depthwise|cudnn"),
+    ("normalization", r"norm"),
+    ("copy", r"copy|memcpy|memset|aten::cat$|aten::contiguous$|aten::clone$|transpose|permute"),
+)
+
+
+def kernel_kind(name: str) -> str:
+    import re
+
+    low = name.lower()
+    return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, low)), "other")
+
+
+def profile_summary(events, on_gpu: bool, wall: float, passes: int, top: int = 15) -> dict:
+    """Where the model alone's time goes, from torch.profiler's averages: on a GPU the kernels' own device time
+    (their sum against the wall clock: the share the device was busy, the rest the host's), on a CPU the ops'
+    own CPU time; by kind (KERNEL_KINDS) and the `top` largest."""
+    from torch.autograd import DeviceType
+
+    key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    # on a GPU the kernels (and copies) alone: an op on the host counts its kernels' device time as its own too
+    rows = [(e.key, int(e.count), getattr(e, key) / 1e6) for e in events
+            if getattr(e, key) > 0 and (e.device_type != DeviceType.CPU) == on_gpu]
+    busy = sum(seconds for _, _, seconds in rows)
+    kinds: dict[str, float] = {}
+    for name, _, seconds in rows:
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + seconds
+    rows.sort(key=lambda r: -r[2])
+    return {"passes": passes, "wall_s": wall, "busy_s": busy, "busy_share": busy / wall if wall else None,
+            "time": "device (kernels)" if on_gpu else "CPU (ops)",
+            "kinds": {k: round(v / busy, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])} if busy else {},
+            "top": [{"name": name[:160], "calls": calls, "seconds": round(seconds, 6),
+                     "share": round(seconds / busy, 4), "kind": kernel_kind(name)}
+                    for name, calls, seconds in rows[:top]]}
 
 
 def make_codec(spec: dict, extract) -> str:
@@ -393,6 +449,8 @@ def figures(result: dict, corpus: dict, cfg: dict, layers: int, max_chunk: int, 
                         "pipeline_share": model["seconds"] / seconds}
         if peak:
             out["model"]["mfu"] = flops / model["seconds"] / (peak * 1e12)
+        if model.get("profile"):
+            out["model"]["profile"] = model["profile"]
     return out
 
 
@@ -414,11 +472,12 @@ def run_benchmark(*, device: str = "cpu", model: str = "small", layer: int | Non
                   batch_seconds: float | None = None, num_workers: int | None = None, threads: int | None = None,
                   peak: float | None = None, scratch_root: str | None = None, timeout: float = 1800,
                   tool_flags: dict[str, list[str]] | None = None, label_modes: dict[str, list[str]] | None = None,
-                  out: Path | None = None, say=print) -> dict:
+                  profile: int = 0, out: Path | None = None, say=print) -> dict:
     """Every (repo, mix, mode) run `repeats` times, taking turns; each keeps its fastest steady state. Returns
     the figures, also written to `out` after every run (a run cut short keeps what it measured). tool_flags: more
     flags for the tools of a repo's label (e.g. two labels of one tree with --compile on and off); label_modes:
-    a label's own modes instead of `modes` (e.g. an earlier tree's extraction alone)."""
+    a label's own modes instead of `modes` (e.g. an earlier tree's extraction alone); profile: that many passes
+    of the model alone profiled after it is timed (`profile_summary`)."""
     import torch
 
     from benchmarks.demo_run import machine
@@ -438,7 +497,7 @@ def run_benchmark(*, device: str = "cpu", model: str = "small", layer: int | Non
             "layer": layer, "precision": precision, "threads": threads, "num_workers": num_workers,
             "commit_seconds": commit_seconds, "batch_seconds": batch_seconds, "work_seconds": work_seconds,
             "audio_minutes": audio_minutes, "repeats": repeats, "peak_tflops": peak, "repos": repos,
-            "tool_flags": tool_flags or {}, "label_modes": label_modes or {},
+            "tool_flags": tool_flags or {}, "label_modes": label_modes or {}, "profile": profile,
             "load_average_before": [round(x, 2) for x in os.getloadavg()], "mixes": {}, "runs": {}}
     with tempfile.TemporaryDirectory(prefix="bench_tokenize_", dir=scratch_root) as tmp:
         tmp = Path(tmp)
@@ -474,6 +533,7 @@ def run_benchmark(*, device: str = "cpu", model: str = "small", layer: int | Non
                                 *(extract_flags if mode == "extract" else common), *(tool_flags or {}).get(label, [])]
                         spec = {"repo": repo, "mode": mode, "argv": argv, "device": device, "threads": threads,
                                 "work_seconds": work_seconds, "model": mode == "extract" and "model" in wanted,
+                                "profile": profile,
                                 "extract_flags": [str(a) for a in extract_flags], "scratch_root": scratch_root}
                         result = run_child(spec, timeout)
                         row = result if "error" in result else figures(result, corpora[mix], cfg, layer, max_chunk,
@@ -548,6 +608,22 @@ def table(info: dict) -> str:
     return "\n".join(lines)
 
 
+def profile_table(info: dict) -> str:
+    """The model alone's profiles (--profile): per tree and mix, the busy share and the time by kind."""
+    lines = []
+    for label, mixes in info["runs"].items():
+        for mix, modes in mixes.items():
+            prof = ((modes.get("extract") or {}).get("model") or {}).get("profile")
+            if prof:
+                busy = f", busy {prof['busy_share']:.0%} of the wall clock" if prof["busy_share"] is not None else ""
+                kinds = ", ".join(f"{kind} {share:.0%}" for kind, share in prof["kinds"].items())
+                passes = f"{prof['passes']} pass{'es' if prof['passes'] != 1 else ''}"
+                lines.append(f"- {label} {mix}, the model alone, {passes} profiled, {prof['time']} time{busy}: "
+                             f"{kinds}; the largest: "
+                             + "; ".join(f"{t['name'][:70]} {t['share']:.0%}" for t in prof["top"][:4]))
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -577,6 +653,9 @@ def main(argv=None) -> int:
                    help="more flags for the tools of --repo LABEL, e.g. 'compiled=--compile on' (repeatable)")
     p.add_argument("--label_modes", action="append", metavar="LABEL=MODES",
                    help="--modes for the tree of --repo LABEL alone, e.g. 'before=extract,model' (repeatable)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="profile N passes of the model alone after timing it: where its time goes, by kind of "
+                        "kernel (on a GPU, with the share the device was busy)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--out", type=Path, default=HERE / "benchmarks" / "results" / "bench_tokenize.json")
     args = p.parse_args(argv)
@@ -602,11 +681,15 @@ def main(argv=None) -> int:
                          label_modes=label_modes,
                          work_seconds=args.work_seconds, commit_seconds=args.commit_seconds,
                          batch_seconds=args.batch_seconds, num_workers=args.num_workers, threads=args.threads,
-                         peak=args.peak_tflops, scratch_root=args.scratch, timeout=args.timeout, out=args.out)
+                         peak=args.peak_tflops, scratch_root=args.scratch, timeout=args.timeout,
+                         profile=args.profile, out=args.out)
     print(f"\n{info['machine']}; {info['device']}, {info['model']} w2v-BERT to layer {info['layer']}, "
           f"{info['precision']}, torch threads {info['threads']}, --num_workers {info['num_workers']}; "
           f"{info['gflop_per_audio_s']} GFLOP per audio second\n")
     print(table(info))
+    profiles = profile_table(info)
+    if profiles:
+        print("\n" + profiles)
     write_json(args.out, info)
     print(f"\nwrote {args.out}")
     return 0

@@ -2,7 +2,8 @@
 # Steady-state audio seconds per second and MFU of tools.extract, tools.tokenize and the model alone on one GPU:
 # a w2v-BERT-2.0-sized random model to layer 17 in bf16, this tree's encoder eager and compiled (--compile), its
 # tokenize with the nearest codes (--beam_size 1) and (with --before) an earlier tree side by side, through
-# benchmarks/bench_tokenize.py. About 6 minutes on an H100 (30 s of steady-state work a run).
+# benchmarks/bench_tokenize.py, with 3 passes of the model alone profiled (where its time goes: the kernels by
+# kind, the share the GPU was busy). About 6 minutes on an H100 (30 s of steady-state work a run).
 #
 #   bash benchmarks/gpu_tokenize.sh [--before DIR] [--wheels DIR] [--cpu-only] [bench_tokenize.py flags...]
 #
@@ -47,7 +48,8 @@ repos+=(--repo "compiled=$PWD" --tool_flags "compiled=--compile on")
 mkdir -p "$OUT"
 if [[ $cpu_only == 1 ]]; then
     flags=(--device cpu --model small --layer 4 --precision fp32 --mixes 5s --audio_minutes 0.5 --base_minutes 0.5
-           --commit_seconds 10 --repeats 1 --modes extract,model,tokenize --out "$OUT/bench_tokenize_cpu_only.json")
+           --commit_seconds 10 --repeats 1 --modes extract,model,tokenize --profile 1
+           --out "$OUT/bench_tokenize_cpu_only.json")
     log=$OUT/bench_tokenize_cpu_only.log
 else
     "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no GPU visible: use --cpu-only')"
@@ -60,7 +62,7 @@ else
     # each run stops after 30 s of steady state
     flags=(--device cuda --model w2v-bert-2.0 --layer 17 --precision bf16 --mixes 2-20s --audio_minutes 2400
            --base_minutes 10 --work_seconds 30 --repeats 1 --modes extract,model,tokenize "${scratch[@]}"
-           --timeout 240 --out "$OUT/bench_tokenize_gpu.json")
+           --profile 3 --timeout 240 --out "$OUT/bench_tokenize_gpu.json")
     log=$OUT/bench_tokenize_gpu.log
 fi
 set -o pipefail

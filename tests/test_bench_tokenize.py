@@ -4,9 +4,8 @@ import pytest
 
 from tests.helpers import REPO
 
-pytestmark = pytest.mark.slow  # end to end: processes, ranks or compiles (pytest.ini)
 
-
+@pytest.mark.slow  # end to end: processes, ranks or compiles (pytest.ini)
 @pytest.mark.timeout(240)
 def test_the_steady_state_counts_the_flops_and_the_passes_of_the_audio_it_counts(tmp_path):
     """5-s files make 250-frame chunks alone, so the FLOPs per audio second of the steady state are the model's
@@ -16,7 +15,7 @@ def test_the_steady_state_counts_the_flops_and_the_passes_of_the_audio_it_counts
 
     info = run_benchmark(device="cpu", model="small", mixes=("5s",), modes=("extract", "model"), audio_minutes=0.5,
                          base_minutes=0.5, commit_seconds=10, repeats=1, repos={"this tree": str(REPO)},
-                         timeout=200, scratch_root=str(tmp_path), say=lambda line: None)
+                         timeout=200, scratch_root=str(tmp_path), profile=1, say=lambda line: None)
     row = info["runs"]["this tree"]["5s"]["extract"]
     assert "error" not in row, row
     assert row["commits"] >= 3 and not row["stopped_early"]  # the last window's passes end the run: none after it
@@ -24,3 +23,46 @@ def test_the_steady_state_counts_the_flops_and_the_passes_of_the_audio_it_counts
     # the model alone replayed the steady windows' passes: 10 s windows of 5-s files, 2 files a window
     windows = row["commits"] - 1
     assert row["model"]["passes"] == windows
+    # --profile: one of those passes again under the profiler; the op time adds up to no more than the wall clock
+    # (one thread) and most of it is the matmuls'
+    prof = row["model"]["profile"]
+    assert prof["passes"] == 1 and prof["time"] == "CPU (ops)"
+    assert sum(prof["kinds"].values()) == pytest.approx(1, abs=1e-3)
+    assert 0.3 < prof["busy_share"] <= 1.05 and prof["kinds"]["matmul"] > 0.3
+    assert prof["top"][0]["name"] == "aten::addmm"
+
+
+def test_kernels_are_sorted_into_kinds_by_name():
+    from benchmarks.bench_tokenize import kernel_kind
+
+    assert kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64") == "matmul"
+    assert kernel_kind("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NNT") == "matmul"
+    assert kernel_kind("triton_tem_fused_flex_attention_0") == "attention"
+    assert kernel_kind("void at::native::conv_depthwise2d_forward_kernel<c10::BFloat16>") == "convolution"
+    assert kernel_kind("void at::native::vectorized_layer_norm_kernel<c10::BFloat16, float>") == "normalization"
+    assert kernel_kind("Memcpy DtoD (Device -> Device)") == "copy"
+    assert kernel_kind("void at::native::elementwise_kernel<128, 2>") == "other"
+
+
+def test_a_gpu_profile_counts_the_kernels_and_not_the_host_ops_that_launch_them():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from benchmarks.bench_tokenize import profile_summary
+
+    def event(key, device_type, device_us, cpu_us=0):
+        return SimpleNamespace(key=key, count=2, device_type=device_type, self_device_time_total=device_us,
+                               self_cpu_time_total=cpu_us)
+
+    events = [event("aten::mm", DeviceType.CPU, 600, 50), event("nvjet_hsh_256x128", DeviceType.CUDA, 600),
+              event("triton_tem_fused_flex_attention_0", DeviceType.CPU, 300, 20),
+              event("triton_tem_fused_flex_attention_0", DeviceType.CUDA, 300),
+              event("Memcpy DtoD (Device -> Device)", DeviceType.CUDA, 100)]
+    prof = profile_summary(events, True, wall=0.002, passes=2)
+    assert prof["busy_s"] == pytest.approx(0.001) and prof["busy_share"] == pytest.approx(0.5)
+    assert prof["kinds"] == {"matmul": 0.6, "attention": 0.3, "copy": 0.1}
+    assert [t["name"] for t in prof["top"]] == ["nvjet_hsh_256x128", "triton_tem_fused_flex_attention_0",
+                                                "Memcpy DtoD (Device -> Device)"]
+    on_cpu = profile_summary(events, False, wall=0.0001, passes=2)
+    assert on_cpu["busy_s"] == pytest.approx(70e-6) and set(on_cpu["kinds"]) == {"matmul", "attention"}
