@@ -1,12 +1,14 @@
 """Where the audio comes from: the sources tools.extract and tools.tokenize read, and how NSHARD RANK splits one.
 
-SOURCE is one of (`source_kind` tells them apart by the path alone):
+SOURCE is one of (`source_kind` tells them apart by the path alone; a path that exists is taken as it is named,
+`[2024]` or `{a,b}` in it included, and only one that does not is read as a pattern):
 - folder: a folder of .wav/.flac/.ogg files, searched recursively; key: the file's path under it;
 - manifest: a fairseq .tsv manifest (data/audio_manifest.py); key: the path its line gives;
 - webdataset: WebDataset tar shards: one .tar, a brace pattern as WebDataset expands it
-  (`shards/train-{000000..001999}.tar`), a glob, or a folder holding .tar files. An utterance is the members
-  that share a key (webdataset's base_plus_ext: the member's path up to the first dot of its name); its audio is
-  its first member of an audio extension (AUDIO_EXTENSIONS), or of `audio_ext`; key: the tar key;
+  (`shards/train-{000000..001999}.tar`: each file it names must be there), a glob (what it matches), or a folder
+  holding .tar files. An utterance is the members that share a key (webdataset's base_plus_ext: the member's path
+  up to the first dot of its name); its audio is its first member of an audio extension (AUDIO_EXTENSIONS), or of
+  `audio_ext`; key: the tar key;
 - parquet: Hugging Face's parquet layout (a folder of .parquet files, searched recursively, a pattern, or one
   file) or a folder written by `datasets`' save_to_disk (state.json beside .arrow files); the audio is the
   `audio_column` (an Audio column, stored as {bytes, path}); key: the `key_column`, by default the first of
@@ -146,28 +148,47 @@ class FileReader:
 # ---- the kind of a source -------------------------------------------------------------------------------------
 
 def expand(source: str) -> list[str]:
-    """The paths a brace pattern (WebDataset's notation, braceexpand) or a glob names, sorted; [source] else."""
+    """The files a brace pattern (WebDataset's notation, braceexpand) or a glob names, sorted when it globs. A brace
+    pattern names each file, so one not there (a mistyped range, a failed download) is a BadInputError naming it,
+    never dropped; a glob takes what there is ([] when nothing is)."""
     names = [source]
     if "{" in source:
         names = list(_need("braceexpand", "a brace pattern").braceexpand(source))  # webdataset's own dependency
-    if any(c in source for c in "*?["):
-        names = sorted({p for name in names for p in glob.glob(name, recursive=True)})
-    return names
+    found = {name: _files(name) for name in names}
+    missing = [name for name, files in found.items() if not files]
+    if missing and len(missing) < len(found):
+        shown = ", ".join(missing[:5]) + (f" ... ({len(missing)} in all)" if len(missing) > 5 else "")
+        raise BadInputError(f"{source}: {len(missing)} of the {len(found)} files it names are not there ({shown}); a "
+                            "brace pattern names each file: correct the range, or fetch the missing files")
+    files = [f for listed in found.values() for f in listed]
+    return sorted(set(files)) if _globs(source) else files
+
+
+def _files(name: str) -> list[str]:
+    """The files one name of a pattern stands for: itself when it is a file (its name taken literally), else what
+    its glob matches."""
+    if Path(name).is_file():
+        return [name]
+    return [p for p in glob.glob(name, recursive=True) if Path(p).is_file()] if _globs(name) else []
+
+
+def _globs(text: str) -> bool:
+    return any(c in text for c in "*?[")
 
 
 def source_kind(source: Path) -> tuple[str, list[Path]]:
     """(kind, the container files: tars, parquet or arrow files, else []) of SOURCE; BadInputError naming the
-    kinds accepted when it is none of them."""
+    kinds accepted when it is none of them. A SOURCE that exists is taken as it is named (a folder may be called
+    `Recordings [2024]`); only one that does not is read as a pattern (expand)."""
     text = str(source)
     accepted = "give " + "; ".join(KINDS)
-    names = expand(text)
-    if names != [text]:
-        paths = [Path(n) for n in names if Path(n).is_file()]
+    if not source.exists():
+        if "{" not in text and not _globs(text):
+            raise BadInputError(f"{source} does not exist: {accepted}")
+        paths = [Path(n) for n in expand(text)]
         if not paths:
             raise BadInputError(f"{source} names no file: {accepted}")
         return _containers(source, paths, accepted)
-    if not source.exists():
-        raise BadInputError(f"{source} does not exist: {accepted}")
     if source.is_dir():
         if (source / "state.json").is_file() and any(source.glob("*.arrow")):
             return "arrow", _saved_dataset_files(source)

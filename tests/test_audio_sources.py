@@ -18,6 +18,7 @@ import soundfile as sf
 import webdataset as wds
 
 from data.audio_features import SeamlessFbank, model_input
+from data.audio_sources import source_kind
 from tests.audio_helpers import random_codec, write_corpus
 from tests.helpers import env, run_python
 from tools import encode, extract, tokenize
@@ -182,6 +183,38 @@ def test_a_source_of_no_known_kind_exits_2_naming_what_is_accepted(tmp_path, cap
     assert extract.main([tmp_path / name, "train", 1, 0, out]) == 2
     assert "WebDataset" in caplog.text or "plain .tar" in caplog.text
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_a_brace_pattern_naming_a_tar_not_there_exits_2_naming_it_and_a_glob_takes_what_there_is(corpus, tmp_path,
+                                                                                                 caplog):
+    c, out = corpus, tmp_path / "feats"
+    assert extract.main([str(c.tars / "train-{000..004}.tar"), "train", 1, 0, out]) == 2  # tars 000-002 are there
+    assert "2 of the 5 files it names are not there" in caplog.text
+    assert "train-003.tar" in caplog.text and "train-004.tar" in caplog.text and "fetch the missing" in caplog.text
+    assert not out.exists()
+    assert source_kind(Path(c.tars / "train-00*.tar")) == ("webdataset", sorted(c.tars.glob("*.tar")))
+
+
+def test_a_source_whose_name_holds_brackets_or_braces_is_taken_as_named(corpus, tmp_path):
+    c = corpus
+    codec = random_codec(tmp_path / "codec.pt", c.loose, 160)
+    for k, name in enumerate(("My Recordings [2024]", "takes {a,b}")):
+        folder = tmp_path / name
+        folder.mkdir()
+        for rel in c.rels[:2]:
+            (folder / rel).write_bytes((c.audio / rel).read_bytes())
+        (folder / "train.tsv").write_text(f"{folder}\n" + "".join(f"{rel}\t1\n" for rel in c.rels[:2]))
+        for source in (folder, folder / "train.tsv"):
+            out = tmp_path / f"feats{k}_{source.suffix}"
+            assert extract.main([source, "train", 1, 0, out, "--num_workers", 0]) == 0, source
+            assert (out / "train_0_1.tsv").read_text().split("\n")[0] == str(folder.resolve())
+            got = features_by_key(out)
+            assert list(got) == c.rels[:2]
+            for rel in c.rels[:2]:
+                np.testing.assert_array_equal(got[rel], c.expected[rel])
+    out = tmp_path / "codes"
+    assert tokenize.main([folder, "train", 1, 0, out, "--checkpoint", codec, "--num_workers", 0]) == 0
+    assert (out / "train_0_1.codes.tsv").read_text().split("\n")[0] == str(folder.resolve())
 
 
 def run_killed(module: str, args: list) -> None:
