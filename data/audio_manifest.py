@@ -19,7 +19,9 @@ AUDIO_SUFFIXES = (".wav", ".flac", ".ogg")
 
 
 def read_manifest(path: Path) -> tuple[Path, list[str]]:
-    """(root, relpaths) of a fairseq manifest: the root folder, then `relpath<TAB>num_samples` lines."""
+    """(root, relpaths) of a fairseq manifest: the root folder, then `relpath<TAB>num_samples` lines. A relative
+    root is the manifest's folder's, returned absolute: the .tsv written from it names the same folder from any
+    working directory."""
     # split on newlines only: splitlines() would also cut a name at a form feed or U+2028
     lines = path.read_text(encoding="utf-8-sig", errors="surrogateescape").split("\n")
     if not lines or not lines[0].strip():
@@ -27,7 +29,7 @@ def read_manifest(path: Path) -> tuple[Path, list[str]]:
                             "then one `relpath<TAB>num_samples` line per file")
     root = Path(lines[0].strip())
     if not root.is_absolute():
-        root = path.parent / root
+        root = (path.parent / root).absolute()
     entries = [line.split("\t")[0] for line in lines[1:] if line.strip()]
     if not entries:
         raise BadInputError(f"manifest {path} lists no files (only the root line {lines[0]!r})")

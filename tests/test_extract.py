@@ -12,6 +12,7 @@ import soxr
 from transformers import SeamlessM4TFeatureExtractor
 
 from tools import extract
+from data.audio_manifest import read_manifest
 from data.stores import find_split
 from tests import audio_helpers
 from tests.audio_helpers import CORPUS, voice_like, write_corpus
@@ -145,23 +146,55 @@ def test_empty_or_missing_input_exits_2(tmp_path, caplog):
     assert e.value.code == 2
 
 
-def test_a_crash_midway_leaves_no_file_the_trainer_could_read(tmp_path, monkeypatch):
-    audio = tmp_path / "audio"
-    write_corpus(audio)
+def crash_at_call(patch: pytest.MonkeyPatch, n: int) -> None:
+    """The fbank front-end raising at its n-th file: a run that crashes midway."""
     real, calls = extract.SeamlessFbank.__call__, []
 
     def failing(self, wave):
         calls.append(1)
-        if len(calls) == 4:
+        if len(calls) == n:
             raise RuntimeError("simulated crash")
         return real(self, wave)
 
-    monkeypatch.setattr(extract.SeamlessFbank, "__call__", failing)
+    patch.setattr(extract.SeamlessFbank, "__call__", failing)
+
+
+def test_a_crash_midway_leaves_no_file_the_trainer_could_read(tmp_path, monkeypatch):
+    audio = tmp_path / "audio"
+    write_corpus(audio)
+    crash_at_call(monkeypatch, 4)
     with pytest.raises(RuntimeError, match="simulated crash"):
         extract.main([audio, "train", 1, 0, tmp_path / "feats", "--num_workers", 0, "--commit_files", 2])
     assert find_split(tmp_path / "feats", "train") is None  # one commit made: partial files, no dump
     assert sorted(p.name for p in (tmp_path / "feats").iterdir() if not p.name.endswith(".partial")) == \
         [".train_0_1.lock", "train_0_1.progress"]
+
+
+def test_a_relative_manifest_root_is_written_absolute_and_a_shard_begun_relative_is_refused(tmp_path, monkeypatch,
+                                                                                             caplog):
+    audio = tmp_path.resolve() / "corpus" / "audio"  # as the working directory names it
+    relpaths = write_corpus(audio)
+    (tmp_path / "corpus" / "train.tsv").write_text("audio\n" + "".join(f"{rel}\t1\n" for rel in relpaths))
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "feats"
+    args = [Path("corpus/train.tsv"), "train", 1, 0, out, "--num_workers", 0, "--commit_files", 2]
+    with monkeypatch.context() as patch:  # a shard begun by a version that recorded the root as given: relative
+        crash_at_call(patch, 4)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            extract.main(args)
+    progress = json.loads((out / "train_0_1.progress").read_text())
+    assert progress["done"] == 2 and progress["settings"]["root"] == str(audio)
+    progress["settings"]["root"] = "corpus/audio"
+    (out / "train_0_1.progress").write_text(json.dumps(progress))
+    shard = lambda: {p.name: p.read_bytes() for p in out.glob("train_0_1.*")}  # noqa: E731
+    before = shard()
+    assert extract.main(args) == 2
+    assert f"was begun with other settings (root: 'corpus/audio' -> '{audio}')" in caplog.text
+    assert "--overwrite" in caplog.text and shard() == before
+    assert extract.main([*args, "--overwrite"]) == 0
+    monkeypatch.chdir(audio)  # the .tsv written is a manifest of the same files from any working directory
+    assert (out / "train_0_1.tsv").read_text().split("\n")[0] == str(audio)
+    assert read_manifest(out / "train_0_1.tsv") == (audio, relpaths)
 
 
 @pytest.fixture(scope="module")
