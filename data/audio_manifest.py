@@ -57,8 +57,10 @@ def shown_name(rel: str) -> str:
 
 
 def list_audio_folder(folder: Path) -> list[str]:
-    found = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
-                   if p.is_file() and p.suffix.lower() in AUDIO_SUFFIXES)
+    """The audio files under `folder` by their paths under it, sorted. A link to nothing is one too: it is skipped
+    as missing and listed, as in a manifest, not lost without a word."""
+    found = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.suffix.lower() in AUDIO_SUFFIXES
+                   and (p.is_file() or (p.is_symlink() and not p.exists())))
     if not found:
         raise BadInputError(f"no audio files ({', '.join(AUDIO_SUFFIXES)}) found under {folder}")
     return found

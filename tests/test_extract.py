@@ -197,6 +197,24 @@ def test_a_relative_manifest_root_is_written_absolute_and_a_shard_begun_relative
     assert read_manifest(out / "train_0_1.tsv") == (audio, relpaths)
 
 
+def test_a_link_to_nothing_in_a_folder_is_counted_and_skipped_as_missing(tmp_path, monkeypatch, caplog):
+    audio, out = tmp_path / "audio", tmp_path / "feats"
+    relpaths = write_corpus(audio)
+    args = [audio, "train", 1, 0, out, "--num_workers", 0, "--commit_files", 2]
+    with monkeypatch.context() as patch:  # a shard begun before the link was there (or by a version not listing it)
+        crash_at_call(patch, 4)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            extract.main(args)
+    (audio / "broken.wav").symlink_to(tmp_path / "nowhere.wav")
+    assert extract.main(args) == 2  # its file list differs: refused, not resumed over other files
+    assert "was begun with other settings (files: 10 -> 11, file_list: 'sha256:" in caplog.text
+    assert extract.main([*args, "--overwrite"]) == 0
+    assert "files 0-10 of 11" in caplog.text
+    assert (out / "train_0_1.skipped").read_text() == "broken.wav\tmissing: no such file\n"
+    assert manifest_entries(out / "train_0_1.tsv") == relpaths
+    assert json.loads((out / "train_0_1.json").read_text())["skipped"] == 1
+
+
 @pytest.fixture(scope="module")
 def tiny_w2v_bert(tmp_path_factory):
     return audio_helpers.tiny_w2v_bert(tmp_path_factory.mktemp("w2v_bert"))
