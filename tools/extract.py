@@ -39,7 +39,8 @@ A file that cannot be read, is empty, too short, truncated or gives non-finite f
 and counted; so is one whose name NAME.tsv cannot hold (not UTF-8, or with a line break or a tab); the rest
 goes on. A full disk ends the run with one line naming the folder and the space needed, exit 1: the same
 command resumes once there is room. Exit codes: 0 done; 1 no file could be extracted (nothing written), or
-the disk is full; 2 bad arguments, an empty or missing manifest/folder, or an output that is another's.
+the disk is full; 2 bad arguments, an empty or missing manifest/folder, or an output that is another's; 130
+(ended by SIGINT) Ctrl-C, the shard resumable.
 """
 from __future__ import annotations
 
@@ -268,4 +269,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    run(main, "extract")
+    run(main, "extract", resumes=True)
