@@ -7,6 +7,7 @@ EXIT_OK = 0  # done, or stopped on request with a checkpoint written
 EXIT_FAILURE = 1  # anything else
 EXIT_BAD_INPUT = 2  # bad flags or data; nothing written
 EXIT_DISTRIBUTED = 3  # peer lost, timeout or desync; the rank is named
+EXIT_INTERRUPTED = 130  # ended by Ctrl-C (SIGINT) before it finished: 128 + SIGINT, as a shell reports it
 
 
 class BadInputError(Exception):

@@ -3,8 +3,8 @@
 A run holds the lock on its --output_dir, a tool the lock on each shard it writes, for as long as it
 writes. The lock is `flock` on a small file beside the output: the kernel releases it when the process
 ends, however it ends (SIGKILL, OOM killer, a node reboot), so a dead writer never leaves a stale lock,
-only the file, which the next writer takes over. The file holds who has it (pid, host, command, start
-time), read by a writer that finds it taken so that the message names the other process. On NFS, Linux
+only the file, which the next writer takes over. The file holds who has it (pid, host, the command as typed,
+start time), read by a writer that finds it taken so that the message names the other process. On NFS, Linux
 maps flock to the server's byte-range locks (NFSv4, or v3 with lockd), which also die with the holder.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ import errno
 import fcntl
 import json
 import os
+import shlex
 import socket
 import sys
 import time
@@ -121,5 +122,15 @@ class WriterLock:
 
 
 def holder_record() -> dict:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-            "command": " ".join([os.path.basename(sys.executable), *sys.argv])[:500]}
+    return {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "command": typed_command()[:500]}
+
+
+def typed_command() -> str:
+    """This process's command as it was typed (`python -m tools.tokenize ...`, quoted for a shell), and its rank
+    under a launcher (torchrun starts each as `python -u -m ...`). sys.argv holds a module's file path under -m,
+    and `python tools/tokenize.py` fails: tools/ on sys.path puts it in place of the standard library's tokenize."""
+    interpreter, *args = sys.orig_argv
+    typed = shlex.join([os.path.basename(interpreter), *args])
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return f"{typed} (rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} under a launcher)"
+    return typed

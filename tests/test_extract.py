@@ -146,6 +146,16 @@ def test_empty_or_missing_input_exits_2(tmp_path, caplog):
     assert e.value.code == 2
 
 
+@pytest.mark.parametrize("device", ["tpu", "cuda:99"])  # not a device; a GPU no machine here has
+def test_a_bad_device_exits_2_with_nothing_written(tmp_path, caplog, device):
+    """--device is resolved before the shard is claimed: its lock, progress and partial files are never made."""
+    audio = tmp_path / "audio"
+    write_corpus(audio, [("a.wav", 1.0, 16000, 1)])
+    assert extract.main([audio, "train", 1, 0, tmp_path / "out", "--device", device]) == 2
+    assert f"--device {device}" in caplog.text
+    assert not (tmp_path / "out").exists()
+
+
 def crash_at_call(patch: pytest.MonkeyPatch, n: int) -> None:
     """The fbank front-end raising at its n-th file: a run that crashes midway."""
     real, calls = extract.SeamlessFbank.__call__, []

@@ -135,6 +135,31 @@ def test_check_of_a_clean_split_and_of_a_missing_one(tmp_path):
     assert r.returncode == 2 and "no split 'test'" in r.stderr
 
 
+def test_check_of_a_training_runs_folder_names_the_features_it_trained_on(tmp_path, caplog):
+    """A run's --output_dir given to tools.check: its checkpoints/ of .pt files is no split of utterances; the
+    message says it is a run and names the run's --data_dir, or the demo corpus, for a run from before the marker
+    too."""
+    from tools import check
+    from training.config import parse_args, save_config
+    from training.run_folder import RunFolder
+
+    run = RunFolder(tmp_path / "run")
+    run.checkpoints.mkdir(parents=True)
+    (run.checkpoints / "step_00000004.pt").write_bytes(b"weights")
+    run.marker.write_text("{}\n")
+    feats = tmp_path / "my feats"
+    save_config(parse_args(["--output_dir", str(run.root), "--data_dir", str(feats)]), run.config)
+    assert check.main([str(run.root), "--split", "valid"]) == 2
+    assert (f"{run.root} is a training run (the trainer's --output_dir), not a folder of features: check the "
+            f"features it trained on, its --data_dir: python -m tools.check '{feats}' --split valid") in caplog.text
+    run.marker.unlink()
+    save_config(parse_args(["--output_dir", str(run.root)]), run.config)
+    caplog.clear()
+    assert check.main([str(run.root)]) == 2
+    assert "is a training run (the trainer's --output_dir), not a folder of features; it trained on the built-in " \
+           "demo corpus" in caplog.text and "'checkpoints'" not in caplog.text
+
+
 def test_a_folder_store_reads_its_files_once_then_only_its_lengths_manifest(tmp_path, monkeypatch):
     import data.stores as stores
 

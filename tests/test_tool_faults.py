@@ -69,41 +69,85 @@ def gone(pid: int) -> bool:
     return _state(pid) in ("", "Z")  # a zombie has ended: its parent (init here) has yet to reap it
 
 
+def stopped_before_its_second_commit(args: list, out: Path) -> tuple[subprocess.Popen, list[int]]:
+    """(tools.extract stopped (SIGSTOP) by RVQ_FAULT's hang before its second commit, its 2 decoding workers busy,
+    their pids). The caller ends every one of them."""
+    main = tool(args, env=env(RVQ_FAULT="hang:step=2"))
+    deadline = time.monotonic() + 90
+    while _state(main.pid) != "T":
+        if main.poll() is not None or time.monotonic() >= deadline:
+            main.kill()
+            pytest.fail(main.communicate(timeout=30)[1][-3000:])
+        time.sleep(0.1)
+    workers = children(main.pid)
+    committed = json.loads((out / f"{SHARD}.progress").read_text())
+    if len(workers) != 2 or any(gone(w) for w in workers) or committed["done"] != 2:
+        # the stop lands before the writer thread's commit (faults.stop_this_process)
+        end(main.pid, *workers)
+        pytest.fail(f"stopped with workers {workers} and {committed} committed; its log: "
+                    f"{main.communicate(timeout=30)[1][-3000:]}")
+    return main, workers
+
+
+def end(*pids: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def wait_gone(workers: list[int]) -> None:
+    deadline = time.monotonic() + 3  # a kernel signal: no worker waits for torch's own 5-s check
+    while not all(gone(w) for w in workers):
+        assert time.monotonic() < deadline, f"workers {workers} outlived their main process"
+        time.sleep(0.05)
+
+
 @pytest.mark.timeout(120)
 def test_a_sigkilled_main_process_leaves_no_worker_and_the_same_command_resumes(audio, unbroken, tmp_path):
     """The OOM killer's SIGKILL on the main process alone, its 2 decoding workers busy: they end with it, hold no
     lock, and the same command resumes to the bytes of a run never stopped."""
     out = tmp_path / "feats"
     args = [audio, "train", 1, 0, out, "--commit_files", 2, "--num_workers", 2]
-    main = tool(args, env=env(RVQ_FAULT="hang:step=2"))  # stopped before its second commit, workers decoding on
+    main, workers = stopped_before_its_second_commit(args, out)
     try:
-        deadline = time.monotonic() + 90
-        while _state(main.pid) != "T":
-            assert main.poll() is None and time.monotonic() < deadline, main.communicate()[1][-3000:]
-            time.sleep(0.1)
-        workers = children(main.pid)
-        assert len(workers) == 2 and not any(gone(w) for w in workers)
-        committed = json.loads((out / f"{SHARD}.progress").read_text())
-        if committed["done"] != 2:  # the stop lands before the writer thread's commit (faults.stop_this_process)
-            main.kill()
-            pytest.fail(f"stopped before its second commit with {committed} committed; its log: "
-                        f"{main.communicate(timeout=30)[1][-3000:]}")
         main.kill()
         main.wait(10)
-        deadline = time.monotonic() + 3  # a kernel signal: no worker waits for torch's own 5-s check
-        while not all(gone(w) for w in workers):
-            assert time.monotonic() < deadline, f"workers {workers} outlived their main process"
-            time.sleep(0.05)
+        wait_gone(workers)
     finally:
-        for pid in [main.pid, *(w for w in locals().get("workers", []) if not gone(w))]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        end(main.pid, *(w for w in workers if not gone(w)))
     again = tool(args, env=env())
     _, err = again.communicate(timeout=90)
     assert again.returncode == 0, err[-3000:]
     assert f"resuming at file 2 of {len(LONG_CORPUS)}" in err
+    assert dump_bytes(out) == dump_bytes(unbroken)
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_ends_a_tool_in_one_line_by_sigint_and_the_same_command_resumes(audio, unbroken, tmp_path):
+    """Ctrl-C (SIGINT) on the main process, its writer about to commit and its 2 decoding workers busy: one line
+    instead of a traceback, the process ended by SIGINT (130 in a shell: not done, so `extract && train` stops),
+    no worker left, and the same command resumes to the bytes of a run never stopped."""
+    out = tmp_path / "feats"
+    args = [audio, "train", 1, 0, out, "--commit_files", 2, "--num_workers", 2]
+    main, workers = stopped_before_its_second_commit(args, out)
+    try:
+        main.send_signal(signal.SIGINT)
+        main.send_signal(signal.SIGCONT)  # the SIGINT is taken as it goes on
+        _, err = main.communicate(timeout=60)
+        wait_gone(workers)
+    finally:
+        end(main.pid, *(w for w in workers if not gone(w)))
+    assert main.returncode == -signal.SIGINT, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert re.search(r"\n\d\d:\d\d:\d\d \[extract\] ERROR stopped by SIGINT \(Ctrl-C\) before it finished: the same "
+                     r"command resumes from the last commit\n$", err), err[-3000:]
+    again = tool(args, env=env())
+    _, err = again.communicate(timeout=90)
+    assert again.returncode == 0, err[-3000:]
+    resumed = re.search(rf"resuming at file (\d+) of {len(LONG_CORPUS)}", err)
+    assert resumed and int(resumed[1]) >= 4, err[-3000:]  # the window the writer held was committed as it ended
     assert dump_bytes(out) == dump_bytes(unbroken)
 
 

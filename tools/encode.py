@@ -375,4 +375,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    run(main, "encode")
+    run(main, "encode", resumes=True)

@@ -39,7 +39,8 @@ A file that cannot be read, is empty, too short, truncated or gives non-finite f
 and counted; so is one whose name NAME.tsv cannot hold (not UTF-8, or with a line break or a tab); the rest
 goes on. A full disk ends the run with one line naming the folder and the space needed, exit 1: the same
 command resumes once there is room. Exit codes: 0 done; 1 no file could be extracted (nothing written), or
-the disk is full; 2 bad arguments, an empty or missing manifest/folder, or an output that is another's.
+the disk is full; 2 bad arguments, an empty or missing manifest/folder, or an output that is another's; 130
+(ended by SIGINT) Ctrl-C, the shard resumable.
 """
 from __future__ import annotations
 
@@ -150,10 +151,10 @@ def shard_front_end(flag: str | None, recorded: dict | None) -> tuple[str, bool]
     return front_end, not (legacy and front_end == RECORDED_BEFORE)
 
 
-def feature_maker(request: FeatureRequest, pipeline: PipelineSettings, share: AudioShare, recorded: dict | None,
+def feature_maker(request: FeatureRequest, pipeline: PipelineSettings, device: torch.device, recorded: dict | None,
                   before_pass_rules: bool) -> tuple[SeamlessFbank, W2vBertLayer | None, dict]:
-    """(the fbank, the w2v-BERT layer or None, the feature settings noted in NAME.json), for a shard begun with
-    settings `recorded` (None: a new one), `before_pass_rules` or not (tools/audio_shard.py)."""
+    """(the fbank, the w2v-BERT layer on `device` or None, the feature settings noted in NAME.json), for a shard
+    begun with settings `recorded` (None: a new one), `before_pass_rules` or not (tools/audio_shard.py)."""
     front_end, named = shard_front_end(request.front_end, recorded)
     fbank = SeamlessFbank(request.checkpoint, front_end)
     settings = {"feature": request.feature, "dim": fbank.dim, "frame_rate_hz": FRAME_RATE,
@@ -163,7 +164,6 @@ def feature_maker(request: FeatureRequest, pipeline: PipelineSettings, share: Au
                                                                   "recorded)")
     if request.feature != "w2v-bert":
         return fbank, None, settings
-    device = model_device(pipeline.device, share)  # shards on one node spread over its GPUs
     encoder = W2vBertLayer(request.checkpoint, request.layer, device=device,
                            dtype=compute_dtype(request.precision, device) or torch.float32,
                            max_chunk_seconds=request.max_chunk_seconds, attention=w2v_attention(before_pass_rules),
@@ -189,6 +189,7 @@ def check_split_shards(out_dir: Path, split: str, nshard: int) -> None:
 
 def extract(cfg: ExtractSettings) -> int:
     share = audio_share(cfg.audio)
+    device = model_device(cfg.pipeline.device, share)  # before the shard is claimed: a bad --device writes nothing
     out_dir, split = cfg.output.out_dir, cfg.audio.split
     name = f"{split}_{share.rank}_{share.nshard}"
     recorded = None if cfg.output.overwrite else shard_settings(out_dir, name, FEATURE_DUMP)
@@ -196,7 +197,7 @@ def extract(cfg: ExtractSettings) -> int:
     if cfg.features.feature == "w2v-bert":  # such a shard goes on with its own passes and commits
         pipeline, before_pass_rules = begun_before_pass_rules(cfg.pipeline, recorded, log)
         cfg = dataclasses.replace(cfg, pipeline=shard_compile(pipeline, recorded))
-    fbank, encoder, features = feature_maker(cfg.features, cfg.pipeline, share, recorded, before_pass_rules)
+    fbank, encoder, features = feature_maker(cfg.features, cfg.pipeline, device, recorded, before_pass_rules)
     settings = {**features, "split": split, **share.settings}
     if encoder is not None:
         settings.update(pass_settings(cfg.pipeline, encoder.device, before_pass_rules))
@@ -210,7 +211,7 @@ def extract(cfg: ExtractSettings) -> int:
                              streams={".len": "", ".tsv": f"{share.root}\n", ".skipped": ""},
                              inputs=len(share.keys))
         try:
-            return extract_into(cfg, share, name, fbank, encoder, settings, writer)
+            return extract_into(cfg, share, name, fbank, encoder, device, settings, writer)
         finally:
             writer.close()
     finally:
@@ -218,7 +219,7 @@ def extract(cfg: ExtractSettings) -> int:
 
 
 def extract_into(cfg: ExtractSettings, share: AudioShare, name: str, fbank: SeamlessFbank,
-                 encoder: W2vBertLayer | None, settings: dict, writer: ShardWriter) -> int:
+                 encoder: W2vBertLayer | None, device: torch.device, settings: dict, writer: ShardWriter) -> int:
     log.info("%s: %s from %s -> %s/%s.npy (%s, %d-d)", name, share.describe(), cfg.audio.source, cfg.output.out_dir,
              name, cfg.features.feature, settings["dim"])
     if writer.done:
@@ -231,7 +232,7 @@ def extract_into(cfg: ExtractSettings, share: AudioShare, name: str, fbank: Seam
                                   commit_seconds=cfg.pipeline.commit_seconds,
                                   passes=shard_passes(settings) if encoder else None,
                                   progress=bar.update,
-                                  device=encoder.device if encoder else model_device(cfg.pipeline.device, share))
+                                  device=encoder.device if encoder else device)
         log.info("the fbank is computed %s", f"on {pipeline.device} from the decoded audio"
                  if pipeline.device_fbank else "by the decoding workers")
 
@@ -268,4 +269,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    run(main, "extract")
+    run(main, "extract", resumes=True)

@@ -296,4 +296,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    run(main, "tokenize")
+    run(main, "tokenize", resumes=True)

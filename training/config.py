@@ -18,7 +18,6 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from data.training_data import DataConfig
 from models.codec import CodecConfig
@@ -311,16 +310,6 @@ def command_line(values: dict) -> list[str]:
                 value = ",".join(map(str, value))
             argv += [action.option_strings[0], str(value)]
     return argv
-
-
-def written_by_trainer(path) -> bool:
-    """Whether `path` is a config.json this trainer wrote (save_config): a JSON object holding the run section's
-    flags, which every version has written. A folder holding another program's config.json is not a run."""
-    try:
-        values = json.loads(Path(path).read_text())
-    except (OSError, ValueError):  # UnicodeDecodeError is a ValueError
-        return False
-    return isinstance(values, dict) and {"output_dir", "resume", "save_every"} <= set(values)
 
 
 def save_config(config: TrainConfig, path) -> None:

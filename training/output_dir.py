@@ -14,7 +14,7 @@ puts back the lock file it found (`abandon`): a refused run leaves the disk as i
 
 The trainer writes only into a folder that is absent, empty, or one of its runs: one holding its marker
 (MARKER, written when a run first claims the folder), or, for runs from before the marker, a config.json it
-wrote (training/config.py written_by_trainer) or nothing but the names a run writes. Anything else (a model
+wrote (RunFolder.holds_a_run, training/run_folder.py) or nothing but the names a run writes. Anything else (a model
 folder given as --output_dir, another program's output) is refused before anything is written, naming what is
 there: a run would replace its config.json.
 """
@@ -30,7 +30,6 @@ from pathlib import Path
 from data.stores import MANIFEST_ELSEWHERE
 from data.writer_lock import OutputBusy, WriterLock
 from errors import BadInputError
-from training.config import written_by_trainer
 from training.distributed import DistContext, raise_together, rank0_decides
 from training.nccl_env import FLIGHT_RECORDER_DIR
 from training.run_folder import CHECKPOINTS, CONFIG, LOCK_FILE, MARKER, METRICS, TENSORBOARD, RunFolder
@@ -44,12 +43,10 @@ SHOWN = 5  # names of foreign files a refusal lists
 
 def foreign_contents(folder: Path) -> str | None:
     """What makes `folder` not a run of this trainer, in words; None when it is absent, empty or a run."""
-    if not folder.is_dir() or RunFolder(folder).marker.exists():
+    if not folder.is_dir() or RunFolder(folder).holds_a_run():
         return None
     names = sorted(os.listdir(folder))
     if CONFIG in names:
-        if written_by_trainer(RunFolder(folder).config):
-            return None  # a run from before the marker
         others = [n for n in names if n != CONFIG]
         return f"a {CONFIG} this trainer did not write" + (f", and {_listed(others)}" if others else "")
     others = [n for n in names if not RUN_NAMES.match(n)]

@@ -5,6 +5,7 @@ also what tells a run's folder from anything else (training/output_dir.py).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,3 +39,19 @@ class RunFolder:
         object.__setattr__(self, "root", root)
         for attribute, name in PATHS.items():
             object.__setattr__(self, attribute, root / name)
+
+    def holds_a_run(self) -> bool:
+        """Whether `root` is one of this trainer's runs: it holds the marker or, a run from before the marker, a
+        config.json the trainer wrote."""
+        return self.marker.exists() or written_by_trainer(self.config)
+
+
+def written_by_trainer(path) -> bool:
+    """Whether `path` is a config.json this trainer wrote (training/config.py save_config): a JSON object holding
+    the run section's flags, which every version has written. A folder holding another program's config.json is not
+    a run."""
+    try:
+        values = json.loads(Path(path).read_text())
+    except (OSError, ValueError):  # UnicodeDecodeError is a ValueError
+        return False
+    return isinstance(values, dict) and {"output_dir", "resume", "save_every"} <= set(values)

@@ -34,6 +34,7 @@ import threading
 
 from tqdm import tqdm
 
+from errors import EXIT_INTERRUPTED
 from training.distributed import DistContext, exchange
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ class StopRequest:
             return
         if signum == signal.SIGINT and second:
             log.error("second SIGINT: exiting now, without a checkpoint")
-            os._exit(130)
+            os._exit(EXIT_INTERRUPTED)
         if self.interrupt:
             work, self.interrupt = self.interrupt, None
             log.warning("%s received during %s: it is abandoned", name, work)
