@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.dump_writer import fsync_folder, npy_header, publish, write_temporary
+from data.dump_writer import fsync_folder, npy_header, output_folder, publish, write_temporary
 from data.writer_lock import WriterLock
 from errors import BadInputError, TransientFault
 
@@ -118,7 +118,7 @@ def claim_shard(folder: Path, name: str, layout: ShardLayout, settings: dict, *,
     shard finished with these settings: None, said in the log (nothing to do); one finished with other
     settings, or whose array is there without its metadata: BadInputError naming the file and --overwrite.
     Returns the held lock (the caller releases it). `redo`: what --overwrite does, in words."""
-    folder.mkdir(parents=True, exist_ok=True)
+    output_folder(folder, "the output folder")
     array = folder / (name + layout.array)
     lock = WriterLock(layout.lock_path(folder, name), f"shard {array}").acquire()
     try:

@@ -60,7 +60,7 @@ from tqdm import tqdm
 from data.audio_features import FEATURES
 from data.audio_manifest import manifest_lines, share_manifest
 from data.codes_parquet import write_codes_parquet
-from data.dump_writer import NpyRowWriter, len_text, publish, shard_range, write_temporary
+from data.dump_writer import NpyRowWriter, len_text, output_folder, publish, shard_range, write_temporary
 from data.feature_settings import (PLAUSIBLE_SHIFT, STATS_FRAMES, dump_feature_settings, feature_shift,
                                    front_ends_differ, settings_differ)
 from data.resumable_shard import FEATURE_DUMP, ShardWriter
@@ -284,7 +284,7 @@ def decode_codes(cfg: DecodeSettings) -> int:
     frames = meta.get("feature_frames")
     if frames is not None and len(frames) != len(counts):
         frames = None
-    output_dir.mkdir(parents=True, exist_ok=True)
+    output_folder(output_dir, "--output_dir")
     with WriterLock(FEATURE_DUMP.lock_path(output_dir, name), f"shard {output_dir / name}.npy"):
         if not cfg.overwrite:
             refuse_to_shadow(output_dir, name)

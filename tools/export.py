@@ -17,6 +17,7 @@ import logging
 import os
 from pathlib import Path
 
+from data.dump_writer import output_folder
 from data.feature_settings import dump_feature_settings
 from errors import EXIT_OK
 from models.export_format import describe, export_tensors
@@ -44,7 +45,7 @@ def export(checkpoint: Path, out_dir: Path, feature: str | None = None) -> tuple
     kind = {"kind": feature} if feature else feature_kind(state)
     meta = describe(model, state, ckpt_path, kind)
     tensors = export_tensors(model)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    output_folder(out_dir, "OUT_DIR")
     weights, note = out_dir / "codec.safetensors", out_dir / "codec.json"
     text = json.dumps(meta, indent=1) + "\n"
     save_file(tensors, str(weights) + ".tmp", metadata={"codec_json": json.dumps(meta)})

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from data.codes_parquet import complete_codes_parquet, require_pyarrow
+from data.dump_writer import output_folder
 from data.resumable_shard import CODES, ShardWriter, claim_shard, recorded_settings
 from data.writer_lock import WriterLock
 from errors import BadInputError, TransientFault
@@ -152,7 +153,7 @@ def begin_code_shard(folder: Path, name: str, settings: dict, *, overwrite: bool
     holds the codes of one codec (check_one_codec): the check and the shard's start are made under a lock on the
     folder, and the shard's settings are on disk once it has started, so two writers started at one instant with
     two codecs cannot both pass."""
-    folder.mkdir(parents=True, exist_ok=True)
+    output_folder(folder, "the output folder")
     try:  # not a WriterLock: a writer refused here must leave the folder's files as they were, this one included
         fd = os.open(folder / CODEC_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as e:
