@@ -291,6 +291,26 @@ def test_an_output_folder_that_is_a_file_exits_2_in_one_line_and_writes_nothing(
     assert tree(tmp_path) == before
 
 
+def test_a_code_folder_holds_a_split_in_one_count_of_shards(corpus, tmp_path, caplog):
+    """encode and tokenize refuse a shard beside the split's shards of another count, finished or begun, as extract
+    refuses a dump's: a glob over the folder's .codes.parquet would read the split's utterances twice."""
+    c, out, begun = corpus, tmp_path / "codes", tmp_path / "begun"
+    encoded = ["--checkpoint", c.fbank_run, "--data_dir", c.fbank_feats, "--beam_size", 1]
+    assert encode.main([*encoded, "--output_dir", out]) == 0
+    before = tree(out)
+    for main, argv in ((encode.main, [*encoded, "--output_dir", out, "--nshard", 2, "--rank", 0]),
+                       (tokenize.main, [c.manifest, "train", 2, 1, out, "--checkpoint", c.fbank_run])):
+        caplog.clear()
+        assert main(argv) == 2
+        assert f"{out} already holds split 'train' in other shards (train_0_1.codes.npy)" in caplog.text
+    assert tree(out) == before
+    begun.mkdir()
+    (begun / "train_1_2.codes.progress").write_text("{}\n")  # a shard of 2 begun there
+    caplog.clear()
+    assert encode.main([*encoded, "--output_dir", begun]) == 2
+    assert "in other shards (train_1_2.codes.progress)" in caplog.text and not (begun / "train_0_1.codes.npy").exists()
+
+
 def test_publish_renames_over_and_never_deletes_first(tmp_path, monkeypatch):
     final, tmp, len_final, len_tmp = (tmp_path / n for n in ("a.npy", "a.npy.tmp", "a.len", "a.len.tmp"))
     for path, text in ((final, "old"), (tmp, "new"), (len_final, "1"), (len_tmp, "2")):
