@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from data.stores import find_split
 from models.codes import encode_batch
 from tools import encode, export
-from tests.audio_helpers import run_module, write_corpus
-from tests.helpers import TINY, env, events, run_python, run_trainer
+from tests.audio_helpers import random_codec, run_module, write_corpus
+from tests.helpers import TINY, env, events, run_python, run_trainer, write_fairseq
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -255,6 +255,23 @@ def test_encode_bad_input_exits_2_and_writes_nothing(pipeline, tmp_path, caplog)
         assert encode.main([*args, "--output_dir", out]) == 2, args
         assert message in caplog.text, args
     assert not out.exists()
+
+
+def test_decoding_a_split_encoded_in_shards_names_the_flags_that_decode_them(tmp_path, caplog):
+    feats, codes, recon = tmp_path / "feats", tmp_path / "codes", tmp_path / "recon"
+    write_fairseq(feats, "train", [40, 37, 50, 44, 21], dim=32)
+    codec = random_codec(tmp_path / "codec.pt", feats)
+    for rank in range(3):
+        assert encode.main(["--checkpoint", codec, "--data_dir", feats, "--output_dir", codes, "--beam_size", 1,
+                            "--nshard", 3, "--rank", rank]) == 0
+    decode = ["decode", "--checkpoint", codec, "--codes_dir", codes, "--output_dir", recon]
+    caplog.clear()
+    assert encode.main(decode) == 2
+    assert (f"--codes_dir {codes} holds split 'train' in 3 shards, not 1: decode each with --nshard 3 --rank R (R "
+            "from 0 to 2)") in caplog.text and "run python -m tools.encode first" not in caplog.text
+    assert not recon.exists()
+    assert encode.main([*decode, "--nshard", 3, "--rank", 2]) == 0  # as it says
+    assert [int(n) for n in (recon / "train_2_3.len").read_text().split()] == [44, 21]
 
 
 def test_encode_reads_utterance_files_directly_in_the_data_dir_as_the_trainer_does(pipeline, tmp_path):

@@ -63,7 +63,7 @@ from data.codes_parquet import write_codes_parquet
 from data.dump_writer import NpyRowWriter, len_text, output_folder, publish, shard_range, write_temporary
 from data.feature_settings import (PLAUSIBLE_SHIFT, STATS_FRAMES, dump_feature_settings, feature_shift,
                                    front_ends_differ, settings_differ)
-from data.resumable_shard import FEATURE_DUMP, ShardWriter
+from data.resumable_shard import CODES, FEATURE_DUMP, ShardWriter, split_shards
 from data.stores import FeatureStore, find_split, missing_split
 from data.writer_lock import WriterLock
 from errors import EXIT_OK, BadInputError
@@ -267,7 +267,7 @@ def decode_codes(cfg: DecodeSettings) -> int:
     name, codes_dir, output_dir = cfg.codes.name, cfg.codes.folder, cfg.output_dir
     array, lens = codes_dir / f"{name}.codes.npy", codes_dir / f"{name}.codes.len"
     if not array.is_file() or not lens.is_file():
-        raise BadInputError(f"{array} or {lens.name} is missing: run python -m tools.encode first")
+        raise missing_codes(cfg.codes, array, lens)
     codes = np.load(array, mmap_mode="r")
     counts = [int(n) for n in lens.read_text().split()]
     if codes.ndim != 2 or sum(counts) != codes.shape[0]:
@@ -306,6 +306,18 @@ def decode_codes(cfg: DecodeSettings) -> int:
              model.config.feature_dim, writer.path)
     log.info("finished successfully")
     return EXIT_OK
+
+
+def missing_codes(codes: SplitShare, array: Path, lens: Path) -> BadInputError:
+    """Why shard NAME's codes are not there: the split is there in another count of shards (the flags that name
+    them), or it was not encoded."""
+    others = [n for n in sorted(split_shards(codes.folder, codes.split, CODES, begun=False)) if n != codes.nshard]
+    if others:
+        flags = " or ".join(f"--nshard {n} --rank R (R from 0 to {n - 1})" for n in others)
+        return BadInputError(f"--codes_dir {codes.folder} holds split '{codes.split}' in "
+                             f"{' and in '.join(map(str, others))} shards, not {codes.nshard}: decode each with "
+                             f"{flags}")
+    return BadInputError(f"{array} or {lens.name} is missing: run python -m tools.encode first")
 
 
 def refuse_to_shadow(folder: Path, name: str) -> None:
