@@ -274,6 +274,44 @@ def test_decoding_a_split_encoded_in_shards_names_the_flags_that_decode_them(tmp
     assert [int(n) for n in (recon / "train_2_3.len").read_text().split()] == [44, 21]
 
 
+def test_an_utterance_with_nan_or_inf_keeps_its_place_with_codes_of_minus_1_and_is_named(tmp_path, caplog):
+    """Its codes are -1 (no code) at every frame and level, its lines in .codes.len and .km where they were, a
+    warning and NAME.codes.skipped name it (its index in the split); the other utterances' codes are those of
+    the same dump without the bad values, and decode reads the shard."""
+    clean, feats = tmp_path / "clean", tmp_path / "feats"
+    lengths = [40, 37, 50, 44, 21]
+    for folder in (clean, feats):
+        write_fairseq(folder, "train", lengths, dim=32)
+    codec = random_codec(tmp_path / "codec.pt", clean, downsample=2)
+    rows = np.load(feats / "train_0_1.npy")
+    rows[40 + 5, 3], rows[127 + 43, 0] = np.nan, np.inf  # utterances 1 and 3
+    np.save(feats / "train_0_1.npy", rows)
+    flags = ["--checkpoint", codec, "--beam_size", 1, "--batch_frames", 256, "--km"]  # several utterances a pass
+    assert encode.main([*flags, "--data_dir", clean, "--output_dir", tmp_path / "want"]) == 0
+    caplog.clear()
+    assert encode.main([*flags, "--data_dir", feats, "--output_dir", tmp_path / "codes"]) == 0
+    codes, code_lengths, meta = read_codes(tmp_path / "codes", "train_0_1")
+    want, _, _ = read_codes(tmp_path / "want", "train_0_1")
+    assert code_lengths == [math.ceil(n / 2) for n in lengths] and meta["skipped"] == 2
+    bad = np.repeat(np.isin(np.arange(5), [1, 3]), code_lengths)
+    assert (codes[bad] == -1).all() and (codes[~bad] >= 0).all()
+    np.testing.assert_array_equal(codes[~bad], want[~bad])
+    km = (tmp_path / "codes" / "train_0_1.km").read_text().splitlines()
+    assert km[1] == " ".join(["-1"] * code_lengths[1]) and len(km) == 5
+    skipped = (tmp_path / "codes" / "train_0_1.codes.skipped").read_text().splitlines()
+    assert [line.split("\t")[0] for line in skipped] == ["1", "3"]
+    assert "train_0_1.npy utterance 1 (rows 40-77)" in skipped[0]
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "NaN or Inf" in r.getMessage()]
+    assert len(warned) == 2 and "train_0_1.npy utterance 3" in warned[1] and "codes are -1" in warned[1]
+    # a share of the split: the index is the split's; decode reads codes of -1 as no code
+    assert encode.main([*flags, "--data_dir", feats, "--output_dir", tmp_path / "shards", "--nshard", 2, "--rank",
+                        1]) == 0
+    assert (tmp_path / "shards" / "train_1_2.codes.skipped").read_text().split("\t")[0] == "3"
+    assert encode.main(["decode", "--checkpoint", codec, "--codes_dir", tmp_path / "codes", "--output_dir",
+                        tmp_path / "recon"]) == 0
+    assert np.isfinite(np.load(tmp_path / "recon" / "train_0_1.npy")).all()
+
+
 def test_encode_reads_utterance_files_directly_in_the_data_dir_as_the_trainer_does(pipeline, tmp_path):
     """A folder of [T, D] .npy files, the trainer's training split: encode's default --split train reads them."""
     p = pipeline
