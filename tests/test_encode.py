@@ -386,6 +386,47 @@ def test_export_turns_codes_into_latents_and_features_with_plain_torch(pipeline,
     assert agree >= 0.95  # nearest-row ties may fall either way between two float implementations
 
 
+def test_the_exported_recipe_pads_and_cuts_as_encode_and_decode_do(tmp_path):
+    """codec.json followed as it is written, without this repo, for utterances whose lengths are no multiple of the
+    downsample: its tail padding gives tools.encode's code frames and codes, and its cut decode's features."""
+    from safetensors.torch import load_file
+
+    feats, codes, recon, exported = (tmp_path / n for n in ("feats", "codes", "recon", "exported"))
+    lengths = [37, 42, 50, 29]
+    write_fairseq(feats, "train", lengths, dim=32)
+    codec = random_codec(tmp_path / "codec.pt", feats, downsample=4)
+    assert encode.main(["--checkpoint", codec, "--data_dir", feats, "--output_dir", codes, "--beam_size", 1]) == 0
+    assert encode.main(["decode", "--checkpoint", codec, "--codes_dir", codes, "--output_dir", recon]) == 0
+    assert export.main([codec, exported]) == 0
+    meta = json.loads((exported / "codec.json").read_text())
+    tensors, names = load_file(str(exported / "codec.safetensors")), meta["tensors"]
+    assert meta["downsample"] == 4 and names["project_in"] is None  # no projection: the latent is the codebooks'
+    assert meta["tail_padding"] == "each utterance's tail is padded by repeating its last frame to a multiple of " \
+                                   "downsample"
+    assert "tail_padding" in meta["features_to_latent"] and "keeps the first T" in meta["latent_to_features"]
+    assert meta["code_frames"] == "ceil(T / downsample) for an utterance of T frames"
+    want, want_lengths, _ = read_codes(codes, "train_0_1")
+    store, decoded = find_split(feats, "train"), find_split(recon, "train")
+    mean, std, codebooks = (tensors[names[k]] for k in ("feature_mean", "feature_std", "codebooks"))
+    found = []
+    for i, n in enumerate(lengths):
+        x = pad_to_multiple(torch.from_numpy(np.array(store.utterance(i))), meta["downsample"])
+        residual = run_ops(meta["encoder"], ((x - mean) / std).T[None], tensors)[0].T
+        levels = []
+        for q in range(meta["levels"]):  # beam 1: the nearest row per level
+            levels.append(torch.cdist(residual, codebooks[q]).argmin(-1))
+            residual = residual - codebooks[q][levels[-1]]
+        utterance = torch.stack(levels, -1)
+        assert len(utterance) == math.ceil(n / 4) == want_lengths[i]
+        found.append(utterance)
+        given = torch.from_numpy(want[sum(want_lengths[:i]) : sum(want_lengths[: i + 1])].astype(np.int64))
+        latent = sum(codebooks[q][given[:, q]] for q in range(meta["levels"]))  # tools.encode's codes, decoded
+        features = (run_ops(meta["decoder"], latent.T[None], tensors)[0].T * std + mean)[:n]
+        torch.testing.assert_close(features, torch.from_numpy(np.array(decoded.utterance(i))), rtol=1e-5, atol=1e-5)
+    agree = (torch.cat(found).numpy() == want).mean()
+    assert agree >= 0.95, agree  # nearest-row ties may fall either way between two float implementations
+
+
 def test_report_of_the_run(pipeline):
     from tools import report
 

@@ -3,7 +3,8 @@
     python -m tools.export RUN_DIR_OR_CKPT OUT_DIR [--feature fbank|w2v-bert|...]
 
 Writes OUT_DIR/codec.safetensors (float32 tensors) and OUT_DIR/codec.json, which
-names the tensors and says how to use them (the format is models/export_format.py's).
+names the tensors and says how to use them, an utterance's tail padding and cut
+included (the format is models/export_format.py's).
 The same JSON is stored in the safetensors metadata under "codec_json". The
 feature kind recorded is --feature, or else what the checkpoint says the codec
 was trained on (tools.extract's settings, data/feature_settings.py). Exit codes:
