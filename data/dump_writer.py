@@ -4,7 +4,9 @@ Every file is written under a temporary name (`NAME.tmp`), fsynced, and renamed
 into place by `publish`, the .npy last: a .npy on disk always has its .len
 beside it. A rename replaces the file it lands on; nothing is unlinked first.
 `shard_range` is how a rank of NSHARD takes its contiguous share of the items,
-as in fairseq's examples/hubert/simple_kmeans.
+as in fairseq's examples/hubert/simple_kmeans. `output_folder` makes the folder a
+command writes into (the trainer's and every tool's), or says in one line why it
+cannot: a BadInputError before anything is written.
 """
 from __future__ import annotations
 
@@ -14,6 +16,21 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
+
+from errors import BadInputError
+
+
+def output_folder(folder: Path, what: str) -> Path:
+    """`folder` (named `what` in a message: a flag, or "the output folder") made with its parents; BadInputError
+    when it is a file, or cannot be made (a parent that is a file, no permission)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise BadInputError(f"{what} {folder} is a file, not a folder: give a folder to write into") from None
+    except OSError as e:
+        raise BadInputError(f"{what} {folder} cannot be made or written ({e.strerror}): give a folder this process "
+                            "can write") from None
+    return folder
 
 
 def shard_range(total: int, nshard: int, rank: int) -> tuple[int, int]:

@@ -16,6 +16,8 @@ input is in, `finish` writes the metadata files, renames the streams and then th
 names, the array last (data/dump_writer.py's publish): an array on disk is complete, its files beside it.
 `claim_shard` is how a tool starts a shard: the writer lock (data/writer_lock.py), then a finished shard
 is left as it is, a shard written with other settings or by another tool refused, `--overwrite` honoured.
+`check_split_shards` holds a folder to one count of shards per split (finished or begun): shards of two counts
+would hold the split's utterances twice.
 
 A full disk (or quota, or a file-size limit) while a ShardWriter writes ends the tool with one line naming
 the folder, the space free there and the space the shard still needs, exit 1 (TransientFault): what was
@@ -25,16 +27,18 @@ from __future__ import annotations
 
 import errno
 import functools
+import glob
 import json
 import logging
 import os
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from data.dump_writer import fsync_folder, npy_header, publish, write_temporary
+from data.dump_writer import fsync_folder, npy_header, output_folder, publish, write_temporary
 from data.writer_lock import WriterLock
 from errors import BadInputError, TransientFault
 
@@ -97,6 +101,30 @@ def shard_settings(folder: Path, name: str, layout: ShardLayout) -> dict | None:
     return recorded_settings(folder / (name + layout.progress))
 
 
+def split_shards(folder: Path, split: str, layout: ShardLayout, *, begun: bool = True) -> dict[int, list[str]]:
+    """Shard count -> the files in `folder` of split SPLIT's shards of that count, sorted: each finished shard's array
+    and, with `begun`, each begun shard's progress file."""
+    ends = "|".join(re.escape(ext) for ext in ((layout.array, layout.progress) if begun else (layout.array,)))
+    pattern = re.compile(rf"^{re.escape(split)}_\d+_(\d+)(?:{ends})$")
+    found: dict[int, list[str]] = {}
+    for path in sorted(folder.glob(f"{glob.escape(split)}_*_*")) if folder.is_dir() else []:
+        if match := pattern.match(path.name):
+            found.setdefault(int(match.group(1)), []).append(path.name)
+    return found
+
+
+def check_split_shards(folder: Path, split: str, nshard: int, layout: ShardLayout = FEATURE_DUMP) -> None:
+    """BadInputError when `folder` holds shards of split SPLIT, finished or begun, in another count than `nshard`: the
+    split's utterances would lie there twice (a dump of two counts cannot be read, data/stores.py; a glob over
+    code shards, as their parquet is read, counts them twice)."""
+    others = [name for count, names in sorted(split_shards(folder, split, layout).items()) if count != nshard
+              for name in names]
+    if others:
+        raise BadInputError(f"{folder} already holds split '{split}' in other shards ({', '.join(others[:3])}"
+                            f"{' ...' if len(others) > 3 else ''}): a split of {nshard} shards beside them would hold "
+                            "its utterances twice; write elsewhere, or remove them")
+
+
 def changed_settings(recorded: dict, settings: dict) -> str:
     """`key: recorded -> now` for each setting that differs from what was recorded ('' when none does)."""
     return ", ".join(f"{key}: {recorded.get(key)!r} -> {value!r}" for key, value in settings.items()
@@ -118,7 +146,7 @@ def claim_shard(folder: Path, name: str, layout: ShardLayout, settings: dict, *,
     shard finished with these settings: None, said in the log (nothing to do); one finished with other
     settings, or whose array is there without its metadata: BadInputError naming the file and --overwrite.
     Returns the held lock (the caller releases it). `redo`: what --overwrite does, in words."""
-    folder.mkdir(parents=True, exist_ok=True)
+    output_folder(folder, "the output folder")
     array = folder / (name + layout.array)
     lock = WriterLock(layout.lock_path(folder, name), f"shard {array}").acquire()
     try:

@@ -6,7 +6,9 @@ padded by repeating its last frame up to a multiple of the codec's downsample;
 decoding cuts the output back to T frames when told T. Utterances are encoded
 in eval mode and float32, several per forward pass: each row of a batch is
 zero-padded past its end and RVQCodec.encode keeps the padding out of its
-frames, so an utterance's codes are bit for bit those it gets alone.
+frames, so an utterance's codes are bit for bit those it gets alone. An utterance
+with a NaN or Inf value has no codes: -1 at every frame and level (the codec's
+"no code", as past an utterance's end), found on the device in each pass.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from data.bad_crops import finite_crops
 from data.transfers import to_device, torch_dtype
 from models.codec import RVQCodec
 
@@ -49,13 +52,16 @@ def encode_rows(model: RVQCodec, utterances: list[np.ndarray] | list[torch.Tenso
                 beam_size: int | None = None) -> tuple[torch.Tensor, np.ndarray]:
     """[T_i, D] features of several utterances (host arrays, or tensors on the codec's device) -> (their int64
     codes [rows, longest, q] on the codec's device, from one pass, row i valid to padded[i] // downsample; the
-    padded lengths). Nothing waits for the device (beam_size: RVQCodec.encode's, by default the codec's)."""
+    padded lengths). A row with a NaN or Inf value is encoded as one of no frames: the codec zeroes it at every
+    layer and its codes are -1. Nothing waits for the device (beam_size: RVQCodec.encode's, by default the
+    codec's)."""
     q = num_quantizers or model.config.num_quantizers
     s = model.config.downsample
     padded = code_frames([len(u) for u in utterances], s) * s
     device = model.feature_mean.device
     rows = to_device(padded_rows(utterances, padded, model.config.feature_dim, s), device)
-    return model.encode(rows, q, to_device(padded, device), beam_size=beam_size), padded
+    frames = to_device(padded, device).masked_fill(~finite_crops(rows), 0)
+    return model.encode(rows, q, frames, beam_size=beam_size), padded
 
 
 def encode_batch(model: RVQCodec, utterances: list[np.ndarray], num_quantizers: int | None = None,
@@ -135,6 +141,14 @@ def km_lines(codes: np.ndarray, lengths: np.ndarray, level: int) -> str:
     column = np.asarray(codes[:, level - 1])
     ends = np.cumsum(lengths)
     return "".join(" ".join(map(str, column[end - n : end].tolist())) + "\n" for n, end in zip(lengths, ends))
+
+
+def uncoded(codes: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Positions of the utterances with code frames but no codes (-1: features with NaN or Inf, encode_rows);
+    `codes` are the utterances' [code frames, levels] concatenated, `lengths` their code frames."""
+    starts = np.cumsum(lengths) - lengths
+    coded = np.flatnonzero(lengths)
+    return coded[np.asarray(codes)[starts[coded], 0] < 0]
 
 
 def decode_utterance(model: RVQCodec, codes: np.ndarray, frames: int | None = None) -> np.ndarray:

@@ -9,8 +9,11 @@ them, codes become latents and features without this repo:
   a code of -1 (a level left out) adds nothing;
 - latent -> features: the "decoder" ops in order on [batch, channels, time], then
   `x * feature_std + feature_mean` (features are [time, feature_dim], at
-  frame_rate_hz / downsample code frames per second);
-- features -> latent -> codes: `(x - feature_mean) / feature_std`, the "encoder" ops,
+  frame_rate_hz / downsample code frames per second); an utterance of T frames
+  keeps the first T of its ceil(T / downsample) x downsample;
+- features -> latent -> codes: each utterance's tail padded by repeating its last
+  frame to a multiple of downsample ("tail_padding"; ceil(T / downsample) code
+  frames), then `(x - feature_mean) / feature_std`, the "encoder" ops,
   then `project_in`, then a beam search over the levels, "beam_size" wide: after
   each level keep the beam_size partial code sequences whose residual (latent less
   the sum of their rows) is smallest, each extended at the next level by its
@@ -27,7 +30,7 @@ from pathlib import Path
 from torch import nn
 
 from models.codec import ResidualBlock, RVQCodec
-from models.codes import code_dtype
+from models.codes import TAIL_PADDING, code_dtype
 
 FORMAT = "rvq-seamless-codec"
 VERSION = 1
@@ -86,8 +89,12 @@ def describe(model: RVQCodec, state: dict, ckpt_path: Path, kind: dict) -> dict:
                     "project_out": linear("project_out"), "feature_mean": "feature_mean",
                     "feature_std": "feature_std"},
         "codes_to_latent": "latent[t] = project_out(sum over levels q of codebooks[q, codes[t, q]]); code -1 adds 0",
-        "latent_to_features": "decoder ops on [batch, latent_dim, time], then x * feature_std + feature_mean",
-        "features_to_latent": "(x - feature_mean) / feature_std, then encoder ops on [batch, feature_dim, time]",
+        "latent_to_features": "decoder ops on [batch, latent_dim, time], then x * feature_std + feature_mean; an "
+                              "utterance of T frames keeps the first T",
+        "tail_padding": TAIL_PADDING,
+        "code_frames": "ceil(T / downsample) for an utterance of T frames",
+        "features_to_latent": "each utterance's tail padded as tail_padding says, then (x - feature_mean) / "
+                              "feature_std, then encoder ops on [batch, feature_dim, time]",
         "beam_size": c.beam_size,
         "latent_to_codes": "project_in, then a beam search over the levels beam_size wide: each kept partial code "
                            "sequence extended by its beam_size nearest codebook rows (euclidean) of the residual, the "

@@ -18,8 +18,8 @@ import torch
 
 from data.dump_writer import publish, shard_range
 from tests.audio_helpers import CORPUS, random_codec, tiny_w2v_bert, write_corpus
-from tests.helpers import REPO, TINY, _state, env, run_trainer
-from tools import audio_shard, encode, export, extract, tokenize
+from tests.helpers import REPO, TINY, _state, env, run_trainer, tree
+from tools import audio_shard, encode, export, extract, report, tokenize
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -265,6 +265,50 @@ def test_no_tool_replaces_output_it_did_not_write(corpus, tmp_path, caplog):
     assert files_of(feats, SHARD, EXTRACTED) == before and not list(feats.glob("*.tmp"))
     assert extract.main([one, "train", 1, 0, feats, "--overwrite"]) == 0  # asked for: starts over
     assert json.loads((feats / f"{SHARD}.json").read_text())["utterances"] == 1
+
+
+@pytest.mark.parametrize("under", [False, True], ids=["a_file", "under_a_file"])
+@pytest.mark.parametrize("tool", ["extract", "tokenize", "encode", "decode", "export", "report"])
+def test_an_output_folder_that_is_a_file_exits_2_in_one_line_and_writes_nothing(corpus, tmp_path, caplog, tool,
+                                                                                 under):
+    c, file = corpus, tmp_path / "F"
+    file.write_text("not a folder\n")
+    out = file / "sub" if under else file
+    main, argv = {
+        "extract": (extract.main, [c.manifest, "train", 1, 0, out]),
+        "tokenize": (tokenize.main, [c.manifest, "train", 1, 0, out, "--checkpoint", c.fbank_run]),
+        "encode": (encode.main, ["--checkpoint", c.fbank_run, "--data_dir", c.fbank_feats, "--output_dir", out]),
+        "decode": (encode.main, ["decode", "--checkpoint", c.fbank_run, "--codes_dir", c.root / "fbank_encoded",
+                                 "--output_dir", out]),
+        "export": (export.main, [c.fbank_run, out]),
+        "report": (report.main, [c.fbank_run, "--out", out]),
+    }[tool]
+    before = tree(tmp_path)
+    assert main(argv) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and str(out) in errors[0], errors
+    assert ("cannot be made or written (Not a directory)" if under else "is a file, not a folder") in errors[0]
+    assert tree(tmp_path) == before
+
+
+def test_a_code_folder_holds_a_split_in_one_count_of_shards(corpus, tmp_path, caplog):
+    """encode and tokenize refuse a shard beside the split's shards of another count, finished or begun, as extract
+    refuses a dump's: a glob over the folder's .codes.parquet would read the split's utterances twice."""
+    c, out, begun = corpus, tmp_path / "codes", tmp_path / "begun"
+    encoded = ["--checkpoint", c.fbank_run, "--data_dir", c.fbank_feats, "--beam_size", 1]
+    assert encode.main([*encoded, "--output_dir", out]) == 0
+    before = tree(out)
+    for main, argv in ((encode.main, [*encoded, "--output_dir", out, "--nshard", 2, "--rank", 0]),
+                       (tokenize.main, [c.manifest, "train", 2, 1, out, "--checkpoint", c.fbank_run])):
+        caplog.clear()
+        assert main(argv) == 2
+        assert f"{out} already holds split 'train' in other shards (train_0_1.codes.npy)" in caplog.text
+    assert tree(out) == before
+    begun.mkdir()
+    (begun / "train_1_2.codes.progress").write_text("{}\n")  # a shard of 2 begun there
+    caplog.clear()
+    assert encode.main([*encoded, "--output_dir", begun]) == 2
+    assert "in other shards (train_1_2.codes.progress)" in caplog.text and not (begun / "train_0_1.codes.npy").exists()
 
 
 def test_publish_renames_over_and_never_deletes_first(tmp_path, monkeypatch):

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from data.stores import find_split
 from models.codes import encode_batch
 from tools import encode, export
-from tests.audio_helpers import run_module, write_corpus
-from tests.helpers import TINY, env, events, run_python, run_trainer
+from tests.audio_helpers import random_codec, run_module, write_corpus
+from tests.helpers import TINY, env, events, run_python, run_trainer, write_fairseq
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -257,6 +257,61 @@ def test_encode_bad_input_exits_2_and_writes_nothing(pipeline, tmp_path, caplog)
     assert not out.exists()
 
 
+def test_decoding_a_split_encoded_in_shards_names_the_flags_that_decode_them(tmp_path, caplog):
+    feats, codes, recon = tmp_path / "feats", tmp_path / "codes", tmp_path / "recon"
+    write_fairseq(feats, "train", [40, 37, 50, 44, 21], dim=32)
+    codec = random_codec(tmp_path / "codec.pt", feats)
+    for rank in range(3):
+        assert encode.main(["--checkpoint", codec, "--data_dir", feats, "--output_dir", codes, "--beam_size", 1,
+                            "--nshard", 3, "--rank", rank]) == 0
+    decode = ["decode", "--checkpoint", codec, "--codes_dir", codes, "--output_dir", recon]
+    caplog.clear()
+    assert encode.main(decode) == 2
+    assert (f"--codes_dir {codes} holds split 'train' in 3 shards, not 1: decode each with --nshard 3 --rank R (R "
+            "from 0 to 2)") in caplog.text and "run python -m tools.encode first" not in caplog.text
+    assert not recon.exists()
+    assert encode.main([*decode, "--nshard", 3, "--rank", 2]) == 0  # as it says
+    assert [int(n) for n in (recon / "train_2_3.len").read_text().split()] == [44, 21]
+
+
+def test_an_utterance_with_nan_or_inf_keeps_its_place_with_codes_of_minus_1_and_is_named(tmp_path, caplog):
+    """Its codes are -1 (no code) at every frame and level, its lines in .codes.len and .km where they were, a
+    warning and NAME.codes.skipped name it (its index in the split); the other utterances' codes are those of
+    the same dump without the bad values, and decode reads the shard."""
+    clean, feats = tmp_path / "clean", tmp_path / "feats"
+    lengths = [40, 37, 50, 44, 21]
+    for folder in (clean, feats):
+        write_fairseq(folder, "train", lengths, dim=32)
+    codec = random_codec(tmp_path / "codec.pt", clean, downsample=2)
+    rows = np.load(feats / "train_0_1.npy")
+    rows[40 + 5, 3], rows[127 + 43, 0] = np.nan, np.inf  # utterances 1 and 3
+    np.save(feats / "train_0_1.npy", rows)
+    flags = ["--checkpoint", codec, "--beam_size", 1, "--batch_frames", 256, "--km"]  # several utterances a pass
+    assert encode.main([*flags, "--data_dir", clean, "--output_dir", tmp_path / "want"]) == 0
+    caplog.clear()
+    assert encode.main([*flags, "--data_dir", feats, "--output_dir", tmp_path / "codes"]) == 0
+    codes, code_lengths, meta = read_codes(tmp_path / "codes", "train_0_1")
+    want, _, _ = read_codes(tmp_path / "want", "train_0_1")
+    assert code_lengths == [math.ceil(n / 2) for n in lengths] and meta["skipped"] == 2
+    bad = np.repeat(np.isin(np.arange(5), [1, 3]), code_lengths)
+    assert (codes[bad] == -1).all() and (codes[~bad] >= 0).all()
+    np.testing.assert_array_equal(codes[~bad], want[~bad])
+    km = (tmp_path / "codes" / "train_0_1.km").read_text().splitlines()
+    assert km[1] == " ".join(["-1"] * code_lengths[1]) and len(km) == 5
+    skipped = (tmp_path / "codes" / "train_0_1.codes.skipped").read_text().splitlines()
+    assert [line.split("\t")[0] for line in skipped] == ["1", "3"]
+    assert "train_0_1.npy utterance 1 (rows 40-77)" in skipped[0]
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "NaN or Inf" in r.getMessage()]
+    assert len(warned) == 2 and "train_0_1.npy utterance 3" in warned[1] and "codes are -1" in warned[1]
+    # a share of the split: the index is the split's; decode reads codes of -1 as no code
+    assert encode.main([*flags, "--data_dir", feats, "--output_dir", tmp_path / "shards", "--nshard", 2, "--rank",
+                        1]) == 0
+    assert (tmp_path / "shards" / "train_1_2.codes.skipped").read_text().split("\t")[0] == "3"
+    assert encode.main(["decode", "--checkpoint", codec, "--codes_dir", tmp_path / "codes", "--output_dir",
+                        tmp_path / "recon"]) == 0
+    assert np.isfinite(np.load(tmp_path / "recon" / "train_0_1.npy")).all()
+
+
 def test_encode_reads_utterance_files_directly_in_the_data_dir_as_the_trainer_does(pipeline, tmp_path):
     """A folder of [T, D] .npy files, the trainer's training split: encode's default --split train reads them."""
     p = pipeline
@@ -329,6 +384,47 @@ def test_export_turns_codes_into_latents_and_features_with_plain_torch(pipeline,
         residual = residual - codebooks[q][index]
     agree = (torch.stack(found, -1) == p.model.encode(utterance, beam_size=1)).float().mean()
     assert agree >= 0.95  # nearest-row ties may fall either way between two float implementations
+
+
+def test_the_exported_recipe_pads_and_cuts_as_encode_and_decode_do(tmp_path):
+    """codec.json followed as it is written, without this repo, for utterances whose lengths are no multiple of the
+    downsample: its tail padding gives tools.encode's code frames and codes, and its cut decode's features."""
+    from safetensors.torch import load_file
+
+    feats, codes, recon, exported = (tmp_path / n for n in ("feats", "codes", "recon", "exported"))
+    lengths = [37, 42, 50, 29]
+    write_fairseq(feats, "train", lengths, dim=32)
+    codec = random_codec(tmp_path / "codec.pt", feats, downsample=4)
+    assert encode.main(["--checkpoint", codec, "--data_dir", feats, "--output_dir", codes, "--beam_size", 1]) == 0
+    assert encode.main(["decode", "--checkpoint", codec, "--codes_dir", codes, "--output_dir", recon]) == 0
+    assert export.main([codec, exported]) == 0
+    meta = json.loads((exported / "codec.json").read_text())
+    tensors, names = load_file(str(exported / "codec.safetensors")), meta["tensors"]
+    assert meta["downsample"] == 4 and names["project_in"] is None  # no projection: the latent is the codebooks'
+    assert meta["tail_padding"] == "each utterance's tail is padded by repeating its last frame to a multiple of " \
+                                   "downsample"
+    assert "tail_padding" in meta["features_to_latent"] and "keeps the first T" in meta["latent_to_features"]
+    assert meta["code_frames"] == "ceil(T / downsample) for an utterance of T frames"
+    want, want_lengths, _ = read_codes(codes, "train_0_1")
+    store, decoded = find_split(feats, "train"), find_split(recon, "train")
+    mean, std, codebooks = (tensors[names[k]] for k in ("feature_mean", "feature_std", "codebooks"))
+    found = []
+    for i, n in enumerate(lengths):
+        x = pad_to_multiple(torch.from_numpy(np.array(store.utterance(i))), meta["downsample"])
+        residual = run_ops(meta["encoder"], ((x - mean) / std).T[None], tensors)[0].T
+        levels = []
+        for q in range(meta["levels"]):  # beam 1: the nearest row per level
+            levels.append(torch.cdist(residual, codebooks[q]).argmin(-1))
+            residual = residual - codebooks[q][levels[-1]]
+        utterance = torch.stack(levels, -1)
+        assert len(utterance) == math.ceil(n / 4) == want_lengths[i]
+        found.append(utterance)
+        given = torch.from_numpy(want[sum(want_lengths[:i]) : sum(want_lengths[: i + 1])].astype(np.int64))
+        latent = sum(codebooks[q][given[:, q]] for q in range(meta["levels"]))  # tools.encode's codes, decoded
+        features = (run_ops(meta["decoder"], latent.T[None], tensors)[0].T * std + mean)[:n]
+        torch.testing.assert_close(features, torch.from_numpy(np.array(decoded.utterance(i))), rtol=1e-5, atol=1e-5)
+    agree = (torch.cat(found).numpy() == want).mean()
+    assert agree >= 0.95, agree  # nearest-row ties may fall either way between two float implementations
 
 
 def test_report_of_the_run(pipeline):

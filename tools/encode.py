@@ -20,6 +20,9 @@ in fairseq's simple_kmeans, and opens only the shards of the store that share re
 - `NAME.codes.parquet` with `--parquet`: a row per utterance, its `key` (its .codes.tsv file, else its index in
   the split) and its codes at each level (`level_1` ... `level_Q`), as datasets.load_dataset("parquet") reads it;
   written once the shard is finished, or when a finished shard is found without it (data/codes_parquet.py).
+- `NAME.codes.skipped`: the utterances whose features hold NaN or Inf, one a line (their index in the split, a
+  tab, the reason): each keeps its place in the files above with codes of -1 (no code), and is named in a
+  warning.
 
 `--num_quantizers q` keeps the first q levels (a lower bitrate). An utterance of T frames gives
 ceil(T / downsample) code frames (models/codes.py). Utterances are encoded in chunks of about
@@ -58,17 +61,17 @@ import numpy as np
 from tqdm import tqdm
 
 from data.audio_features import FEATURES
-from data.audio_manifest import manifest_lines, share_manifest
+from data.audio_manifest import manifest_lines, share_manifest, shown_name
 from data.codes_parquet import write_codes_parquet
-from data.dump_writer import NpyRowWriter, len_text, publish, shard_range, write_temporary
+from data.dump_writer import NpyRowWriter, len_text, output_folder, publish, shard_range, write_temporary
 from data.feature_settings import (PLAUSIBLE_SHIFT, STATS_FRAMES, dump_feature_settings, feature_shift,
                                    front_ends_differ, settings_differ)
-from data.resumable_shard import FEATURE_DUMP, ShardWriter
+from data.resumable_shard import CODES, FEATURE_DUMP, ShardWriter, split_shards
 from data.stores import FeatureStore, find_split, missing_split
 from data.writer_lock import WriterLock
 from errors import EXIT_OK, BadInputError
 from models.codec import CodecConfig
-from models.codes import TAIL_PADDING, code_frames, decode_utterance, encode_in_batches, km_lines
+from models.codes import TAIL_PADDING, code_frames, decode_utterance, encode_in_batches, km_lines, uncoded
 from tools.cli import bad_input_exits_2, run
 from tools.trained_codec import (CodesRequest, CodesSpec, add_codes_args, begin_code_shard, codec_digest,
                                  codes_request, codes_spec, describe_codes, load_codec)
@@ -205,7 +208,8 @@ def encode_store(cfg: EncodeSettings) -> int:
                 "frames": store.total_frames, "code_frames": int(code_lengths.sum())}
     begun = begin_code_shard(cfg.output_dir, name, settings, overwrite=cfg.overwrite, log=log,
                              redo="encode the shard again", width=spec.levels, dtype=spec.dtype,
-                             rows=int(code_lengths.sum()), streams={".km": ""} if spec.km else {},
+                             rows=int(code_lengths.sum()),
+                             streams={".codes.skipped": "", **({".km": ""} if spec.km else {})},
                              parquet=cfg.codes.parquet)
     if begun is None:
         return EXIT_OK
@@ -217,10 +221,11 @@ def encode_store(cfg: EncodeSettings) -> int:
             if writer.done:
                 log.info("resuming at utterance %d of %d (%d code frames committed; %d bytes written after the last "
                          "commit dropped)", writer.done, end - start, writer.rows, writer.dropped_bytes)
-            encode_chunks(spec, store, writer, name=name, faults=FaultInjector(data.rank),
+            encode_chunks(spec, store, writer, name=name, first_utterance=start, faults=FaultInjector(data.rank),
                           commit_frames=cfg.commit_frames)
+            skipped = writer.text(".codes.skipped").count("\n")
             meta = {**settings, "feature_check": feature_check, "store": store.description, "padding": TAIL_PADDING,
-                    "feature_frames": store.lengths.tolist()}
+                    "feature_frames": store.lengths.tolist(), "skipped": skipped}
             texts = {".codes.len": (f"{n}\n" for n in code_lengths), ".codes.json": json.dumps(meta) + "\n"}
             manifest = share_manifest(data.folder, data.split, total, start, end)
             if manifest is not None:
@@ -233,15 +238,18 @@ def encode_store(cfg: EncodeSettings) -> int:
     finally:
         lock.release()
     config = model.config
-    log.info("wrote %d utterances, %d code frames (%d levels, %.0f bits/frame of features) to %s", end - start,
-             code_lengths.sum(), spec.levels, spec.levels * math.log2(config.codebook_size) / config.downsample, array)
+    log.info("wrote %d utterances, %d code frames (%d levels, %.0f bits/frame of features) to %s%s", end - start,
+             code_lengths.sum(), spec.levels, spec.levels * math.log2(config.codebook_size) / config.downsample, array,
+             f"; {skipped} with NaN or Inf features have codes -1, listed in {name}.codes.skipped" if skipped else "")
     log.info("finished successfully")
     return EXIT_OK
 
 
-def encode_chunks(spec: CodesSpec, store: FeatureStore, writer: ShardWriter, *, name: str, faults: FaultInjector,
-                  commit_frames: int) -> None:
-    """Encode and commit the chunks of the share after those `writer` holds; the bar moves with each batch."""
+def encode_chunks(spec: CodesSpec, store: FeatureStore, writer: ShardWriter, *, name: str, first_utterance: int,
+                  faults: FaultInjector, commit_frames: int) -> None:
+    """Encode and commit the chunks of the share (utterance `first_utterance` of the split on) after those `writer`
+    holds; the bar moves with each batch. An utterance with NaN or Inf features keeps its place with codes of -1
+    (models/codes.py), named in a warning and in NAME.codes.skipped: its index in the split, a tab, the reason."""
     done = int(store.lengths[: writer.done].sum())
     began, frames = time.perf_counter(), 0
     with tqdm(total=store.total_frames, initial=done, desc=f"encode {name}", unit="frame", unit_scale=True,
@@ -251,9 +259,14 @@ def encode_chunks(spec: CodesSpec, store: FeatureStore, writer: ShardWriter, *, 
             codes = encode_in_batches(spec.model, chunk, spec.levels, spec.batch_frames, spec.dtype, spec.beam,
                                       on_batch=lambda batch: bar.update(int(chunk.lengths[batch].sum())))
             writer.write(codes)
+            lengths = code_frames(chunk.lengths, spec.model.config.downsample)
+            for i in first + uncoded(codes, lengths):
+                log.warning("%s has NaN or Inf values: its codes are -1 (no code), listed in %s.codes.skipped; "
+                            "`python -m tools.check` lists every such utterance of a dump", store.name(i), name)
+                writer.append(".codes.skipped", f"{first_utterance + i}\tNaN or Inf features, codes -1: "
+                                                f"{shown_name(store.name(i))}\n")
             if spec.km:
-                writer.append(".km", km_lines(codes, code_frames(chunk.lengths, spec.model.config.downsample),
-                                              spec.km))
+                writer.append(".km", km_lines(codes, lengths, spec.km))
             faults.before_commit(number)
             writer.commit(end)
             frames += chunk.total_frames
@@ -267,7 +280,7 @@ def decode_codes(cfg: DecodeSettings) -> int:
     name, codes_dir, output_dir = cfg.codes.name, cfg.codes.folder, cfg.output_dir
     array, lens = codes_dir / f"{name}.codes.npy", codes_dir / f"{name}.codes.len"
     if not array.is_file() or not lens.is_file():
-        raise BadInputError(f"{array} or {lens.name} is missing: run python -m tools.encode first")
+        raise missing_codes(cfg.codes, array, lens)
     codes = np.load(array, mmap_mode="r")
     counts = [int(n) for n in lens.read_text().split()]
     if codes.ndim != 2 or sum(counts) != codes.shape[0]:
@@ -284,7 +297,7 @@ def decode_codes(cfg: DecodeSettings) -> int:
     frames = meta.get("feature_frames")
     if frames is not None and len(frames) != len(counts):
         frames = None
-    output_dir.mkdir(parents=True, exist_ok=True)
+    output_folder(output_dir, "--output_dir")
     with WriterLock(FEATURE_DUMP.lock_path(output_dir, name), f"shard {output_dir / name}.npy"):
         if not cfg.overwrite:
             refuse_to_shadow(output_dir, name)
@@ -306,6 +319,18 @@ def decode_codes(cfg: DecodeSettings) -> int:
              model.config.feature_dim, writer.path)
     log.info("finished successfully")
     return EXIT_OK
+
+
+def missing_codes(codes: SplitShare, array: Path, lens: Path) -> BadInputError:
+    """Why shard NAME's codes are not there: the split is there in another count of shards (the flags that name
+    them), or it was not encoded."""
+    others = [n for n in sorted(split_shards(codes.folder, codes.split, CODES, begun=False)) if n != codes.nshard]
+    if others:
+        flags = " or ".join(f"--nshard {n} --rank R (R from 0 to {n - 1})" for n in others)
+        return BadInputError(f"--codes_dir {codes.folder} holds split '{codes.split}' in "
+                             f"{' and in '.join(map(str, others))} shards, not {codes.nshard}: decode each with "
+                             f"{flags}")
+    return BadInputError(f"{array} or {lens.name} is missing: run python -m tools.encode first")
 
 
 def refuse_to_shadow(folder: Path, name: str) -> None:

@@ -3,7 +3,8 @@
     python -m tools.export RUN_DIR_OR_CKPT OUT_DIR [--feature fbank|w2v-bert|...]
 
 Writes OUT_DIR/codec.safetensors (float32 tensors) and OUT_DIR/codec.json, which
-names the tensors and says how to use them (the format is models/export_format.py's).
+names the tensors and says how to use them, an utterance's tail padding and cut
+included (the format is models/export_format.py's).
 The same JSON is stored in the safetensors metadata under "codec_json". The
 feature kind recorded is --feature, or else what the checkpoint says the codec
 was trained on (tools.extract's settings, data/feature_settings.py). Exit codes:
@@ -17,6 +18,7 @@ import logging
 import os
 from pathlib import Path
 
+from data.dump_writer import output_folder
 from data.feature_settings import dump_feature_settings
 from errors import EXIT_OK
 from models.export_format import describe, export_tensors
@@ -44,7 +46,7 @@ def export(checkpoint: Path, out_dir: Path, feature: str | None = None) -> tuple
     kind = {"kind": feature} if feature else feature_kind(state)
     meta = describe(model, state, ckpt_path, kind)
     tensors = export_tensors(model)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    output_folder(out_dir, "OUT_DIR")
     weights, note = out_dir / "codec.safetensors", out_dir / "codec.json"
     text = json.dumps(meta, indent=1) + "\n"
     save_file(tensors, str(weights) + ".tmp", metadata={"codec_json": json.dumps(meta)})

@@ -54,7 +54,6 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
-import re  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -65,8 +64,9 @@ from data.audio_features import (FEATURES, FRAME_RATE, FRONT_END, FRONT_ENDS, SA
 from data.audio_pipeline import FeatureWindows, Window  # noqa: E402
 from data.dump_writer import DUMP_DTYPES  # noqa: E402
 from data.feature_settings import RECORDED_BEFORE, model_fingerprint  # noqa: E402
-from data.resumable_shard import FEATURE_DUMP, ShardWriter, claim_shard, shard_settings  # noqa: E402
-from errors import EXIT_FAILURE, EXIT_OK, BadInputError  # noqa: E402
+from data.resumable_shard import (FEATURE_DUMP, ShardWriter, check_split_shards, claim_shard,  # noqa: E402
+                                  shard_settings)
+from errors import EXIT_FAILURE, EXIT_OK  # noqa: E402
 from tools.audio_shard import (AudioInput, AudioShare, PipelineSettings, ShardOutput, add_input_args,  # noqa: E402
                                audio_share, begun_before_pass_rules, input_settings, log_input_wait, model_device,
                                pass_settings, progress_bar, shard_compile, shard_passes, w2v_attention, write_windows,
@@ -174,17 +174,6 @@ def feature_maker(request: FeatureRequest, pipeline: PipelineSettings, device: t
     log.info("w2v-bert layer %d of %s on %s (%s), %d-d%s", request.layer, request.checkpoint, encoder.device,
              encoder.dtype, encoder.dim, ", under torch.compile" if encoder.compiled else "")
     return fbank, encoder, settings
-
-
-def check_split_shards(out_dir: Path, split: str, nshard: int) -> None:
-    """A split whose dump has shards of another count would be unreadable (data/stores.py): exit 2."""
-    pattern = re.compile(rf"^{re.escape(split)}_\d+_(\d+)\.npy$")
-    others = sorted(p.name for p in out_dir.glob(f"{split}_*_*.npy") if (m := pattern.match(p.name))
-                    and int(m.group(1)) != nshard) if out_dir.is_dir() else []
-    if others:
-        raise BadInputError(f"{out_dir} already holds split '{split}' in other shards ({', '.join(others[:3])}"
-                            f"{' ...' if len(others) > 3 else ''}): a split of {nshard} shards beside them could not "
-                            "be read; write elsewhere, or remove them")
 
 
 def extract(cfg: ExtractSettings) -> int:

@@ -33,6 +33,7 @@ import shlex
 import statistics
 from pathlib import Path
 
+from data.dump_writer import output_folder
 from errors import EXIT_OK, BadInputError
 from tools.cli import bad_input_exits_2, run
 from training.config import command_line
@@ -331,7 +332,7 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
         except ValueError:
             log.warning("%s/config.json is not JSON; the report leaves the flags out", run_dir)
     out_dir = out_dir or run_dir / "report"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    output_folder(out_dir, "--out")
     title = shown(Path(run_dir.resolve().name))
     plot_loss(plt, events, out_dir / "loss.png", title)
     plot_eval(plt, events, out_dir / "eval.png", title)

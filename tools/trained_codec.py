@@ -1,6 +1,7 @@
 """A trained codec from a checkpoint file or a run's --output_dir, for the tools that use one (encode, tokenize,
 export), described in the log when loaded; and what the two that write codes with it share: their flags, the
-settings a code shard records, and the rule that one output folder holds the codes of one codec.
+settings a code shard records, and the rules that one output folder holds the codes of one codec, and each split
+in one count of shards.
 
 A codec's identity is the digest of its weights (`codec_digest`), recorded with its checkpoint file and step by
 every code shard from its start (begin_code_shard): the same weights give the same codes, wherever the file lies.
@@ -22,7 +23,8 @@ import numpy as np
 import torch
 
 from data.codes_parquet import complete_codes_parquet, require_pyarrow
-from data.resumable_shard import CODES, ShardWriter, claim_shard, recorded_settings
+from data.dump_writer import output_folder
+from data.resumable_shard import CODES, ShardWriter, check_split_shards, claim_shard, recorded_settings
 from data.writer_lock import WriterLock
 from errors import BadInputError, TransientFault
 from models.codec import CodecConfig, RVQCodec
@@ -149,16 +151,18 @@ def begin_code_shard(folder: Path, name: str, settings: dict, *, overwrite: bool
     """Start (or resume) code shard NAME in `folder` with the codec `settings` name: its writer lock and its
     ShardWriter (data/resumable_shard.py claim_shard, then ShardWriter(**writer_args)), or None when it is finished
     already (then, with `parquet`, its NAME.codes.parquet is written if missing: data/codes_parquet.py). The folder
-    holds the codes of one codec (check_one_codec): the check and the shard's start are made under a lock on the
-    folder, and the shard's settings are on disk once it has started, so two writers started at one instant with
-    two codecs cannot both pass."""
-    folder.mkdir(parents=True, exist_ok=True)
+    holds the codes of one codec (check_one_codec), and the split (settings' `split`) in one count of shards, its
+    `nshard` (data/resumable_shard.py check_split_shards): the checks and the shard's start are made under a lock on
+    the folder, and the shard's settings are on disk once it has started, so two writers started at one instant
+    with two codecs, or two shard counts, cannot both pass."""
+    output_folder(folder, "the output folder")
     try:  # not a WriterLock: a writer refused here must leave the folder's files as they were, this one included
         fd = os.open(folder / CODEC_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as e:
         raise BadInputError(f"cannot write into {folder} ({e.strerror}): give a folder this process can write") from e
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # held for a check and a shard's start: seconds at most
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held for the checks and a shard's start: seconds at most
+        check_split_shards(folder, settings["split"], settings["nshard"], CODES)
         check_one_codec(folder, name, settings, overwrite=overwrite)
         lock = claim_shard(folder, name, CODES, settings, overwrite=overwrite, log=log, redo=redo)
         if lock is not None:

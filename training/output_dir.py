@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 
+from data.dump_writer import output_folder
 from data.stores import MANIFEST_ELSEWHERE
 from data.writer_lock import OutputBusy, WriterLock
 from errors import BadInputError
@@ -86,15 +87,13 @@ class OutputDirLock:
             if not self.made_lock_file:
                 found = lock_file.stat()
                 self.lock_found = (lock_file.read_bytes(), found.st_atime_ns, found.st_mtime_ns)
-            self.folder.mkdir(parents=True, exist_ok=True)
+            output_folder(self.folder, "--output_dir")
             self._lock.acquire()
             self._mark()
-        except FileExistsError:
-            self.error = f"--output_dir {self.folder} is a file, not a folder: give a folder to write the run into"
         except OSError as e:
             self.error = (f"--output_dir {self.folder} cannot be made or written ({e.strerror}): give a folder this "
                           "process can write")
-        except BadInputError as e:  # OutputBusy, or a lock file that cannot be made
+        except BadInputError as e:  # OutputBusy, a folder or a lock file that cannot be made
             self.error, self.busy = str(e), isinstance(e, OutputBusy)
         return self
 
