@@ -225,6 +225,10 @@ class ShardWriter:
         """(inputs done, rows, commits, bytes dropped) committed by an earlier run with these settings, every
         .partial cut back to its commit; else new partials holding only their headers."""
         committed = _read_json(self.progress)
+        if committed is not None and "done" in committed:
+            for ext, path in self.stream_paths.items():  # a stream this tool writes since the shard was begun
+                if ext not in committed.get("sizes", {}) and not streams[ext] and not path.exists():
+                    path.touch()  # goes on from here: what was done before it is kept, not begun again
         paths = [self.partial, *self.stream_paths.values()]
         if committed is not None and "done" in committed and all(p.is_file() for p in paths):
             differ = changed_settings(committed.get("settings", {}), self.settings)

@@ -379,3 +379,25 @@ def test_the_default_workers_draw_no_warning_from_torch(audio, tmp_path, caplog)
         assert extract.main([audio, "train", 2, 0, tmp_path / "feats"]) == 0
     assert not [w for w in caught if "worker" in str(w.message)], [str(w.message) for w in caught]
     assert f"(--num_workers {audio_shard.default_workers()})" in caplog.text
+
+
+def test_a_shard_begun_before_a_stream_was_added_goes_on_from_its_commit(tmp_path):
+    """A shard begun by an earlier version of a tool that now writes one stream more (encode's .codes.skipped)
+    resumes from its last commit, the new stream beginning empty there, not from the start."""
+    import numpy as np
+
+    from data.resumable_shard import FEATURE_DUMP, ShardWriter
+
+    rows = np.arange(12, dtype=np.float32).reshape(4, 3)
+    writer = ShardWriter(tmp_path, "train_0_1", FEATURE_DUMP, {"a": 1}, width=3, dtype="float32",
+                         streams={".len": ""})
+    writer.write(rows[:2])
+    writer.append(".len", "1\n1\n")
+    writer.commit(2)
+    writer.close()
+    writer = ShardWriter(tmp_path, "train_0_1", FEATURE_DUMP, {"a": 1}, width=3, dtype="float32",
+                         streams={".len": "", ".skipped": ""})
+    assert (writer.done, writer.rows) == (2, 2)
+    writer.append(".skipped", "3\tnot finite\n")
+    assert writer.text(".len") == "1\n1\n" and writer.text(".skipped") == "3\tnot finite\n"
+    writer.close()
