@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import glob
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -92,12 +93,19 @@ class Utterances:
     start: int = 0
     end: int = 0
     total: int = 0
+    listing: str = ""  # the `total` units' names (`listing`; '' when only counted): every rank of a split sees them
+
+    @property
+    def source_listing(self) -> dict:
+        """The whole source this share was cut from, for a shard's settings: the shards of a split fit together
+        only when cut from one (data/resumable_shard.py check_split_shards)."""
+        return {"units": self.total, "unit": self.unit, "listing": self.listing}
 
     @classmethod
     def files(cls, root: Path, relpaths: list[str]) -> Utterances:
         """Files `relpaths` under `root`."""
         return cls("folder", str(root), list(relpaths), list(relpaths), FileReader(root), "file", 0, len(relpaths),
-                   len(relpaths))
+                   len(relpaths), listing(relpaths))
 
     @property
     def noun(self) -> str:
@@ -249,7 +257,7 @@ def source_share(source: Path, nshard: int, rank: int, flags: SourceFlags = Sour
         root, relpaths = (source.resolve(), list_audio_folder(source)) if kind == "folder" else read_manifest(source)
         start, end = _share(len(relpaths), nshard, rank, source, "file")
         return Utterances(kind, str(root), relpaths[start:end], relpaths[start:end], FileReader(root), "file",
-                          start, end, len(relpaths))
+                          start, end, len(relpaths), listing(relpaths))
     if kind == "lhotse":
         return _lhotse_share(source, nshard, rank)
     lister = {"webdataset": _tar_utterances, "parquet": _parquet_utterances, "arrow": _arrow_utterances}[kind]
@@ -264,11 +272,21 @@ def source_share(source: Path, nshard: int, rank: int, flags: SourceFlags = Sour
             for key, entry in lister(containers, c, flags):
                 keys.append(key)
                 entries.append(entry)
-        return Utterances(kind, root, keys, entries, reader, unit, start, end, len(containers))
+        return Utterances(kind, root, keys, entries, reader, unit, start, end, len(containers),
+                          listing(Path(c).name for c in containers))
     listed = [item for c in range(len(containers)) for item in lister(containers, c, flags)]
     start, end = _share(len(listed), nshard, rank, source, "utterance")
     return Utterances(kind, root, [k for k, _ in listed[start:end]], [e for _, e in listed[start:end]], reader,
-                      "utterance", start, end, len(listed))
+                      "utterance", start, end, len(listed), listing(k for k, _ in listed))
+
+
+def listing(names) -> str:
+    """A digest of the names of a source's units in their order (files by their paths under the root, containers
+    by their file names, utterances by their keys): two machines that list one source alike get the same."""
+    digest = hashlib.sha256()
+    for name in names:
+        digest.update(name.encode("utf-8", "surrogateescape") + b"\n")
+    return f"sha256:{digest.hexdigest()[:16]}"
 
 
 def _share(total: int, nshard: int, rank: int, source: Path, unit: str) -> tuple[int, int]:
@@ -507,6 +525,8 @@ def _lhotse_share(source: Path, nshard: int, rank: int) -> Utterances:
             except (ValueError, KeyError, TypeError) as e:
                 raise BadInputError(f"{source}, line {n + 1}: not a cut ({e})") from None
             cuts.append(cut)
+    # the cuts are counted, not listed: a cut's line names its audio's path, which one machine's copy of a CutSet
+    # may give otherwise than another's; parsing every line for its id alone would cost more than the count
     return Utterances("lhotse", str(source.absolute()), keys, cuts, CutReader(), "cut", start, end, total)
 
 

@@ -113,22 +113,54 @@ def split_shards(folder: Path, split: str, layout: ShardLayout, *, begun: bool =
     return found
 
 
-def check_split_shards(folder: Path, split: str, nshard: int, layout: ShardLayout = FEATURE_DUMP) -> None:
+def check_split_shards(folder: Path, split: str, nshard: int, layout: ShardLayout = FEATURE_DUMP,
+                       source_listing: dict | None = None, name: str = "") -> None:
     """BadInputError when `folder` holds shards of split SPLIT, finished or begun, in another count than `nshard`: the
     split's utterances would lie there twice (a dump of two counts cannot be read, data/stores.py; a glob over
-    code shards, as their parquet is read, counts them twice)."""
-    others = [name for count, names in sorted(split_shards(folder, split, layout).items()) if count != nshard
-              for name in names]
+    code shards, as their parquet is read, counts them twice). With `source_listing` (the whole source a shard of
+    audio is cut from: tools/audio_shard.py), also when another shard of the split was cut from another
+    (`other_source`) than shard NAME, the one to write."""
+    found = split_shards(folder, split, layout)
+    others = [name for count, names in sorted(found.items()) if count != nshard for name in names]
     if others:
         raise BadInputError(f"{folder} already holds split '{split}' in other shards ({', '.join(others[:3])}"
                             f"{' ...' if len(others) > 3 else ''}): a split of {nshard} shards beside them would hold "
                             "its utterances twice; write elsewhere, or remove them")
+    if source_listing is None:
+        return
+    siblings = {file[: -len(ext)] for file in found.get(nshard, []) for ext in (layout.array, layout.progress)
+                if file.endswith(ext)} - {name}
+    for sibling in sorted(siblings):
+        recorded = (shard_settings(folder, sibling, layout) or {}).get("source_listing")
+        differs = other_source(recorded, source_listing)
+        if differs:
+            raise BadInputError(
+                f"{folder / sibling} was cut from another list of the source than {name} ({differs}): the shards of "
+                f"split '{split}' would miss some of its utterances and hold others twice. The source changed between "
+                "the two starts (files still being copied?): once it is complete, write the split elsewhere, or "
+                "again with --overwrite on every shard")
+
+
+def other_source(recorded: dict | None, listing: dict) -> str:
+    """How the whole source a shard recorded differs from `listing` ('' when it does not, or was not recorded):
+    its count of units, or their names where both listed them."""
+    if not recorded:
+        return ""
+    if (recorded.get("units"), recorded.get("unit")) != (listing["units"], listing["unit"]):
+        return f"{recorded.get('units')} {recorded.get('unit')}(s) there, {listing['units']} {listing['unit']}(s) here"
+    if recorded.get("listing") and listing["listing"] and recorded["listing"] != listing["listing"]:
+        return f"{listing['units']} {listing['unit']}(s) on both, named otherwise"
+    return ""
+
+
+# settings a shard records since a later version: one begun or finished before records none, and is not held to them
+LATER_SETTINGS = ("source_listing",)
 
 
 def changed_settings(recorded: dict, settings: dict) -> str:
     """`key: recorded -> now` for each setting that differs from what was recorded ('' when none does)."""
     return ", ".join(f"{key}: {recorded.get(key)!r} -> {value!r}" for key, value in settings.items()
-                     if recorded.get(key) != value)
+                     if recorded.get(key) != value and not (key in LATER_SETTINGS and key not in recorded))
 
 
 def remove_shard(folder: Path, name: str, layout: ShardLayout) -> None:

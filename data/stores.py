@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from data.resumable_shard import FEATURE_DUMP, other_source, shard_settings
 from errors import BadInputError
 
 log = logging.getLogger(__name__)
@@ -168,7 +169,26 @@ def _fairseq_shards(folder: Path, split: str) -> list[Path]:
     if missing:
         names = ", ".join(f"{split}_{s}_{nshard}.npy" for s in missing)
         raise BadInputError(f"{folder}: split '{split}' is missing shard(s) {names}")
-    return [found[(s, nshard)] for s in range(nshard)]
+    paths = [found[(s, nshard)] for s in range(nshard)]
+    _check_one_source(folder, split, paths)
+    return paths
+
+
+def _check_one_source(folder: Path, split: str, paths: list[Path]) -> None:
+    """The shards of a split by tools.extract fit together only when each was cut from the same listing of the
+    audio (data/resumable_shard.py check_split_shards, which refuses a shard cut otherwise when one beside it is
+    there already; two begun at one instant are caught here)."""
+    first = None
+    for path in paths:
+        listing = (shard_settings(folder, path.stem, FEATURE_DUMP) or {}).get("source_listing")
+        if not listing:
+            continue
+        if first is None:
+            first = (path, listing)
+        elif differs := other_source(first[1], listing):
+            raise BadInputError(f"{folder}: split '{split}' was written from two listings of its audio ({first[0].name}"
+                                f" and {path.name}: {differs}), so some utterances are in no shard and others in two; "
+                                "extract the split again once its source is complete")
 
 
 def _open_fairseq(folder: Path, split: str, shard_paths: list[Path]) -> FeatureStore:

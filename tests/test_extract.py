@@ -14,6 +14,7 @@ from transformers import SeamlessM4TFeatureExtractor
 from tools import extract
 from data.audio_manifest import read_manifest
 from data.stores import find_split
+from errors import BadInputError
 from tests import audio_helpers
 from tests.audio_helpers import CORPUS, voice_like, write_corpus
 
@@ -269,3 +270,47 @@ def test_w2v_bert_bad_checkpoint_or_layer_exits_2(tmp_path, tiny_w2v_bert, caplo
     with pytest.raises(SystemExit) as e:
         extract.main([audio, "train", 1, 0, tmp_path / "o", "--feature", "w2v-bert"])  # no --checkpoint/--layer
     assert e.value.code == 2
+
+
+def test_the_shards_of_a_split_must_be_cut_from_one_listing_of_the_source(tmp_path, caplog):
+    """Ranks started on several machines while files still arrive list the source differently: rank 0 cut from 6
+    files, rank 1 from 10, and the files between their shares would be in no shard. The second rank exits 2 before
+    writing; shards that both began (no check could see the other) are refused by their readers."""
+    audio, out = tmp_path / "audio", tmp_path / "out"
+    write_corpus(audio, CORPUS[:6])
+    assert extract.main([audio, "train", 2, 0, out, "--num_workers", 0]) == 0
+    write_corpus(audio, CORPUS)  # the rest arrives
+    caplog.clear()
+    assert extract.main([audio, "train", 2, 1, out, "--num_workers", 0]) == 2
+    assert "train_0_2 was cut from another list of the source than train_1_2 (6 file(s) there, 10 file(s) here)" \
+        in caplog.text
+    assert sorted(p.name for p in out.glob("train_1_2*")) == []
+    # written side by side (elsewhere, then put together): the readers refuse the split
+    assert extract.main([audio, "train", 2, 1, tmp_path / "late", "--num_workers", 0]) == 0
+    for path in (tmp_path / "late").glob("train_1_2.*"):
+        path.rename(out / path.name)
+    with pytest.raises(BadInputError, match=r"split 'train' was written from two listings of its audio "
+                                            r"\(train_0_2\.npy and train_1_2\.npy: 6 file\(s\) there, 10"):
+        find_split(out, "train")
+    # the same count, other names: a file renamed between the two starts
+    assert extract.main([audio, "train", 2, 0, tmp_path / "renamed", "--num_workers", 0]) == 0
+    (audio / "a00.wav").rename(audio / "a00b.wav")
+    caplog.clear()
+    assert extract.main([audio, "train", 2, 1, tmp_path / "renamed", "--num_workers", 0]) == 2
+    assert "(10 file(s) on both, named otherwise)" in caplog.text
+
+
+def test_a_shard_finished_before_shards_recorded_their_source_is_still_complete(tmp_path, caplog):
+    """A shard written before `source_listing` was recorded is held to the settings it has: the same command
+    finds it complete, and the shards beside it are not compared with it."""
+    audio, out = tmp_path / "audio", tmp_path / "out"
+    write_corpus(audio, CORPUS[:4])
+    assert extract.main([audio, "train", 2, 0, out, "--num_workers", 0]) == 0
+    meta = json.loads((out / "train_0_2.json").read_text())
+    del meta["source_listing"]
+    (out / "train_0_2.json").write_text(json.dumps(meta))
+    caplog.clear()
+    assert extract.main([audio, "train", 2, 0, out, "--num_workers", 0]) == 0
+    assert "is complete" in caplog.text
+    assert extract.main([audio, "train", 2, 1, out, "--num_workers", 0]) == 0
+    assert find_split(out, "train") is not None

@@ -74,7 +74,7 @@ class AudioShare:
         listed = hashlib.sha256("\n".join(u.keys).encode("utf-8", "surrogateescape")).hexdigest()[:16]
         kind = {} if u.kind in ("folder", "manifest") else {"source_kind": u.kind}
         return {"root": u.root, **kind, "nshard": self.nshard, "rank": self.rank, "first_file": u.start,
-                "files": len(u.keys), "file_list": f"sha256:{listed}"}
+                "files": len(u.keys), "file_list": f"sha256:{listed}", "source_listing": u.source_listing}
 
     def describe(self) -> str:
         """The share, for the log: `files 0-4 of 10`, `tar files 2-3 of 8 (412 utterances)`."""

@@ -190,7 +190,7 @@ def extract(cfg: ExtractSettings) -> int:
     settings = {**features, "split": split, **share.settings}
     if encoder is not None:
         settings.update(pass_settings(cfg.pipeline, encoder.device, before_pass_rules))
-    check_split_shards(out_dir, split, share.nshard)
+    check_split_shards(out_dir, split, share.nshard, source_listing=settings["source_listing"], name=name)
     lock = claim_shard(out_dir, name, FEATURE_DUMP, settings, overwrite=cfg.output.overwrite, log=log,
                        redo="extract the shard again")
     if lock is None:

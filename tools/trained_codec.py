@@ -162,7 +162,7 @@ def begin_code_shard(folder: Path, name: str, settings: dict, *, overwrite: bool
         raise BadInputError(f"cannot write into {folder} ({e.strerror}): give a folder this process can write") from e
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # held for the checks and a shard's start: seconds at most
-        check_split_shards(folder, settings["split"], settings["nshard"], CODES)
+        check_split_shards(folder, settings["split"], settings["nshard"], CODES, settings.get("source_listing"), name)
         check_one_codec(folder, name, settings, overwrite=overwrite)
         lock = claim_shard(folder, name, CODES, settings, overwrite=overwrite, log=log, redo=redo)
         if lock is not None:
