@@ -72,7 +72,13 @@ class FeatureStore:
         """The `[T, D]` array of utterance i (a memory-mapped view where possible)."""
         source = self.sources[int(self.shard[i])]
         if isinstance(source, Path):
-            return _load_array(source)
+            array = _load_array(source)
+            if array.ndim != 2 or array.shape != (int(self.lengths[i]), self.dim):
+                raise BadInputError(
+                    f"{source} has shape {tuple(array.shape)}, its folder's {MANIFEST_NAME} says "
+                    f"({int(self.lengths[i])}, {self.dim}): the file was written again since; delete "
+                    f"{source.parent / MANIFEST_NAME} (the next start reads every file's shape again) and rerun")
+            return array
         row = int(self.first[i])
         return source[row : row + int(self.lengths[i])]
 
@@ -432,6 +438,9 @@ def open_stores(data_dir: str | Path, train_split: str, valid_split: str, *, see
     the list that collects those to save (`_open_directory`).
     """
     data_dir = Path(data_dir)
+    if valid_split == train_split:
+        log.warning("--train_split and --valid_split both name '%s': the held-out figures (the evals, the final "
+                    "rel_mse) will be scores on the training data", train_split)
     if not data_dir.exists():
         raise BadInputError(f"--data_dir {data_dir} does not exist")
     if not data_dir.is_dir():

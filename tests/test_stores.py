@@ -176,6 +176,36 @@ def test_a_folder_store_reads_its_files_once_then_only_its_lengths_manifest(tmp_
     assert list(find_split(tmp_path, "train").lengths) == [30, 40, 50, 60]
 
 
+def test_a_held_out_split_that_is_the_training_split_draws_a_warning(tmp_path, caplog):
+    for split in ("train", "valid"):
+        (tmp_path / split).mkdir()
+        for i in range(3):
+            np.save(tmp_path / split / f"u{i}.npy", np.zeros((30, 4), np.float32))
+    open_stores(tmp_path, "train", "valid", seed=0)
+    assert "scores on the training data" not in caplog.text
+    open_stores(tmp_path, "train", "train", seed=0)
+    assert "--train_split and --valid_split both name 'train': the held-out figures" in caplog.text
+
+
+def test_a_file_written_again_after_its_lengths_manifest_is_named_with_the_manifest_to_delete(tmp_path):
+    """A file fixed in place (as tools.check advises) keeps its name, so the lengths manifest still matches the
+    folder: reading it names the file and the manifest to delete, rather than failing in a crop's copy."""
+    import data.stores as stores
+
+    (tmp_path / "train").mkdir()
+    for i, n in enumerate([30, 40]):
+        np.save(tmp_path / "train" / f"u{i}.npy", np.zeros((n, 4), np.float32))
+    find_split(tmp_path, "train")
+    np.save(tmp_path / "train" / "u1.npy", np.zeros((25, 4), np.float32))
+    store = find_split(tmp_path, "train")
+    assert store.utterance(0).shape == (30, 4)
+    with pytest.raises(BadInputError, match=r"u1\.npy has shape \(25, 4\), its folder's \.lengths\.npz says "
+                                            r"\(40, 4\): the file was written again since; delete .*\.lengths\.npz"):
+        store.utterance(1)
+    (tmp_path / "train" / stores.MANIFEST_NAME).unlink()
+    assert find_split(tmp_path, "train").utterance(1).shape == (25, 4)
+
+
 def test_a_read_only_folder_keeps_its_manifest_in_the_output_dir_once_the_data_pass(tmp_path, monkeypatch):
     import data.stores as stores
     from data.training_data import DataConfig, open_training_data
