@@ -175,3 +175,14 @@ def test_help_lists_every_flag():
     flags = [o for a in build_parser()._actions if a.help != argparse.SUPPRESS for o in a.option_strings]
     assert len(flags) > 50 and all(f in r.stdout for f in flags), [f for f in flags if f not in r.stdout]
     assert "2% of training utterances are held out" in " ".join(r.stdout.split())  # a % shows as it is
+
+
+def test_a_flag_is_taken_by_its_full_name_only(capsys):
+    """The launcher reads the trainer's flags by their full names (tools/launch.py): an abbreviation it could not
+    see (--output_d) would put the run in one folder and its flight recorder's dumps in another."""
+    from training.config import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--output_d", "elsewhere"])
+    assert e.value.code == 2 and "unrecognized arguments: --output_d" in capsys.readouterr().err
+    assert build_parser().parse_args(["--output_dir", "x"]).output_dir == "x"

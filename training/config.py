@@ -244,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rvq_seamless_gpu_cache_nccl.py",
         description="Train a residual vector quantizer on SeamlessM4T features, on one process or many.",
         formatter_class=FlagHelpFormatter,
+        allow_abbrev=False,  # the launcher reads flags by their full names (--output_dir for the flight recorder)
     )
     for title, sections in GROUPS.items():
         group = p.add_argument_group(title)
