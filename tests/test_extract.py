@@ -254,7 +254,7 @@ def test_w2v_bert_layer_matches_the_model_chunk_by_chunk(tmp_path, tiny_w2v_bert
     assert note["feature"] == "w2v-bert" and note["dim"] == 32 and note["layer"] == 1
 
 
-def test_w2v_bert_bad_checkpoint_or_layer_exits_2(tmp_path, tiny_w2v_bert, caplog):
+def test_w2v_bert_bad_checkpoint_or_layer_exits_2(tmp_path, tiny_w2v_bert, caplog, capsys):
     audio = tmp_path / "audio"
     write_corpus(audio, [("a.wav", 1.0, 16000, 1)])
     assert extract.main([audio, "train", 1, 0, tmp_path / "o", "--feature", "w2v-bert", "--checkpoint",
@@ -270,6 +270,11 @@ def test_w2v_bert_bad_checkpoint_or_layer_exits_2(tmp_path, tiny_w2v_bert, caplo
     with pytest.raises(SystemExit) as e:
         extract.main([audio, "train", 1, 0, tmp_path / "o", "--feature", "w2v-bert"])  # no --checkpoint/--layer
     assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:  # chunks of a frame or two: no context to encode them with
+        extract.main([audio, "train", 1, 0, tmp_path / "o", "--feature", "w2v-bert", "--checkpoint", other,
+                      "--layer", 1, "--max_chunk_seconds", 0.01])
+    assert e.value.code == 2 and "--max_chunk_seconds must be at least 1" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 def test_the_shards_of_a_split_must_be_cut_from_one_listing_of_the_source(tmp_path, caplog):

@@ -77,6 +77,8 @@ from training.faults import FaultInjector  # noqa: E402
 from training.flag_help import FlagHelpFormatter  # noqa: E402
 
 log = logging.getLogger("extract")
+# --max_chunk_seconds at least: a chunk is encoded alone, and w2v-BERT's positions reach 64 frames (1.28 s) back
+MIN_CHUNK_SECONDS = 1.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                                              "w2v-BERT 2.0 has 24; MaskGCT's semantic codec uses 17) (default: none; "
                                              "w2v-bert needs it)")
     p.add_argument("--max_chunk_seconds", type=float, default=30.0,
-                   help="w2v-bert: longer files are encoded in equal chunks of at most this length")
+                   help="w2v-bert: longer files are encoded in equal chunks of at most this length (at least "
+                        f"{MIN_CHUNK_SECONDS:g})")
     p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
                    help="w2v-bert: auto is bf16 on a GPU with native bf16, else fp32")
     p.add_argument("--dtype", choices=DUMP_DTYPES, default="float32",
@@ -137,6 +140,9 @@ def parse_args(argv=None) -> ExtractSettings:
     audio, pipeline, output = input_settings(p, args)
     if args.feature == "w2v-bert" and (args.checkpoint is None or args.layer is None):
         p.error("--feature w2v-bert needs --checkpoint DIR (a local Wav2Vec2BertModel) and --layer L")
+    if args.max_chunk_seconds < MIN_CHUNK_SECONDS:
+        p.error(f"--max_chunk_seconds must be at least {MIN_CHUNK_SECONDS:g}, got {args.max_chunk_seconds:g}: w2v-BERT "
+                "encodes a chunk without the audio around it")
     features = FeatureRequest(args.feature, args.front_end, args.checkpoint, args.layer, args.max_chunk_seconds,
                               args.precision, args.dtype)
     return ExtractSettings(audio, pipeline, output, features)
