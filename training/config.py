@@ -112,7 +112,7 @@ class OptimConfig:
         None, "the whole run's time, from the process start to its exit: the loop stops in time for the codebook "
               "refit, the final eval and the checkpoint, and the learning rate finishes its decay when the time "
               "runs out (alone: as many steps as fit; with a step budget: whichever ends first; on several ranks "
-              "rank 0's clock decides)")
+              "rank 0's clock decides; a resumed run has what its checkpoint left of it)")
     epochs: int | None = flag(None, "passes over the training frames (used when --max_steps is not given)")
     grad_accum: int = flag(1, "micro-batches per step; gradients are all-reduced on the last one only")
     lr: float = flag(2e-3, "peak learning rate (AdamW), reached after --warmup_steps", kind="positive")
