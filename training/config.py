@@ -281,6 +281,11 @@ def parse_args(argv=None) -> TrainConfig:
     bad = [L for L in config.data.train_lengths if L is not None and L % downsample]
     if bad:
         parser.error(f"segment length(s) {bad} are not multiples of --downsample {downsample}")
+    beam, codes = config.codec["beam_size"], config.codec["codebook_size"]
+    if beam > codes:  # the beam's first level keeps its best codes: there are only this many (every eval would fail)
+        parser.error(f"--beam_size {beam} is larger than --codebook_size {codes}: the beam search keeps at most one "
+                     f"code sequence per code of the first level; give --beam_size {codes} or less, or a larger "
+                     "--codebook_size")
     if not 0 <= config.optim.seed < 2**32:  # numpy's and torch's generators take no negative seed
         parser.error(f"argument --seed: expected a whole number from 0 to {2**32 - 1}, got {config.optim.seed}")
     if not config.run.output_dir.strip():  # "" would be the current folder
