@@ -189,7 +189,7 @@ class Trainer:
         self.schedule = Schedule(cfg.optim, steps_per_epoch=self.steps_per_epoch, world_size=ctx.world_size,
                                  frames_per_step=cfg.data.frames_per_step * cfg.optim.grad_accum,
                                  codebook_size=self.codec.codebook_size, started_at=STARTED, start_step=p.step,
-                                 start_fraction=p.schedule_fraction)
+                                 start_fraction=p.schedule_fraction, time_spent=p.time_spent)
         if self.schedule.stop_reason(p.step) is None:  # training goes on: the end-of-schedule work is to come
             p.end_of_schedule = []
         self.ddp_model = wrap_ddp(self.model, ctx)
@@ -466,13 +466,16 @@ class Trainer:
         them (Progress.end_of_schedule, kept in the checkpoint). A stop on request before them skips both (a preempted
         job may have seconds left); one during them ends them at their next chunk, and a resume does the rest."""
         p = self.progress
-        start = time.monotonic()
+        start, done_before = time.monotonic(), list(p.end_of_schedule)
         self.bar.close()  # the training bar ends before the refit's and the final eval's start
+        if p.stop_reason == ScheduleEnd.MAX_MINUTES:  # the budget is spent: a relaunch does only what is left here
+            self.schedule.ran_out = True
         if "refit" not in p.end_of_schedule:
             self.refit()
         if isinstance(p.stop_reason, ScheduleEnd) and "final eval" not in p.end_of_schedule:
             self.evaluate(final=True)  # the codes encode gives; the evals before follow training's
-        if self.schedule.deadline is not None and isinstance(p.stop_reason, ScheduleEnd):
+        if self.schedule.deadline is not None and isinstance(p.stop_reason, ScheduleEnd) \
+                and p.end_of_schedule != done_before:  # a finished run relaunched did none of it
             log.info("end of schedule: refit and final eval took %.0f s (%.0f s were kept for them and the "
                      "checkpoint)", time.monotonic() - start, self.schedule.end_work)
 
@@ -536,6 +539,7 @@ class Trainer:
 
     def save(self) -> None:
         p = self.progress
+        p.time_spent = self.schedule.spent()
         try:
             with p.phase_of("checkpoint"):  # the others wait for rank 0's write
                 path = self.checkpointer.save(self.model, self.optimizer, self.scaler, p,

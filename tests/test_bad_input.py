@@ -100,6 +100,7 @@ def test_a_split_not_in_a_fairseq_dump_exits_2_naming_the_splits_there(tmp_path,
     (["--device", "mps"], "--device mps: not supported"),
     (["--max_minutes", "inf"], "argument --max_minutes: expected a finite number, got 'inf'"),
     (["--seed", "-5"], "argument --seed: expected a whole number from 0 to 4294967295, got -5"),
+    (["--codebook_size", "2"], "--beam_size 4 is larger than --codebook_size 2: the beam search keeps at most one"),
 ])
 def test_bad_flags_exit_2(tmp_path, argv, message):
     r = trainer_in_process([*argv, "--output_dir", tmp_path / "run"])

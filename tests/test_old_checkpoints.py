@@ -24,3 +24,13 @@ def test_a_checkpoint_of_an_earlier_trainer_resumes_to_the_weights_of_its_unbrok
     assert unbroken.keys() == state["model"].keys()
     for key, value in unbroken.items():  # bit for bit on the machine that wrote them; kernels elsewhere may differ in
         torch.testing.assert_close(state["model"][key], value, rtol=1e-4, atol=1e-5, msg=key)  # the last bits
+
+
+def test_an_earlier_checkpoint_counts_its_time_budget_spent_only_if_the_clock_ended_its_schedule():
+    from training.checkpoint import time_spent
+
+    state = torch.load(EARLIER / "step_00000004.pt", weights_only=True)
+    assert "time_spent" not in state and time_spent(state) == 0.0  # --max_steps: no time budget
+    timed = {**state, "config": {**state["config"], "max_steps": None, "max_minutes": 2.0}}
+    assert time_spent({**timed, "schedule_fraction": 0.4}) == 0.0  # stopped mid-budget: not known, a whole budget
+    assert time_spent({**timed, "schedule_fraction": 1.0}) == 120.0  # the decay done: a relaunch trains no more

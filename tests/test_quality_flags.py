@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from tests.helpers import Ranks, TINY, events, run_trainer, write_dump
+from tests.helpers import Ranks, TINY, events, newest_checkpoint, run_trainer, trainer_in_process, write_dump
 
 pytestmark = pytest.mark.slow  # end to end: processes, ranks or compiles (pytest.ini)
 
@@ -69,6 +69,69 @@ def test_max_minutes_on_two_ranks_stops_every_rank_at_the_same_step(tmp_path, da
         assert f"finished at step {last}: max_minutes" in job.output(0)
     finally:
         job.close()
+
+
+def timed_in_process(monkeypatch, args):
+    """The trainer's main() in this process, its --max_minutes counted from now (the module's import is earlier)."""
+    import rvq_seamless_gpu_cache_nccl as trainer
+
+    monkeypatch.setattr(trainer, "STARTED", time.monotonic())
+    return trainer_in_process(args)
+
+
+@pytest.mark.timeout(120)
+def test_a_relaunched_time_budget_trains_no_more_unless_raised(tmp_path, data, monkeypatch):
+    out = tmp_path / "run"
+    flags = ["--data_dir", data, "--output_dir", out, *TINY, "--kmeans_init_frames", "0", "--eval_every", "100000",
+             "--save_every", "100000"]
+    r = timed_in_process(monkeypatch, [*flags, "--max_minutes", "0.05"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    last = assert_stopped_on_time(out)
+    assert newest_checkpoint(out)["time_spent"] == 3.0  # the whole budget: the clock ended the schedule
+    # the same flags again (a requeue): nothing left to train, refit or evaluate
+    r = timed_in_process(monkeypatch, [*flags, "--max_minutes", "0.05"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "nothing is left to do" in r.stderr and f"finished at step {last}: max_minutes" in r.stderr
+    assert "refit and final eval took" not in r.stderr
+    assert [e["step"] for e in events(out, "stop")] == [last, last] and len(events(out, "refit")) == 1
+    assert max(e["step"] for e in events(out, "train")) == last
+    # a larger budget trains on for the minutes added
+    r = timed_in_process(monkeypatch, [*flags, "--max_minutes", "0.1"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    stop = events(out, "stop")[-1]
+    assert stop["reason"] == "max_minutes" and stop["step"] > last
+    assert [e["step"] for e in events(out, "refit")] == [last, stop["step"]]
+    assert newest_checkpoint(out)["time_spent"] == 6.0
+
+
+@pytest.mark.timeout(120)
+def test_a_time_budget_stopped_in_its_refit_resumes_to_the_refit_alone(tmp_path, data, monkeypatch):
+    import rvq_seamless_gpu_cache_nccl as trainer
+    from training.signals import Stopped
+
+    out = tmp_path / "run"
+    flags = ["--data_dir", data, "--output_dir", out, *TINY, "--kmeans_init_frames", "0", "--eval_every", "100000",
+             "--save_every", "100000", "--max_minutes", "0.05"]
+
+    def stopped(*args, **kwargs):
+        raise Stopped("signal SIGTERM")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(trainer, "refit", stopped)
+        r = timed_in_process(patched, flags)
+    assert r.returncode == 0, r.stderr[-2000:]
+    stop = events(out, "stop")[-1]
+    assert stop["reason"] == "signal SIGTERM during the refit"
+    saved = newest_checkpoint(out)
+    assert saved["end_of_schedule"] == [] and saved["time_spent"] == 3.0
+    # the relaunch does the refit and the final eval at the step the clock ended, and trains no step
+    r = timed_in_process(monkeypatch, flags)
+    assert r.returncode == 0, r.stderr[-2000:]
+    last = stop["step"]
+    assert max(e["step"] for e in events(out, "train")) == last
+    assert (events(out, "stop")[-1]["step"], events(out, "stop")[-1]["reason"]) == (last, "max_minutes")
+    assert [e["step"] for e in events(out, "refit")] == [last] and events(out, "eval")[-1]["step"] == last
+    assert newest_checkpoint(out)["end_of_schedule"] == ["refit", "final eval"]
 
 
 def test_eval_reports_dead_codes_and_warns_on_low_usage(tmp_path, data):

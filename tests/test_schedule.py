@@ -107,6 +107,34 @@ def test_a_resumed_time_budget_decays_the_rest_of_the_schedule():
     assert s.fraction(900) == pytest.approx(1.0)
 
 
+def test_a_resumed_time_budget_has_what_is_left_of_it_and_none_once_the_clock_ended_it(caplog):
+    def resumed(max_minutes, time_spent):
+        return Schedule(OptimConfig(warmup_steps=10, max_minutes=max_minutes), steps_per_epoch=40,
+                        frames_per_step=2048, world_size=1, codebook_size=1024, started_at=100.0, start_step=500,
+                        start_fraction=1.0, time_spent=time_spent)
+
+    stopped = resumed(10, 240.0)  # a signal after 4 of the 10 minutes: 6 are left, from this process's start
+    assert stopped.deadline == 100.0 + 360 and stopped.stop_reason(500) is None
+    assert stopped.spent(now=130.0) == pytest.approx(270.0)
+    stopped.ran_out = True  # the clock then ends the schedule: all of the budget is spent
+    assert stopped.spent(now=130.0) == 600.0
+    # ended by the clock: the same --max_minutes has nothing left to train, a larger one the minutes added
+    assert resumed(10, 600.0).stop_reason(500) == "max_minutes"
+    assert resumed(5, 600.0).stop_reason(500) == "max_minutes" and resumed(5, 600.0).spent(now=101.0) == 601.0
+    more = resumed(12, 600.0)
+    assert more.stop_reason(500) is None and more.deadline == 100.0 + 120
+    assert "spent before this resume" in more.describe()
+    with caplog.at_level(logging.WARNING):
+        resumed(10, 600.0).check_setup(now=200.0)  # nothing left to warn about: the end's work is all it does
+        more.check_setup(now=110.0)  # 10 s of the 120 left
+    assert caplog.text == ""
+    with caplog.at_level(logging.WARNING):
+        more.check_setup(now=140.0)
+    assert "set-up took 40 s, 33% of --max_minutes 12 (the 120 s of it left to this resumed run)" in caplog.text
+    assert "pass --max_minutes 14 or more" in caplog.text
+    assert schedule(max_minutes=10).spent(now=30.0) == 30.0  # a fresh run: its own time
+
+
 def test_a_resumed_step_budget_matches_the_unbroken_schedule_exactly():
     unbroken = schedule(max_steps=300)
     resumed = Schedule(OptimConfig(warmup_steps=10, max_steps=300), steps_per_epoch=40, frames_per_step=2048,

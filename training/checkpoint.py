@@ -274,7 +274,7 @@ class Checkpointer:
                 before_write(progress.step)
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                      "scaler": scaler.state_dict(), "step": progress.step, "samples_seen": progress.samples_seen,
-                     "schedule_fraction": progress.schedule_fraction,
+                     "schedule_fraction": progress.schedule_fraction, "time_spent": progress.time_spent,
                      "epoch": progress.step // self.steps_per_epoch, "codec": self.codec.to_dict(),
                      "config": self.config, "rng": rng, "end_of_schedule": list(progress.end_of_schedule),
                      "data": {**self.data, "stats": feature_stats_record(model)} if self.data else None,
@@ -293,6 +293,7 @@ class Checkpointer:
         restore_scaler(scaler, state.get("scaler") or {})
         progress.step, progress.samples_seen = state["step"], state["samples_seen"]
         progress.schedule_fraction = state.get("schedule_fraction", 0.0)
+        progress.time_spent = time_spent(state)
         # a checkpoint from before this entry was saved after the end-of-schedule work, if any was due
         progress.end_of_schedule = list(state.get("end_of_schedule", END_OF_SCHEDULE))
         restore_rng_states(state["rng"], self.ctx)
@@ -301,6 +302,18 @@ class Checkpointer:
         if resume.new_data:  # --finetune: the record says on what, and from which step, it trained before
             self.data_history.append({"step": state["step"], "data": state.get("data")})
         log.info("resumed from %s at step %d", resume.path, progress.step)
+
+
+def time_spent(state: dict) -> float:
+    """The seconds of --max_minutes a checkpoint's run spent. One from before the record counts its whole budget
+    if it trained under --max_minutes alone and its learning rate had finished the decay (the clock ended its
+    schedule); else none is known, and it resumes with a whole budget, as it did."""
+    if "time_spent" in state:
+        return state["time_spent"]
+    config = state.get("config") or {}
+    minutes = config.get("max_minutes")
+    ended = state.get("schedule_fraction", 0.0) >= 1 - 1e-9 and not config.get("max_steps") and not config.get("epochs")
+    return 60.0 * minutes if minutes and ended else 0.0
 
 
 def feature_stats_record(model) -> dict:

@@ -111,7 +111,7 @@ class OptimConfig:
         None, "the whole run's time, from the process start to its exit: the loop stops in time for the codebook "
               "refit, the final eval and the checkpoint, and the learning rate finishes its decay when the time "
               "runs out (alone: as many steps as fit; with a step budget: whichever ends first; on several ranks "
-              "rank 0's clock decides)")
+              "rank 0's clock decides; a resumed run has what its checkpoint left of it)")
     epochs: int | None = flag(None, "passes over the training frames (used when --max_steps is not given)")
     grad_accum: int = flag(1, "micro-batches per step; gradients are all-reduced on the last one only")
     lr: float = flag(2e-3, "peak learning rate (AdamW), reached after --warmup_steps", kind="positive")
@@ -281,6 +281,11 @@ def parse_args(argv=None) -> TrainConfig:
     bad = [L for L in config.data.train_lengths if L is not None and L % downsample]
     if bad:
         parser.error(f"segment length(s) {bad} are not multiples of --downsample {downsample}")
+    beam, codes = config.codec["beam_size"], config.codec["codebook_size"]
+    if beam > codes:  # the beam's first level keeps its best codes: there are only this many (every eval would fail)
+        parser.error(f"--beam_size {beam} is larger than --codebook_size {codes}: the beam search keeps at most one "
+                     f"code sequence per code of the first level; give --beam_size {codes} or less, or a larger "
+                     "--codebook_size")
     if not 0 <= config.optim.seed < 2**32:  # numpy's and torch's generators take no negative seed
         parser.error(f"argument --seed: expected a whole number from 0 to {2**32 - 1}, got {config.optim.seed}")
     if not config.run.output_dir.strip():  # "" would be the current folder

@@ -46,6 +46,7 @@ class Progress:
     bad_steps: int = 0  # non-finite steps skipped so far
     bad_in_a_row: int = 0
     schedule_fraction: float = 0.0  # how far along the learning-rate decay (saved, for a resumed time budget)
+    time_spent: float = 0.0  # seconds of --max_minutes spent by the run and those it resumed (saved: Schedule.spent)
     # END_OF_SCHEDULE's parts done after this step (saved as the checkpoint's "end_of_schedule": a resume at the end
     # of the schedule does the rest)
     end_of_schedule: list = field(default_factory=list)

@@ -12,7 +12,11 @@ steps that fit (`steps_in_time`), refreshed as the loop runs, and the learning r
 decays over the smaller of the two totals. On several ranks the estimate is rank
 0's, carried by the sync check, so every rank computes the same learning rate at
 every step. A resumed run starts its schedule where the checkpoint left it
-(`fraction`) and decays the rest over its own budget.
+(`fraction`) and decays the rest over its own budget. Under a time budget that is
+what is left of --max_minutes: a checkpoint records the seconds its run spent
+(`spent`; the whole budget once the clock ended the schedule), so a relaunch with
+the same flags only finishes the end of the schedule, and a larger --max_minutes
+trains on for the minutes added.
 """
 from __future__ import annotations
 
@@ -59,9 +63,11 @@ class ScheduleEnd(str, Enum):
 
 class Schedule:
     def __init__(self, optim: OptimConfig, *, steps_per_epoch: int, frames_per_step: int, world_size: int,
-                 codebook_size: int, started_at: float, start_step: int = 0, start_fraction: float = 0.0):
+                 codebook_size: int, started_at: float, start_step: int = 0, start_fraction: float = 0.0,
+                 time_spent: float = 0.0):
         """frames_per_step: per rank (all micro-batches). started_at: the process start (time.monotonic()), which
-        --max_minutes counts from. start_step, start_fraction: where a resumed run's schedule was."""
+        --max_minutes counts from. start_step, start_fraction, time_spent: where a resumed run's schedule was, and
+        the seconds of --max_minutes its runs spent, which this run has no more."""
         self.optim = optim
         if optim.max_steps:
             self.steps, self.end, why = optim.max_steps, ScheduleEnd.MAX_STEPS, f"--max_steps {optim.max_steps}"
@@ -74,7 +80,9 @@ class Schedule:
             self.steps, self.end = max(DEFAULT_STEPS, steps_per_epoch), ScheduleEnd.SCHEDULE
             why = (f"no --max_steps, --epochs or --max_minutes: the larger of {DEFAULT_STEPS} steps and one epoch "
                    f"of {steps_per_epoch}")
-        self.deadline = None if optim.max_minutes is None else started_at + 60 * optim.max_minutes
+        self.started_at, self.time_spent = started_at, time_spent
+        self.deadline = None if optim.max_minutes is None else started_at + 60 * optim.max_minutes - time_spent
+        self.ran_out = False  # the clock ended the schedule: the whole budget is spent (`spent`)
         self.start_step, self.start_fraction = start_step, start_fraction
         self.steps_in_time = None  # steps that fit in the time left, estimated from the clock
         self._warned = False
@@ -98,21 +106,23 @@ class Schedule:
         if self.deadline is None:
             return
         now = time.monotonic() if now is None else now
-        budget = 60 * self.optim.max_minutes
-        setup = now - (self.deadline - budget)
-        if setup > END_SHARE * budget:
-            log.warning("set-up took %.0f s, %.0f%% of --max_minutes %g, before the first step; the codebook refit "
+        budget = self.deadline - self.started_at  # this run's: less what the runs it resumes spent
+        setup = now - self.started_at
+        if 0 < budget < setup / END_SHARE:
+            log.warning("set-up took %.0f s, %.0f%% of --max_minutes %g%s, before the first step; the codebook refit "
                         "and the final eval take time of the same order, so little is left to train and the run "
                         "may end late: pass --max_minutes %d or more, or lower --kmeans_init_frames, "
                         "--refit_frames and --eval_frames", setup, 100 * setup / budget, self.optim.max_minutes,
-                        math.ceil(setup / END_SHARE / 60) + 1)
+                        f" (the {budget:.0f} s of it left to this resumed run)" if self.time_spent else "",
+                        math.ceil((self.time_spent + setup / END_SHARE) / 60) + 1)
 
     def describe(self) -> str:
         parts = []
         if self.steps is not None:
             parts.append(f"{self.steps} steps")
         if self.deadline is not None:
-            parts.append(f"{self.optim.max_minutes:g} minutes from the start, refit and final eval included")
+            parts.append(f"{self.optim.max_minutes:g} minutes from the start, refit and final eval included"
+                         + (f", {self.time_spent:.0f} s of them spent before this resume" if self.time_spent else ""))
         return f"{' or '.join(parts)}, whichever ends first ({self.why})" if len(parts) > 1 else \
             f"{parts[0]} ({self.why})"
 
@@ -188,7 +198,19 @@ class Schedule:
             return self.end
         if self.steps_in_time is not None and step >= self.steps_in_time:
             return ScheduleEnd.MAX_MINUTES
+        if self.deadline is not None and self.deadline <= self.started_at:  # resumed with none of the budget left
+            return ScheduleEnd.MAX_MINUTES
         return None
+
+    def spent(self, now: float | None = None) -> float:
+        """Seconds of the time budget spent, by this run and the runs it resumes (a checkpoint's "time_spent"):
+        all of --max_minutes once the clock ended the schedule (`ran_out`), however early the end's work was done,
+        so that a relaunch with the same flags trains no more and one with a larger budget trains the minutes
+        added."""
+        if self.ran_out:
+            return max(self.time_spent, 60 * self.optim.max_minutes)
+        now = time.monotonic() if now is None else now
+        return self.time_spent + now - self.started_at
 
     def out_of_time(self, now: float | None = None) -> bool:
         """The hard stop: the deadline less the end of the schedule's work is past."""
