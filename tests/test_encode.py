@@ -448,3 +448,10 @@ def test_encode_refuses_zero_levels(pipeline, tmp_path, caplog):
                         "--output_dir", tmp_path / "out"]) == 2
     assert "--num_quantizers 0: this codec has levels 1 to 2" in caplog.text
     assert not (tmp_path / "out").exists()
+
+
+def test_encode_refuses_a_beam_wider_than_a_level_has_codes(pipeline, tmp_path, caplog):
+    assert encode.main(["--checkpoint", pipeline.run, "--data_dir", pipeline.feats, "--beam_size", "33",
+                        "--output_dir", tmp_path / "out"]) == 2
+    assert "--beam_size 33: this codec has 32 codes a level" in caplog.text
+    assert not (tmp_path / "out").exists()

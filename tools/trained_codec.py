@@ -247,6 +247,9 @@ def codes_spec(request: CodesRequest, model: RVQCodec, state: dict, ckpt_path: P
     if request.km is not None and request.km > q:
         raise BadInputError(f"--km {request.km}: the codes have levels 1 to {q}")
     beam, dtype = request.beam_size or config.beam_size, code_dtype(config.codebook_size)
+    if beam > config.codebook_size:  # the search keeps at most one sequence per code of the first level
+        raise BadInputError(f"--beam_size {beam}: this codec has {config.codebook_size} codes a level, so the beam can "
+                            f"be {config.codebook_size} wide at most")
     settings = {"checkpoint": str(ckpt_path.resolve()), "step": state.get("step"),
                 "codec_digest": codec_digest(state["model"]), "levels": q,
                 "codebook_size": config.codebook_size, "downsample": config.downsample, "dtype": dtype.name,
