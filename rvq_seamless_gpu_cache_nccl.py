@@ -53,7 +53,7 @@ from training.run_folder import RunFolder
 from training.schedule import REFIT_SHARE, Schedule, ScheduleEnd
 from training.signals import Interrupted, Stopped, StopRequest, stop_reason
 from training.step_guard import StepOutcome, guarded_step
-from training.sync_check import sync_check
+from training.sync_check import CheckSchedule, sync_check
 from training.threads import choose_threads, set_torch_threads
 from training.throughput import start_step_timer
 from training.watchdog import PeerWatchdog
@@ -215,6 +215,7 @@ class Trainer:
                         unit="step", dynamic_ncols=True, mininterval=1.0)
         self.timer = start_step_timer(self.model, ctx.device, self.amp_dtype, ctx.world_size, log)
         self.schedule.check_setup()  # a --max_minutes budget that the set-up has mostly spent is said at once
+        self.checks = CheckSchedule(cfg.dist.sync_check_every, p.step)
         p.phase = "train"
         if p.stop_reason is None:  # a run resumed at the end of its schedule goes to what is left of its end
             p.stop_reason = self.schedule.stop_reason(p.step)
@@ -429,7 +430,8 @@ class Trainer:
 
     def decide_stop(self) -> None:
         """Every reason to stop, the same on every rank: the schedule, too many bad steps (both decided alike
-        everywhere), and a signal or --max_minutes, agreed in the sync check's one exchange."""
+        everywhere), and a signal or --max_minutes, agreed in the sync check's one exchange (within seconds: the
+        checks come by time as well as by step, CheckSchedule)."""
         cfg, ctx, p, schedule = self.cfg, self.ctx, self.progress, self.schedule
         if p.bad_in_a_row > cfg.optim.max_bad_steps:
             p.stop_reason, self.exit_code = f"{p.bad_in_a_row} non-finite steps in a row", EXIT_FAILURE
@@ -438,11 +440,12 @@ class Trainer:
         if not ctx.is_distributed:
             signal = stop_reason(ctx, self.stop, [])
             time_up = out_of_time
-        elif p.step % cfg.dist.sync_check_every == 0 or p.stop_reason or schedule.stop_reason(p.step):
+        elif self.checks.due(p.step) or p.stop_reason or schedule.stop_reason(p.step):
             with p.phase_of("sync check"):
                 result = sync_check(ctx, step=p.step, epoch=p.step // self.steps_per_epoch,
                                     samples_seen=p.samples_seen, stop=bool(self.stop), out_of_time=out_of_time,
-                                    steps_in_time=steps_in_time, codebooks=codebook_tensors(self.model))
+                                    steps_in_time=steps_in_time, codebooks=codebook_tensors(self.model),
+                                    checks=self.checks)
             signal = stop_reason(ctx, self.stop, result.stop_ranks)
             time_up, steps_in_time = result.out_of_time, result.steps_in_time  # rank 0's clock decides for every rank
         else:

@@ -61,3 +61,36 @@ def test_agreement_primitives_answer_every_rank_alike_and_raise_together():
     outs = run_gloo_ranks(AGREE)
     assert "rank 0 raised: found on rank 0" in outs[0] and "rank 1 raised: rank 0: found on rank 0" in outs[1]
     assert "rank 0 raised: rank 1: found on rank 1" in outs[0] and "rank 1 raised: found on rank 1" in outs[1]
+
+
+
+CHECKS = r"""
+import types, torch, torch.distributed as dist
+import training.sync_check as sync
+from training.distributed import DistContext
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+ctx = DistContext(rank, 2, rank, torch.device("cpu"), control=dist.group.WORLD)
+clock = [0.0]
+sync.time = types.SimpleNamespace(monotonic=lambda: clock[0])  # each rank's own clock, moved by hand
+checks = sync.CheckSchedule(50, start_step=0)
+seen = []
+for step in range(1, 121):
+    # rank 0's steps take 0.7 x STOP_CHECK_SECONDS up to step 3, then 1 ms; rank 1's always 1 ms
+    clock[0] += 0.7 * sync.STOP_CHECK_SECONDS if rank == 0 and step <= 3 else 0.001
+    if checks.due(step):
+        sync.sync_check(ctx, step=step, epoch=0, samples_seen=step, stop=False, out_of_time=False,
+                        steps_in_time=None, codebooks=[torch.ones(4, 3)], checks=checks)
+        seen.append(step)
+print("rank", rank, "checks", seen)
+dist.destroy_process_group()
+"""
+
+
+def test_sync_checks_come_by_rank_0s_clock_and_at_every_multiple_of_sync_check_every():
+    """Slow steps on rank 0 bring a check after every one (a stop waits about STOP_CHECK_SECONDS at most); fast
+    ones leave them at every multiple of --sync_check_every. Rank 1's clock, always fast, has no say."""
+    outs = run_gloo_ranks(CHECKS)
+    for rank in (0, 1):
+        assert f"rank {rank} checks [1, 2, 3, 4, 50, 100]" in outs[rank], outs

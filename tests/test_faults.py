@@ -187,6 +187,25 @@ def test_sigterm_to_one_rank_stops_both_at_one_step_and_resumes_exactly(tmp_path
     assert_same_weights(newest_checkpoint(straight), newest_checkpoint(out))
 
 
+@pytest.mark.timeout(180)
+def test_sigterm_to_one_rank_of_slow_steps_stops_both_within_seconds(tmp_path, data, ranks):
+    """Steps of over a second, and 50 of them between the step-count sync checks (and no eval to agree on the
+    stop): the checks come by time too, about every STOP_CHECK_SECONDS, so both ranks stop a step or two after
+    the signal, not at step 50, well inside the 30 s a scheduler allows before SIGKILL."""
+    out = tmp_path / "run"
+    job = ranks(flags(data, out, "--max_steps", 60, "--sync_check_every", 50, "--eval_every", 100),
+                extra_env={"RVQ_FAULT": "slow_steps:seconds=1,signal:rank=1:step=5:sig=TERM"})
+    sent = job.wait_for(1, "SIGTERM received", timeout=120)
+    codes = job.wait(timeout=90)
+    assert codes == [0, 0], job.output(0) + job.output(1)
+    took = max(job.ended.values()) - sent
+    stop = events(out, "stop")[-1]
+    print(f"SIGTERM to rank 1 at step {stop['step']} of 1 s steps: both ranks exited {took:.1f} s after it")
+    assert 5 <= stop["step"] <= 8 and "signal on rank(s) [1]" in stop["reason"], stop
+    assert [e["step"] for e in events(out, "checkpoint")] == [stop["step"]]
+    assert took < 20, (took, job.output(0)[-3000:])
+
+
 def test_eval_error_on_one_rank_is_skipped_by_all_and_training_goes_on(tmp_path, data, ranks):
     out = tmp_path / "run"
     job = ranks(flags(data, out, "--max_steps", 16), extra_env={"RVQ_FAULT": "eval_error:rank=1"})

@@ -23,6 +23,7 @@ from data.training_data import DataConfig
 from models.codec import CodecConfig
 from models.compiled_step import COMPILE_CHOICES, CPU_COMPILE_MIN_MINUTES, CPU_COMPILE_MIN_STEPS
 from training.flag_help import FlagHelpFormatter
+from training.sync_check import STOP_CHECK_SECONDS
 
 DEFAULT_NCCL_TIMEOUT = 1800  # seconds; PyTorch's own default for NCCL groups
 DEFAULT_STEPS = 2000  # with no budget given: at least this many steps, or one epoch if that is more
@@ -165,7 +166,9 @@ class RunConfig:
 class DistConfig:
     nccl_timeout: int | None = flag(None, "process-group timeout in seconds; none: $NCCL_TIMEOUT when set, else "
                                           f"{DEFAULT_NCCL_TIMEOUT}")
-    sync_check_every: int = flag(50, "steps between cross-rank sync checks")
+    sync_check_every: int = flag(50, "the most steps between cross-rank sync checks: they come at its multiples "
+                                     f"and, when steps are slow, about every {STOP_CHECK_SECONDS:g} s in between, "
+                                     "so that a stop is agreed within seconds")
     sync_timeout: int = flag(300, "seconds a sync check waits, a peer may stay silent, and a rank may stay in one "
                                   "training phase, before every rank stops")
     slow_phase_timeout: int | None = flag(

@@ -2,9 +2,9 @@
 
     RVQ_FAULT=kind[:key=value...][,kind...]
 
-Each fault fires once, and only in the first attempt of an elastic job
-(TORCHELASTIC_RESTART_COUNT 0 or unset), so that a restarted job runs clean;
-rank defaults to every rank, step to the first chance:
+Each fault fires once (slow_steps at every step), and only in the first
+attempt of an elastic job (TORCHELASTIC_RESTART_COUNT 0 or unset), so that a
+restarted job runs clean; rank defaults to every rank, step to the first chance:
     kill:rank=1:step=30[:sig=ABRT]  SIGKILL this rank at step 30 (a lost rank); sig=ABRT: SIGABRT, as
                                  NCCL's watchdog aborts a rank whose collective timed out; sig=SEGV: SIGSEGV,
                                  as a crash in native code ends a process; in tools.encode,
@@ -21,6 +21,8 @@ rank defaults to every rank, step to the first chance:
                                  PHASE (default data) at step 30; its other threads and the process live on
     extra_collective:rank=1:step=30  this rank enters an all-reduce the others never join, at step 30
     slow_save:seconds=N[:step=S]   rank 0's checkpoint write takes N s longer
+    slow_steps:seconds=N[:rank=R][:step=S]  every step from step S on takes N s longer on this rank (default 1 s;
+                                 not once: a slow machine)
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ import torch.distributed as dist
 from errors import BadInputError
 from training.progress import PHASES
 
-KINDS = ("kill", "hang", "nan", "desync", "eval_error", "signal", "stall", "extra_collective", "slow_save")
+KINDS = ("kill", "hang", "nan", "desync", "eval_error", "signal", "stall", "extra_collective", "slow_save",
+         "slow_steps")
 STALL_PHASES = tuple(PHASES)
 KILL_SIGNALS = ("ABRT", "SEGV")  # kill's sig=: raised on the calling thread (default: SIGKILL)
 SIGNAL_SIGNALS = ("TERM", "INT", "USR1", "HUP")  # signal's sig=
@@ -51,7 +54,7 @@ class Fault:
     step: int | None = None
     sig: str = "TERM"
     at: str = "step"  # "step": before the step; "backward": between the forward and backward passes; a phase
-    seconds: int | None = None  # stall, slow_save: how long (a stall without it lasts for good)
+    seconds: int | None = None  # stall, slow_save, slow_steps: how long (a stall without it lasts for good)
 
     def applies(self, rank: int, step: int) -> bool:
         return (self.rank is None or self.rank == rank) and (self.step is None or self.step == step)
@@ -99,6 +102,10 @@ class FaultInjector:
         return None
 
     def before_step(self, step: int, model) -> None:
+        for fault in self.faults:
+            if fault.kind == "slow_steps" and (fault.rank is None or fault.rank == self.rank) and \
+                    step >= (fault.step or 0):
+                time.sleep(1 if fault.seconds is None else fault.seconds)
         fault = self._take("kill", step)
         if fault:
             kill_this_process(fault)
