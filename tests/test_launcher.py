@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from tests.helpers import QUICK, REPO, TINY, TRAINER, env, events, run_trainer, signal_while_importing
@@ -297,6 +298,31 @@ def test_the_launcher_reads_only_signal_6_in_torchruns_summary():
                b"Failures:\n[1]:\n  rank      : 3 (local_rank: 3)\n  exitcode  : -9 (pid: 77)\n")
     assert aborted_ranks(summary) == [12]
     assert aborted_ranks(b"rank      : 3 (local_rank: 3)\n  exitcode  : 1 (pid: 5)\n") == []
+
+
+def test_the_launcher_exits_2_when_every_failed_rank_exited_2():
+    from tools.launch import bad_input_ranks
+
+    summary = (b"Root Cause (first observed failure):\n[0]:\n  rank      : 0 (local_rank: 0)\n"
+               b"  exitcode  : 2 (pid: 11)\nFailures:\n[1]:\n  rank      : 1 (local_rank: 1)\n"
+               b"  exitcode  : 2 (pid: 12)\n")
+    assert bad_input_ranks(summary) == [0, 1]
+    assert bad_input_ranks(summary.replace(b"2 (pid: 12)", b"1 (pid: 12)")) == []  # one rank's own error: not bad input
+    assert bad_input_ranks(b"") == []
+
+
+def test_bad_input_on_two_ranks_exits_2_naming_it(tmp_path):
+    """Ranks that exit 2 (a feature file of another dim) make the launcher exit 2, its last line saying why."""
+    data = tmp_path / "data"
+    for split, dims in (("train", (16, 16, 16, 8)), ("valid", (16, 16))):
+        (data / split).mkdir(parents=True)
+        for i, dim in enumerate(dims):
+            np.save(data / split / f"u{i}.npy", np.ones((200, dim), np.float32))
+    r = launch("basic", *TINY, *QUICK, "--max_steps", "2", "--data_dir", data, timeout=120,
+               OUTPUT_DIR=tmp_path / "run", NPROC_PER_NODE=2)
+    assert r.returncode == 2, r.stderr[-4000:]
+    assert "dims differ" in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("[run_nccl_optimized] rank(s) [0, 1] exited 2: bad input")
 
 
 def test_single_process_fallback_command(tmp_path):

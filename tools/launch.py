@@ -12,7 +12,8 @@ which picks its own) unless you set them (yours are kept, and named). One proces
 becomes the trainer (os.execvpe, as bash's exec: signals reach the trainer directly).
 Several ranks: it runs torchrun and passes a stop signal to this node's ranks (see
 StopRelay), then exits with torchrun's code, or 3 when a rank was aborted (signal 6:
-what NCCL's watchdog does to a rank whose collective timed out), which it says.
+what NCCL's watchdog does to a rank whose collective timed out), or 2 when every rank
+that failed exited 2 (bad input), which it says.
 With DRY_RUN=1 it prints the environment and the command instead, and exits 0.
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ import unicodedata
 import warnings
 from pathlib import Path
 
-from errors import EXIT_DISTRIBUTED
+from errors import EXIT_BAD_INPUT, EXIT_DISTRIBUTED
 from tools import doctor
 from tools.launch_rules import (LAUNCH_VARIABLES, LOOPBACK_DRILL, LaunchEnvError, LaunchPlan, Nodes, cpu_ranks,
                                 env_warnings, is_loopback, plan_launch, reachable_master, resolve, restart_rendezvous)
@@ -347,14 +348,14 @@ def trainer_gloo_env(environ, nodes: Nodes) -> dict:
 # ---- torchrun, and stop signals
 
 
-# torchrun's failure summary: "rank : 1 (local_rank: 1)" then "exitcode : -6 (pid: ...)" for a rank ended by SIGABRT
-ABORTED_RANK = re.compile(rb"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*-6\b")
+# torchrun's failure summary: "rank : 1 (local_rank: 1)" then "exitcode : -6 (pid: ...)" (-6: ended by SIGABRT)
+FAILED_RANK = re.compile(rb"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)\b")
 TAIL_BYTES = 1 << 16  # the end of torchrun's output that is kept, for its failure summary
 
 
 def run_torchrun(cmd: list[str], env: dict, run_dir: str, relay: "StopRelay") -> int:
     """Run torchrun in a session of its own; pass a stop signal to the ranks it started (`relay`); return its exit
-    code, or 3 when a rank was aborted (see aborted_ranks).
+    code, 3 when a rank was aborted (see aborted_ranks), 2 when the ranks found bad input (see bad_input_ranks).
 
     The output of torchrun and its ranks passes through, and its end is read for its failure summary.
     """
@@ -379,6 +380,10 @@ def run_torchrun(cmd: list[str], env: dict, run_dir: str, relay: "StopRelay") ->
             f"torch.distributed.flight_recorder.fr_trace {run_dir}/{FLIGHT_RECORDER_DIR} --prefix rank_. "
             f"Exit code {EXIT_DISTRIBUTED}; restart to resume from the last checkpoint")
         return EXIT_DISTRIBUTED
+    if code != 0 and (bad := bad_input_ranks(bytes(tail))):
+        say(f"rank(s) {bad} exited {EXIT_BAD_INPUT}: bad input or flags (their message is above); nothing was "
+            f"written. Exit code {EXIT_BAD_INPUT}")
+        return EXIT_BAD_INPUT
     return code if code >= 0 else 128 - code  # killed by a signal: as a shell reports it
 
 
@@ -483,9 +488,20 @@ def copy_output(source, target, tail: bytearray) -> None:
         del tail[:-TAIL_BYTES]
 
 
+def failed_ranks(output: bytes) -> dict[int, int]:
+    """The ranks torchrun's failure summary shows, with their exit codes (a negative one: the signal that ended it)."""
+    return {int(rank): int(code) for rank, code in FAILED_RANK.findall(output)}
+
+
 def aborted_ranks(output: bytes) -> list[int]:
     """The ranks torchrun's failure summary shows as ended by signal 6 (`exitcode : -6`)."""
-    return sorted({int(rank) for rank in ABORTED_RANK.findall(output)})
+    return sorted(rank for rank, code in failed_ranks(output).items() if code == -6)
+
+
+def bad_input_ranks(output: bytes) -> list[int]:
+    """The ranks of torchrun's failure summary when every one of them exited 2 (bad input or flags); else []."""
+    failed = failed_ranks(output)
+    return sorted(failed) if failed and set(failed.values()) == {EXIT_BAD_INPUT} else []
 
 
 def child_processes(pid: int) -> list[int]:
