@@ -17,6 +17,11 @@ import time
 
 STARTED = time.monotonic()  # --max_minutes count from here: imports, data checks and set-up included
 
+if __name__ == "__main__":  # a stop signal during the imports below (seconds) is recorded, not fatal: main() stops
+    from training.stop_signals import record_stops  # the run before its first step (the standard library only)
+
+    record_stops()
+
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import gc  # noqa: E402
@@ -51,7 +56,7 @@ from training.progress import END_OF_SCHEDULE, FAILED, STOPPED, Progress
 from training.resume import agree_on_resume
 from training.run_folder import RunFolder
 from training.schedule import REFIT_SHARE, Schedule, ScheduleEnd
-from training.signals import Interrupted, Stopped, StopRequest, stop_reason
+from training.signals import Interrupted, Stopped, StopRequest, agree_to_stop, stop_reason
 from training.step_guard import StepOutcome, guarded_step
 from training.sync_check import CheckSchedule, sync_check
 from training.threads import choose_threads, set_torch_threads
@@ -194,6 +199,8 @@ class Trainer:
             p.end_of_schedule = []
         self.ddp_model = wrap_ddp(self.model, ctx)
         self.open_outputs()
+        if self.stop_before_the_first_step():
+            return
         self.batches = batch_source(cfg.data, self.data.shard, self.data.plan, ctx.device,
                                     start_step=p.step * cfg.optim.grad_accum, show_progress=self.main_rank,
                                     cache_dtype=cache_dtype(ctx.device, self.data.shard.dtype == np.float16,
@@ -223,6 +230,20 @@ class Trainer:
             log.warning("%s holds a finished run (step %d, %s; its refit and final eval done): nothing is left to "
                         "do. To train afresh, give another --output_dir; to train on from it, a larger budget "
                         "(--max_steps, --max_minutes)", self.folder.root, p.step, self.schedule.describe())
+
+    def stop_before_the_first_step(self) -> bool:
+        """A stop requested during the set-up (a signal during the imports included: StopRequest.install), agreed
+        by every rank before the device cache is filled: the run ends with nothing trained since its start, so
+        nothing to save (finish() says so in the stop event), and exits 0."""
+        p = self.progress
+        reason = agree_to_stop(self.ctx, self.stop)
+        if reason is None:
+            return False
+        p.stop_reason = f"{reason} before the first step"
+        log.warning("stopped before the first step (%s): nothing trained%s, no checkpoint written; relaunch the same "
+                    "command to %s", reason, f" since step {p.step}" if p.step else "",
+                    f"resume from step {p.step}" if p.step else "start the run")
+        return True
 
     def init_codebooks(self) -> None:
         """k-means before the first step. A stop during it ends the run with nothing trained, so nothing to save:

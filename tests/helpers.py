@@ -350,3 +350,35 @@ class Ranks:
                 p.send_signal(self._signal.SIGCONT)
                 p.kill()
                 p.wait(timeout=30)
+
+
+def importing(pid: int) -> bool:
+    """Whether a fresh Python process is in its imports: numpy's extension is loaded (the trainer imports numpy,
+    then torch and its own modules, seconds in all, before its main() runs)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return "_multiarray_umath" in f.read()
+    except OSError:
+        return False
+
+
+def signal_while_importing(argv, sig, *, log: Path, env: dict, watched=None, timeout=180) -> int:
+    """Start `argv` (a fresh process: a fork of the zygote has done its imports), send it `sig` once
+    `watched(pid)` (default: the process itself) names a process in its imports; its exit code, its output in
+    `log`."""
+    import time
+
+    watched = watched or (lambda pid: [pid])
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(a) for a in argv], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(importing(pid) for pid in watched(proc.pid)):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.005)
+        proc.send_signal(sig)
+        return proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)

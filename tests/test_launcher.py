@@ -3,12 +3,15 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
+import sys
 import time
 
+import numpy as np
 import pytest
 
-from tests.helpers import QUICK, REPO, TINY, env, events, run_trainer
+from tests.helpers import QUICK, REPO, TINY, TRAINER, env, events, run_trainer, signal_while_importing
 from training.nccl_env import TRAINER_NCCL_ENV
 from training.presets import PRESETS
 
@@ -234,6 +237,46 @@ def test_max_restarts_restarts_a_killed_rank_and_resumes_from_the_checkpoint(tmp
     print(f"kill, restart and resume took {seconds:.1f} s")
 
 
+@pytest.mark.timeout(240)
+def test_a_stop_while_the_ranks_import_stops_them_before_their_first_step_and_nothing_restarts(tmp_path):
+    """SIGTERM to the launcher while torchrun's ranks import torch (seconds each): it reaches them once they catch
+    it, they stop before their first step, and every process exits 0 (no restart under MAX_RESTARTS)."""
+    from tools.launch import child_processes
+
+    out = tmp_path / "run"
+    log = tmp_path / "launch.log"
+    code = signal_while_importing(  # the launcher's children: torchrun; theirs: the ranks
+        ["bash", REPO / "run_nccl_optimized.sh", "basic", *TINY, *QUICK, "--max_steps", "20"], signal.SIGTERM,
+        log=log, env=launch_env(OUTPUT_DIR=out, NPROC_PER_NODE=2, MAX_RESTARTS=1),
+        watched=lambda pid: [rank for agent in child_processes(pid) for rank in child_processes(agent)])
+    text = log.read_text()
+    assert code == 0, text[-4000:]
+    assert "SIGTERM: passed to this node's ranks" in text and "will restart worker group" not in text
+    assert "stopped before the first step (signal on rank(s) [" in text
+    stops = events(out, "stop")
+    assert len(stops) == 1 and stops[0]["step"] == 0 and stops[0]["reason"].endswith("before the first step")
+    assert not events(out, "train") and not list((out / "checkpoints").iterdir())
+
+
+@pytest.mark.timeout(120)
+def test_one_process_a_stop_before_the_exec_reaches_the_trainer(tmp_path):
+    """The launcher caught a stop before it became the trainer: the trainer gets it and stops before its first
+    step (exit 0), rather than lose it or die of it."""
+    out = tmp_path / "run"
+    script = ("import os, signal, sys\n"
+              "from tools.launch import StopRelay\n"
+              "relay = StopRelay(torchrun=False)\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\n"
+              f"relay.exec_trainer([sys.executable, {str(TRAINER)!r}, *{[*TINY, *QUICK, '--output_dir', str(out)]!r}],"
+              " dict(os.environ))\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100, env=env(),
+                       cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "SIGTERM: passed to the trainer as it starts" in r.stderr
+    assert "stopped before the first step (signal SIGTERM)" in r.stderr
+    assert [e["reason"] for e in events(out, "stop")] == ["signal SIGTERM before the first step"]
+
+
 def test_a_rank_aborted_by_signal_6_is_reported_as_a_distributed_failure(tmp_path):
     """Rank 1 ends by SIGABRT at step 4, as NCCL's watchdog ends a rank whose collective timed out: the launcher
     reads torchrun's summary, names the rank and the flight-recorder dumps, and exits 3."""
@@ -255,6 +298,31 @@ def test_the_launcher_reads_only_signal_6_in_torchruns_summary():
                b"Failures:\n[1]:\n  rank      : 3 (local_rank: 3)\n  exitcode  : -9 (pid: 77)\n")
     assert aborted_ranks(summary) == [12]
     assert aborted_ranks(b"rank      : 3 (local_rank: 3)\n  exitcode  : 1 (pid: 5)\n") == []
+
+
+def test_the_launcher_exits_2_when_every_failed_rank_exited_2():
+    from tools.launch import bad_input_ranks
+
+    summary = (b"Root Cause (first observed failure):\n[0]:\n  rank      : 0 (local_rank: 0)\n"
+               b"  exitcode  : 2 (pid: 11)\nFailures:\n[1]:\n  rank      : 1 (local_rank: 1)\n"
+               b"  exitcode  : 2 (pid: 12)\n")
+    assert bad_input_ranks(summary) == [0, 1]
+    assert bad_input_ranks(summary.replace(b"2 (pid: 12)", b"1 (pid: 12)")) == []  # one rank's own error: not bad input
+    assert bad_input_ranks(b"") == []
+
+
+def test_bad_input_on_two_ranks_exits_2_naming_it(tmp_path):
+    """Ranks that exit 2 (a feature file of another dim) make the launcher exit 2, its last line saying why."""
+    data = tmp_path / "data"
+    for split, dims in (("train", (16, 16, 16, 8)), ("valid", (16, 16))):
+        (data / split).mkdir(parents=True)
+        for i, dim in enumerate(dims):
+            np.save(data / split / f"u{i}.npy", np.ones((200, dim), np.float32))
+    r = launch("basic", *TINY, *QUICK, "--max_steps", "2", "--data_dir", data, timeout=120,
+               OUTPUT_DIR=tmp_path / "run", NPROC_PER_NODE=2)
+    assert r.returncode == 2, r.stderr[-4000:]
+    assert "dims differ" in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("[run_nccl_optimized] rank(s) [0, 1] exited 2: bad input")
 
 
 def test_single_process_fallback_command(tmp_path):

@@ -2,13 +2,14 @@
 teardown, to real trainer processes whose stderr goes to a file (where no log line may be glued to a bar's)."""
 import re
 import signal
+import sys
 import time
 
 import pytest
 import torch
 
 from tests.helpers import (Ranks, TINY, TRAINER, env, events, newest_checkpoint, run_flags, run_python,
-                           run_trainer, start_python, trainer_in_process, write_dump)
+                           run_trainer, signal_while_importing, start_python, trainer_in_process, write_dump)
 
 pytestmark = pytest.mark.slow  # end to end: processes, ranks or compiles (pytest.ini)
 
@@ -417,6 +418,26 @@ def test_sigterm_to_one_rank_in_the_first_compile_ends_every_rank_at_once_with_n
     stops = events(out, "stop")  # rank 0 records it
     assert [e["step"] for e in stops] == [0] and stops[0]["reason"].startswith("rank(s) [1] stopped on request")
     assert not events(out, "train") and not list((out / "checkpoints").iterdir())
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_during_the_imports_stops_before_the_first_step_and_a_relaunch_trains(tmp_path, data):
+    """The trainer records a stop signal from its first lines, before torch is imported (seconds): a fresh
+    interpreter, not a fork of the tests' zygote, which has imported torch already."""
+    out = tmp_path / "run"
+    log = tmp_path / "run.log"
+    code = signal_while_importing([sys.executable, TRAINER, *flags(data, out, "--max_steps", 2)], signal.SIGTERM,
+                                  log=log, env=env())
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    assert ("stopped before the first step (signal SIGTERM): nothing trained, no checkpoint written; relaunch the "
+            "same command to start the run") in text
+    assert [e["reason"] for e in events(out, "stop")] == ["signal SIGTERM before the first step"]
+    assert not events(out, "train") and not list((out / "checkpoints").iterdir())
+
+    r = run_trainer(flags(data, out, "--max_steps", 2), timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert events(out, "stop")[-1] == {**events(out, "stop")[-1], "step": 2, "reason": "max_steps"}
 
 
 def test_stop_and_resume_gives_identical_weights(tmp_path, small_data):

@@ -11,8 +11,9 @@ anything is started or written. Sets the preset's NCCL variables and OMP_NUM_THR
 which picks its own) unless you set them (yours are kept, and named). One process: it
 becomes the trainer (os.execvpe, as bash's exec: signals reach the trainer directly).
 Several ranks: it runs torchrun and passes a stop signal to this node's ranks (see
-run_torchrun), then exits with torchrun's code, or 3 when a rank was aborted (signal 6:
-what NCCL's watchdog does to a rank whose collective timed out), which it says.
+StopRelay), then exits with torchrun's code, or 3 when a rank was aborted (signal 6:
+what NCCL's watchdog does to a rank whose collective timed out), or 2 when every rank
+that failed exited 2 (bad input), which it says.
 With DRY_RUN=1 it prints the environment and the command instead, and exits 0.
 """
 from __future__ import annotations
@@ -31,14 +32,14 @@ import unicodedata
 import warnings
 from pathlib import Path
 
-from errors import EXIT_DISTRIBUTED
+from errors import EXIT_BAD_INPUT, EXIT_DISTRIBUTED
 from tools import doctor
 from tools.launch_rules import (LAUNCH_VARIABLES, LOOPBACK_DRILL, LaunchEnvError, LaunchPlan, Nodes, cpu_ranks,
                                 env_warnings, is_loopback, plan_launch, reachable_master, resolve, restart_rendezvous)
 from training.interfaces import gloo_interface, interface_addresses
 from training.nccl_env import FLIGHT_RECORDER_DIR, trainer_nccl_env
 from training.presets import PRESETS, Preset
-from training.signals import STOP_SIGNALS
+from training.stop_signals import STOP_SIGNALS
 
 SCRIPT = "run_nccl_optimized.sh"
 TRAINER = Path(os.path.abspath(__file__)).parent.parent / "rvq_seamless_gpu_cache_nccl.py"
@@ -347,53 +348,28 @@ def trainer_gloo_env(environ, nodes: Nodes) -> dict:
 # ---- torchrun, and stop signals
 
 
-# torchrun's failure summary: "rank : 1 (local_rank: 1)" then "exitcode : -6 (pid: ...)" for a rank ended by SIGABRT
-ABORTED_RANK = re.compile(rb"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*-6\b")
+# torchrun's failure summary: "rank : 1 (local_rank: 1)" then "exitcode : -6 (pid: ...)" (-6: ended by SIGABRT)
+FAILED_RANK = re.compile(rb"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)\b")
 TAIL_BYTES = 1 << 16  # the end of torchrun's output that is kept, for its failure summary
 
 
-def run_torchrun(cmd: list[str], env: dict, run_dir: str) -> int:
-    """Run torchrun in a session of its own; pass a stop signal to the ranks it started; return its exit code.
+def run_torchrun(cmd: list[str], env: dict, run_dir: str, relay: "StopRelay") -> int:
+    """Run torchrun in a session of its own; pass a stop signal to the ranks it started (`relay`); return its exit
+    code, 3 when a rank was aborted (see aborted_ranks), 2 when the ranks found bad input (see bad_input_ranks).
 
-    torchrun's own answer to SIGTERM or SIGINT is to end the ranks of its node: it passes the signal on, kills
-    them 30 s later, and exits 1 without meeting the other nodes' agents, which then wait 300 s at their exit
-    barrier. The trainer stops on these signals by itself, every node at one step with a checkpoint, and exits 0.
-    So the first SIGTERM, SIGINT or SIGUSR1 goes to this node's ranks, and every torchrun sees its ranks finish
-    (no restart under MAX_RESTARTS: they succeeded). Any other signal goes to torchrun: after a stop was passed
-    on, as SIGINT, which torchrun passes on too, and a rank already stopping exits at once; else (no ranks yet,
-    SIGHUP, SIGQUIT) as SIGTERM, which ends torchrun in its rendezvous, or its ranks within 30 s.
-
-    The output of torchrun and its ranks passes through, and its end is read for ranks that signal 6 ended: see
-    aborted_ranks.
+    The output of torchrun and its ranks passes through, and its end is read for its failure summary.
     """
     # terminal signals reach the launcher alone
-    agent = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
+    agent = relay.agent = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
     tail = bytearray()
     copier = threading.Thread(target=copy_output, args=(agent.stderr, sys.stderr.buffer, tail), daemon=True)
     copier.start()
-    relayed = False
-
-    def relay(signum, _frame):
-        nonlocal relayed
-        name = signal.Signals(signum).name
-        ranks = child_processes(agent.pid) if signum in STOP_SIGNALS and not relayed else []
-        if ranks:
-            say(f"{name}: passed to this node's ranks ({', '.join(map(str, ranks))}); every node's ranks stop at "
-                "one step, with a checkpoint; a second signal ends them at once")
-            targets, sig = ranks, signum
-            relayed = True
-        else:
-            targets, sig = [agent.pid], signal.SIGINT if relayed else signal.SIGTERM
-            say(f"{name}: passed to torchrun as {sig.name}: "
-                + ("this node's ranks exit at once, without a checkpoint" if relayed else
-                   "it ends this node's part of the job"))
-        for pid in targets:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-
-    for caught in (*STOP_SIGNALS, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(caught, relay)
-    code = agent.wait()
+    while True:
+        try:
+            code = agent.wait(timeout=0.1)
+            break
+        except subprocess.TimeoutExpired:
+            relay.pass_on()  # a stop that came before any rank could take it
     copier.join(timeout=5)  # a rank left behind may hold the pipe open
     aborted = aborted_ranks(bytes(tail))
     if code != 0 and aborted:
@@ -404,7 +380,102 @@ def run_torchrun(cmd: list[str], env: dict, run_dir: str) -> int:
             f"torch.distributed.flight_recorder.fr_trace {run_dir}/{FLIGHT_RECORDER_DIR} --prefix rank_. "
             f"Exit code {EXIT_DISTRIBUTED}; restart to resume from the last checkpoint")
         return EXIT_DISTRIBUTED
+    if code != 0 and (bad := bad_input_ranks(bytes(tail))):
+        say(f"rank(s) {bad} exited {EXIT_BAD_INPUT}: bad input or flags (their message is above); nothing was "
+            f"written. Exit code {EXIT_BAD_INPUT}")
+        return EXIT_BAD_INPUT
     return code if code >= 0 else 128 - code  # killed by a signal: as a shell reports it
+
+
+class StopRelay:
+    """The launcher's stop signals, from before it starts anything (installed before its `running:` line).
+
+    torchrun's own answer to SIGTERM or SIGINT is to end the ranks of its node: it passes the signal on, kills them
+    30 s later, and exits 1 without meeting the other nodes' agents, which then wait 300 s at their exit barrier.
+    The trainer stops on these signals by itself, every node at one step with a checkpoint, and exits 0. So the
+    first SIGTERM, SIGINT, SIGUSR1 or SIGHUP goes to this node's ranks, and every torchrun sees its ranks finish (no
+    restart under MAX_RESTARTS: they succeeded). It goes only to ranks that catch it (the trainer does from its
+    first line), so that a rank still starting is not killed by it; while none does (torchrun and its ranks
+    starting), it waits, and is passed on as soon as one does: those stop before their first step, and their peers
+    with them. Any other signal goes to torchrun: after a stop was passed on, as SIGINT, which torchrun passes on
+    too, and a rank already stopping exits at once; else (a second signal while no rank could take the first,
+    SIGQUIT) as SIGTERM, which ends torchrun in its rendezvous, or its ranks within 30 s.
+
+    One process: the launcher becomes the trainer (exec), which records a stop from its first line; a stop that
+    came before is handed over pending (exec_trainer).
+    """
+
+    def __init__(self, torchrun: bool):
+        self.torchrun = torchrun
+        self.agent: subprocess.Popen | None = None  # torchrun, once started
+        self.pending: int | None = None  # a stop signal no rank could take yet
+        self.relayed = False
+        for caught in (*STOP_SIGNALS, signal.SIGQUIT):
+            signal.signal(caught, self.handle)
+
+    def handle(self, signum, _frame) -> None:
+        name = signal.Signals(signum).name
+        if signum in STOP_SIGNALS and not self.relayed and self.pending is None:
+            self.pending = signum
+            if not self.torchrun:
+                say(f"{name}: passed to the trainer as it starts; it stops before its first step")
+            elif not self.pass_on():
+                say(f"{name}: no rank of this node can take it yet; it is passed to them as they start, and they "
+                    "stop before their first step; a second signal ends torchrun")
+            return
+        self.pending = None
+        sig = signal.SIGINT if self.relayed else signal.SIGTERM
+        say(f"{name}: passed to torchrun as {sig.name}: " + ("this node's ranks exit at once, without a checkpoint"
+                                                            if self.relayed else "it ends this node's part of the job"))
+        if self.agent is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.agent.pid, sig)
+
+    def pass_on(self) -> bool:
+        """Pass the pending stop to this node's ranks that catch it; True once it is passed."""
+        if self.pending is None or self.agent is None:
+            return False
+        torchrun = command_of(self.agent.pid)
+        ranks = [pid for pid in child_processes(self.agent.pid)
+                 if command_of(pid) not in (torchrun, None) and catches(pid, self.pending)]
+        if not ranks:
+            return False
+        sig, self.pending, self.relayed = self.pending, None, True
+        say(f"{signal.Signals(sig).name}: passed to this node's ranks ({', '.join(map(str, ranks))}); every node's "
+            "ranks stop at one step, with a checkpoint; a second signal ends them at once")
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        return True
+
+    def exec_trainer(self, cmd: list[str], env: dict):
+        """Become the trainer. The stop signals stay blocked through the exec, and one that came is sent again
+        while they are: pending, it reaches the trainer once its first line records stops (and unblocks them)."""
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        if self.pending is not None:
+            os.kill(os.getpid(), self.pending)
+        os.execvpe(cmd[0], cmd, env)
+
+
+def command_of(pid: int) -> bytes | None:
+    """A process's command line, from /proc (a rank's is torchrun's until torchrun's fork of it has run exec);
+    None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (its SigCgt mask in /proc): a Python process starting up has
+    none yet, and the signal's default action would end it."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(line for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):  # gone meanwhile
+        return False
+    return bool(int(caught.split()[1], 16) >> (sig - 1) & 1)
 
 
 def copy_output(source, target, tail: bytearray) -> None:
@@ -417,9 +488,20 @@ def copy_output(source, target, tail: bytearray) -> None:
         del tail[:-TAIL_BYTES]
 
 
+def failed_ranks(output: bytes) -> dict[int, int]:
+    """The ranks torchrun's failure summary shows, with their exit codes (a negative one: the signal that ended it)."""
+    return {int(rank): int(code) for rank, code in FAILED_RANK.findall(output)}
+
+
 def aborted_ranks(output: bytes) -> list[int]:
     """The ranks torchrun's failure summary shows as ended by signal 6 (`exitcode : -6`)."""
-    return sorted({int(rank) for rank in ABORTED_RANK.findall(output)})
+    return sorted(rank for rank, code in failed_ranks(output).items() if code == -6)
+
+
+def bad_input_ranks(output: bytes) -> list[int]:
+    """The ranks of torchrun's failure summary when every one of them exited 2 (bad input or flags); else []."""
+    failed = failed_ranks(output)
+    return sorted(failed) if failed and set(failed.values()) == {EXIT_BAD_INPUT} else []
 
 
 def child_processes(pid: int) -> list[int]:
@@ -462,13 +544,14 @@ def launch(name: str, user_args: list[str], environ) -> int:
     if environ.get("DRY_RUN") not in (None, "", "0"):
         print_dry_run(environ, exports, trainer_env, gloo_env, cmd)
         return 0
+    relay = StopRelay(torchrun)  # a stop from here on reaches the ranks, or the trainer, however early it comes
     say(f"running: {command_line(cmd)}")
     sys.stdout.flush()
     sys.stderr.flush()
     env = {**environ, **exports.values}
     if torchrun:
-        return run_torchrun(cmd, env, run_dir)
-    os.execvpe(cmd[0], cmd, env)
+        return run_torchrun(cmd, env, run_dir, relay)
+    relay.exec_trainer(cmd, env)
 
 
 def main(argv=None) -> int:

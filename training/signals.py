@@ -16,6 +16,10 @@ a signal changes nothing, up to the process's exit (`restore(ignore=True)`), so
 a late SIGTERM cannot turn a clean exit into 143. A second SIGINT exits at once
 (with the settled exit code, once there is one).
 
+A stop signal during the process's start-up, before these handlers are installed, is recorded from the entry
+script's first lines (training/stop_signals.py, the standard library only, before torch is imported) and taken
+over when they are (`install`): the run stops before its first step, agreed by every rank, with nothing to save.
+
 Some work has nothing to save and may take longer than a scheduler's grace period:
 a compile of the training step (the trained state is saved before it), and the
 k-means init before the first step, whose library passes over the whole sample
@@ -36,10 +40,9 @@ from tqdm import tqdm
 
 from errors import EXIT_INTERRUPTED
 from training.distributed import DistContext, exchange
+from training.stop_signals import STOP_SIGNALS, take_recorded
 
 log = logging.getLogger(__name__)
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 
 
 class Stopped(Exception):
@@ -82,9 +85,14 @@ class StopRequest:
         self.settled = exit_code
 
     def install(self) -> "StopRequest":
+        """The stop signals set the flag from now on; one recorded since the process's first line (the entry
+        script's training.stop_signals.record_stops, before its imports) is taken over: the run stops before its
+        first step (Trainer.stop_before_the_first_step)."""
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
+            for name in take_recorded():
+                self.request(name)
         return self
 
     def _handle(self, signum, frame) -> None:
