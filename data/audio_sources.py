@@ -281,11 +281,12 @@ def source_share(source: Path, nshard: int, rank: int, flags: SourceFlags = Sour
 
 
 def listing(names) -> str:
-    """A digest of the names of a source's units in their order (files by their paths under the root, containers
-    by their file names, utterances by their keys): two machines that list one source alike get the same."""
+    """A digest of names in their order, one a line (a source's units: files by their paths under the root,
+    containers by their file names, utterances by their keys; or a share's keys): two machines that list one
+    source alike get the same."""
     digest = hashlib.sha256()
-    for name in names:
-        digest.update(name.encode("utf-8", "surrogateescape") + b"\n")
+    for n, name in enumerate(names):
+        digest.update((b"\n" if n else b"") + name.encode("utf-8", "surrogateescape"))
     return f"sha256:{digest.hexdigest()[:16]}"
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import hashlib
 import logging
 import os
 import queue
@@ -25,7 +24,8 @@ import torch
 from tqdm import tqdm
 
 from data.audio_features import FRAME_RATE
-from data.audio_sources import AUDIO_COLUMN, AUDIO_EXTENSIONS, KEY_COLUMNS, SourceFlags, Utterances, source_share
+from data.audio_sources import (AUDIO_COLUMN, AUDIO_EXTENSIONS, KEY_COLUMNS, SourceFlags, Utterances, listing,
+                                source_share)
 from data.audio_pipeline import FeatureWindows, Window
 from data.resumable_shard import ShardWriter
 from errors import BadInputError
@@ -71,10 +71,9 @@ class AudioShare:
         """What a shard written from this share is checked against when it is resumed or found finished (a folder's
         or a manifest's as before other sources were read)."""
         u = self.utterances
-        listed = hashlib.sha256("\n".join(u.keys).encode("utf-8", "surrogateescape")).hexdigest()[:16]
         kind = {} if u.kind in ("folder", "manifest") else {"source_kind": u.kind}
         return {"root": u.root, **kind, "nshard": self.nshard, "rank": self.rank, "first_file": u.start,
-                "files": len(u.keys), "file_list": f"sha256:{listed}", "source_listing": u.source_listing}
+                "files": len(u.keys), "file_list": listing(u.keys), "source_listing": u.source_listing}
 
     def describe(self) -> str:
         """The share, for the log: `files 0-4 of 10`, `tar files 2-3 of 8 (412 utterances)`."""

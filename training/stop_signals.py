@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import signal
 
+from errors import EXIT_INTERRUPTED
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 
 _received: list[str] = []  # the names of the stop signals recorded so far, oldest first
@@ -26,7 +28,7 @@ def record_stops() -> None:
 
 def _record(signum, _frame) -> None:
     if signum == signal.SIGINT and _received:
-        os._exit(130)
+        os._exit(EXIT_INTERRUPTED)
     _received.append(signal.Signals(signum).name)
 
 
