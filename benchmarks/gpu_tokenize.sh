@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# Steady-state audio seconds per second and MFU of tools.extract, tools.tokenize and the model alone on one GPU:
-# a w2v-BERT-2.0-sized random model to layer 17 in bf16, this tree's encoder eager and compiled (--compile), its
-# tokenize with the nearest codes (--beam_size 1) and (with --before) an earlier tree side by side, through
+# The prepared GPU script of the audio path: first w2v-BERT's attention kernels side by side on the whole model
+# (benchmarks/bench_w2v_attention.py --device cuda, about 2.5 minutes on an H200), then steady-state audio
+# seconds per second and MFU of tools.extract, tools.tokenize and the model alone on one GPU: a w2v-BERT-2.0-sized
+# random model to layer 17 in bf16, this tree's encoder, its tokenize with the nearest codes (--beam_size 1),
+# (with --before) an earlier tree and (with --compiled) this tree under --compile on, side by side, through
 # benchmarks/bench_tokenize.py, with 3 passes of the model alone profiled (where its time goes: the kernels by
-# kind, the share the GPU was busy). About 6 minutes on an H100 (30 s of steady-state work a run).
+# kind, the share the GPU was busy). About 5 minutes on an H200 with --before (20 s of steady-state work a run).
 #
-#   bash benchmarks/gpu_tokenize.sh [--before DIR] [--wheels DIR] [--cpu-only] [bench_tokenize.py flags...]
+#   bash benchmarks/gpu_tokenize.sh [--before DIR] [--compiled] [--skip-attention] [--wheels DIR] [--cpu-only]
+#                                   [bench_tokenize.py flags...]
 #
 # --before DIR: a copy of the tree before the change, e.g. `mkdir .before && git archive BASE | tar -x -C .before`.
+# --compiled: this tree's runs under --compile on as well (its compile has not been seen to finish on a GPU).
+# --skip-attention: leave out the attention kernels' table.
 # --wheels DIR (default .whl): wheels for what the machine lacks (soundfile, soxr and their cffi, pycparser;
 #   vector-quantize-pytorch and its einx, frozendict, loguru, torch-einops-utils), made on a machine with an index:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -20,12 +25,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-benchmarks/results}
-before="" wheels=".whl" cpu_only=0 extra=()
+before="" wheels=".whl" cpu_only=0 compiled=0 attention=1 extra=()
 while [[ $# -gt 0 ]]; do
     case $1 in
         --before) before=$2; shift 2 ;;
         --wheels) wheels=$2; shift 2 ;;
         --cpu-only) cpu_only=1; shift ;;
+        --compiled) compiled=1; shift ;;
+        --skip-attention) attention=0; shift ;;
         *) extra+=("$1"); shift ;;
     esac
 done
@@ -38,14 +45,23 @@ if ! "$PYTHON" -c "import soundfile, soxr, vector_quantize_pytorch" 2>/dev/null;
         "$wheels"/*.whl
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-# this tree twice, the encoder eager and under torch.compile (--compile), and the earlier tree's extraction and
-# model alone (the device time goes to this tree's runs), in that order: the compiled runs, the longest, come last;
-# and this tree's tokenize with the nearest codes (--beam_size 1), which gives what the codec's beam search costs
+# this tree, its tokenize with the nearest codes (--beam_size 1), which gives what the codec's beam search costs,
+# the earlier tree's extraction and model alone (the device time goes to this tree's runs), and this tree under
+# torch.compile (--compile), in that order: the compiled runs, the longest, come last
 repos=(--repo "after=$PWD" --tool_flags "after=--compile off")
 repos+=(--repo "nearest=$PWD" --tool_flags "nearest=--compile off --beam_size 1" --label_modes "nearest=tokenize")
 [[ -n $before ]] && repos+=(--repo "before=$(cd "$before" && pwd)" --label_modes "before=extract,model")
-repos+=(--repo "compiled=$PWD" --tool_flags "compiled=--compile on")
+[[ $compiled == 1 ]] && repos+=(--repo "compiled=$PWD" --tool_flags "compiled=--compile on")
 mkdir -p "$OUT"
+if [[ $attention == 1 ]]; then
+    if [[ $cpu_only == 1 ]]; then
+        PYTHONUNBUFFERED=1 "$PYTHON" benchmarks/bench_w2v_attention.py --cpu-only --rounds 1 --passes 1 \
+            --out "$OUT/bench_w2v_attention_cpu_only.json" 2>&1 | tee "$OUT/bench_w2v_attention_cpu_only.log"
+    else
+        PYTHONUNBUFFERED=1 "$PYTHON" benchmarks/bench_w2v_attention.py --device cuda \
+            --out "$OUT/bench_w2v_attention_gpu.json" 2>&1 | tee "$OUT/bench_w2v_attention_gpu.log"
+    fi
+fi
 if [[ $cpu_only == 1 ]]; then
     flags=(--device cpu --model small --layer 4 --precision fp32 --mixes 5s --audio_minutes 0.5 --base_minutes 0.5
            --commit_seconds 10 --repeats 1 --modes extract,model,tokenize --profile 1
@@ -58,10 +74,10 @@ else
     scratch=()
     free_gb=$(df -Pk /dev/shm 2>/dev/null | awk 'NR == 2 {print int($4 / 1048576)}')
     [[ ${free_gb:-0} -ge 48 ]] && scratch=(--scratch /dev/shm)
-    # 40 hours listed (the same 10 minutes of distinct files again and again): enough for 30 s at any speed;
-    # each run stops after 30 s of steady state
+    # 40 hours listed (the same 10 minutes of distinct files again and again): enough for 20 s at any speed;
+    # each run stops after 20 s of steady state
     flags=(--device cuda --model w2v-bert-2.0 --layer 17 --precision bf16 --mixes 2-20s --audio_minutes 2400
-           --base_minutes 10 --work_seconds 30 --repeats 1 --modes extract,model,tokenize "${scratch[@]}"
+           --base_minutes 10 --work_seconds 20 --repeats 1 --modes extract,model,tokenize "${scratch[@]}"
            --profile 3 --timeout 240 --out "$OUT/bench_tokenize_gpu.json")
     log=$OUT/bench_tokenize_gpu.log
 fi

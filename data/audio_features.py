@@ -224,7 +224,22 @@ class W2vBertLayer:
             self.model = torch.compile(self.model, dynamic=True)
         self.layer = layer
         self.dim = model.config.hidden_size
+        from data.w2v_attention import RelativeKeySelfAttention
+        self.attentions = [m for m in self.model.modules() if isinstance(m, RelativeKeySelfAttention)]
         self.max_chunk = max(1, int(max_chunk_seconds * FRAME_RATE))
+
+    @property
+    def attention(self) -> str:
+        """The relative-position attention's kernel (data/w2v_attention.py KERNELS), or "stock" where transformers'
+        module was kept."""
+        return self.attentions[0].kernel if self.attentions else "stock"
+
+    def use_attention(self, kernel: str) -> None:
+        """Every layer's attention computes with `kernel` (data/attention_choice.py chooses it)."""
+        if not self.attentions:
+            raise ValueError("this model keeps transformers' attention: it has no kernel to choose")
+        for attention in self.attentions:
+            attention.kernel = kernel
 
     def chunks(self, fbank: np.ndarray | torch.Tensor) -> list[np.ndarray] | list[torch.Tensor]:
         """Equal chunks of at most max_chunk frames (equal, so that no last chunk is left with little context): views

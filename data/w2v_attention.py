@@ -11,6 +11,9 @@ against those embeddings once, a [B, H, T, left + right + 1] table, and reads it
   for the whole block, which is a dot product with a fixed embedding, so it is folded into the key
   (q . k + q . E = q . (k + E)) and those keys need no mask at all. The two parts are two fused attention calls
   merged by their log-sum-exps;
+- on CUDA, or wherever Triton runs, data/w2v_attention_triton.py's kernel: a flash-attention forward that reads
+  the bias from the table only in the tiles near the diagonal and adds one value per query row elsewhere;
+- transformers' own module ("stock"), kept beside ours with the same weights, so that a measurement can choose it;
 - where those kernels are missing (flex attention on an old torch or failing to compile, with a warning; the
   CPU attention that returns its log-sum-exp) or attention dropout is on: the bias gathered into SDPA's mask,
   a block of queries at a time.
@@ -27,10 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from data.w2v_attention_triton import triton_available, triton_relative_key_attention
+
 log = logging.getLogger(__name__)
 
 RELATIVE_KEY = "relative_key"
-KERNELS = ("auto", "flex", "fold", "gather")
+KERNELS = ("auto", "stock", "flex", "fold", "gather", "triton")
 # The folded CPU path takes this many queries a block: the near keys' mask is rows x (rows + left + right).
 FOLD_BLOCK_ROWS = 256
 # The gathered path builds the mask for as many queries at a time as fit this many bytes (at least
@@ -42,7 +47,9 @@ MIN_BLOCK_ROWS = 16
 class RelativeKeySelfAttention(nn.Module):
     """Drop-in for a relative_key Wav2Vec2BertSelfAttention: same weights, same outputs, no T x T bias table.
 
-    `kernel`: "auto" (flex attention on CUDA, the folded bias on a CPU), "flex", "fold" or "gather"."""
+    `kernel`: "auto" (flex attention on CUDA, the folded bias on a CPU), "stock" (transformers' module, kept
+    beside this one with the same weights), "flex", "fold", "gather" or "triton". A kernel that cannot run here
+    raises when it is used (kernel_available says which can)."""
 
     def __init__(self, stock: nn.Module, *, kernel: str = "auto"):
         super().__init__()
@@ -60,10 +67,14 @@ class RelativeKeySelfAttention(nn.Module):
         self.right = stock.right_max_position_embeddings
         self.position_embeddings_type = RELATIVE_KEY
         self.kernel = kernel
+        self._stock = (stock,)  # a tuple: not a submodule, so the state dict keeps one name per weight
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 relative_position_embeddings: torch.Tensor | None = None, output_attentions: bool = False,
                 **kwargs) -> tuple[torch.Tensor, None]:
+        if self.kernel == "stock":
+            return self._stock[0](hidden_states, attention_mask=attention_mask,
+                                  relative_position_embeddings=relative_position_embeddings, **kwargs)
         batch, length, _ = hidden_states.shape
         shape = (batch, length, self.num_heads, self.head_size)
         q = self.linear_q(hidden_states).view(shape).transpose(1, 2)
@@ -75,6 +86,9 @@ class RelativeKeySelfAttention(nn.Module):
         kernel = self._kernel(q, dropout)
         if kernel == "flex":
             out = flex_relative_key_attention(q, k, v, embedding, valid, self.scaling, self.left, self.right)
+        elif kernel == "triton":
+            out = triton_relative_key_attention(q, k, v, distance_table(q, embedding, self.scaling), valid,
+                                                self.scaling, self.left, self.right)
         elif kernel == "fold":
             out = folded_relative_key_attention(q, k, v, embedding, valid, self.scaling, self.left, self.right)
         else:

@@ -420,3 +420,49 @@ def test_a_w2v_shard_goes_on_under_the_compile_it_was_begun_with(corpus, tmp_pat
     caplog.clear()
     assert extract.main([*args, "--compile", "on"]) == 2 and "compile" in caplog.text
     assert extract.main([*args, "--compile", "off"]) == 0
+
+
+def recorded_attention(folder: Path, meta: str, kernel: str | None) -> None:
+    """A finished shard's settings as if it had been begun with attention `kernel` (None: before kernels were
+    recorded)."""
+    path = folder / meta
+    record = json.loads(path.read_text())
+    settings = record.get("settings", record)
+    settings.pop("attention")
+    if kernel is not None:
+        settings["attention"] = kernel
+    path.write_text(json.dumps(record) + "\n")
+
+
+def test_a_w2v_shard_goes_on_with_the_attention_kernel_it_was_begun_with(corpus, tmp_path, caplog, monkeypatch):
+    """Kernels differ in their last bits, so a w2v-bert shard records its kernel: a resume takes it, a flag naming
+    another is refused, and a kernel that cannot run here exits 2 naming it; a shard begun before kernels were
+    recorded goes on with its own (auto). Tokenize records its kernel too."""
+    c = corpus
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert json.loads((c.w2v_feats / f"{SHARD}.json").read_text())["attention"] == "fold"  # a CPU's
+    assert json.loads((c.root / "w2v_tokenized" / f"{SHARD}.codes.json").read_text())["attention"] == "fold"
+    args = [c.manifest, "train", 1, 0, None, *COMMIT, *W2V, "--checkpoint", c.w2v]
+    for kernel in ("gather", "triton", None):
+        out = args[4] = tmp_path / str(kernel)
+        shutil.copytree(c.w2v_feats, out)
+        recorded_attention(out, f"{SHARD}.json", kernel)
+        caplog.clear()
+        if kernel == "gather":
+            assert extract.main(args) == 0 and f"{SHARD} is complete" in caplog.text
+            assert "w2v-bert attention: gather (the shard's own)" in caplog.text
+            assert extract.main([*args, "--attention", "fold"]) == 2
+            assert "the shard was begun with --attention gather, whose last bits differ" in caplog.text
+            assert extract.main([*args, "--attention", "gather"]) == 0
+        elif kernel == "triton":
+            assert extract.main(args) == 2
+            assert "the shard was begun with the attention kernel triton, which cannot run here (Triton runs on " \
+                   "CUDA" in caplog.text and "--overwrite to start it over" in caplog.text
+        else:
+            assert extract.main(args) == 0 and f"{SHARD} is complete" in caplog.text
+            assert "attention" not in json.loads((out / f"{SHARD}.json").read_text())
+            assert extract.main([*args, "--attention", "gather"]) == 2
+            assert "begun before attention kernels were recorded" in caplog.text
+    caplog.clear()  # a new shard: the kernel asked for, or a clear refusal of one that cannot run here
+    assert extract.main([*args[:4], tmp_path / "new", *args[5:], "--attention", "triton"]) == 2
+    assert "--attention triton cannot run here" in caplog.text and not (tmp_path / "new").exists()

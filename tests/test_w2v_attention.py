@@ -1,6 +1,9 @@
 """data/w2v_attention.py: w2v-BERT's relative-position attention without a T x T table equals transformers' one."""
 import copy
+import json
 import logging
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -8,6 +11,7 @@ import torch
 
 from data import w2v_attention
 from data.w2v_attention import RelativeKeySelfAttention, key_padding, use_fast_attention
+from tests.helpers import REPO, env
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -237,3 +241,71 @@ def test_flex_kernel_is_proven_before_use_and_given_up_when_wrong_or_failing(mon
         assert not w2v_attention.flex_proven(kernel, q, embedding, True, 0.25, 64, 8)
         assert w2v_attention._FLEX_STATE["failed"] and w2v_attention.compiled_flex_attention() is None
         assert [r for r in caplog.records if r.levelno == logging.WARNING and says in r.getMessage()]
+
+
+# Run under TRITON_INTERPRET=1 in a process of its own (Triton reads it when a kernel is defined): the Triton kernel
+# and the stock model on the same weights, the largest error relative to the stock model's largest value, per case.
+TRITON_CASES = r"""
+import json, sys
+import torch
+from tests.test_w2v_attention import fast_copy, hidden_states, padded_batch, relative_error, tiny_config
+from transformers import Wav2Vec2BertModel
+
+errors = {}
+cases = [tuple(map(int, case.split(":"))) for case in sys.argv[1:]]  # hidden:heads:frames
+for hidden, heads in sorted({case[:2] for case in cases}):
+    torch.manual_seed(0)
+    stock = Wav2Vec2BertModel(tiny_config(hidden_size=hidden, num_attention_heads=heads,
+                                          output_hidden_size=hidden)).eval()
+    with torch.no_grad():
+        for layer in stock.encoder.layers:
+            layer.self_attn.distance_embedding.weight.normal_(0, 1.0)
+    fast = fast_copy(stock, "triton")
+    for length in [frames for h, n, frames in cases if (h, n) == (hidden, heads)]:
+        x, mask = padded_batch(length)
+        for padded in (True, False):
+            want = hidden_states(stock, x, mask if padded else None)
+            got = hidden_states(fast, x, mask if padded else None)
+            errors[f"head {hidden // heads}, {length} frames, padded {padded}"] = max(
+                relative_error(g, w) for g, w in zip(got, want, strict=True))
+print(json.dumps(errors))
+"""
+
+
+@pytest.mark.slow
+def test_the_triton_kernel_equals_the_stock_model_in_float32_with_and_without_padding():
+    """The Triton kernel (data/w2v_attention_triton.py) as Triton's interpreter runs it on this CPU: every layer
+    within 1e-5 of transformers' module, at lengths shorter than a tile, not a multiple of it, and spanning the
+    band's left and right ends in several tiles; heads of 16, and of 24 (padded to 32 inside the kernel)."""
+    pytest.importorskip("triton")
+    run = subprocess.run([sys.executable, "-c", TRITON_CASES, "64:4:40", "64:4:150", "96:4:70"], capture_output=True,
+                         text=True, timeout=110, cwd=REPO, env=env(TRITON_INTERPRET=1))
+    assert run.returncode == 0, run.stderr[-3000:]
+    errors = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(errors) == 6
+    assert max(errors.values()) < 1e-5, errors
+
+
+@pytest.mark.slow
+def test_the_triton_kernel_reads_the_bias_where_it_lies():
+    """The comparison above can fail: the kernel's band read one distance off, or the far keys' constants swapped,
+    is off by far more than 1e-5 (the kernel is checked against the gathered bias on its own here)."""
+    pytest.importorskip("triton")
+    script = r"""
+import json, torch
+from data.w2v_attention import distance_table, gathered_relative_key_attention
+from data.w2v_attention_triton import triton_relative_key_attention
+q, k, v = torch.randn(3, 2, 3, 150, 16, generator=torch.Generator().manual_seed(0))
+embedding = torch.randn(73, 16, generator=torch.Generator().manual_seed(1))
+table = distance_table(q, embedding, 0.25)
+want = gathered_relative_key_attention(q, k, v, table, None, 0.25, 64, 8)
+def error(t):
+    return float((triton_relative_key_attention(q, k, v, t, None, 0.25, 64, 8) - want).abs().max() / want.abs().max())
+print(json.dumps({"exact": error(table), "shifted": error(table.roll(1, dims=-1)),
+                  "ends swapped": error(torch.cat([table[..., -1:], table[..., 1:-1], table[..., :1]], dim=-1))}))
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=110, cwd=REPO,
+                         env=env(TRITON_INTERPRET=1))
+    assert run.returncode == 0, run.stderr[-3000:]
+    errors = json.loads(run.stdout.strip().splitlines()[-1])
+    assert errors["exact"] < 1e-5 and errors["shifted"] > 1e-3 and errors["ends swapped"] > 1e-3, errors

@@ -23,11 +23,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from data.audio_features import FRAME_RATE
+from data.attention_choice import choose_kernel, cpu_kernel, pass_shapes, unavailable
+from data.audio_features import FRAME_RATE, W2vBertLayer
 from data.audio_sources import (AUDIO_COLUMN, AUDIO_EXTENSIONS, KEY_COLUMNS, SourceFlags, Utterances, listing,
                                 source_share)
 from data.audio_pipeline import FeatureWindows, Window
 from data.resumable_shard import ShardWriter
+from data.w2v_attention import KERNELS
 from errors import BadInputError
 from models.codes import least_cost_passes, length_sorted_batches
 from training.device import shard_device
@@ -126,6 +128,11 @@ def add_input_args(p: argparse.ArgumentParser) -> None:
                    help="w2v-bert: run the truncated encoder under torch.compile, with dynamic shapes (the graphs "
                         "compiled are logged); not shown to pay yet (benchmarks/README.md, \"Tokenization at steady "
                         "state\"); a shard goes on as it was begun; default: off")
+    p.add_argument("--attention", choices=KERNELS,
+                   help="w2v-bert: the relative-position attention's kernel (docs/audio-to-codes.md); a shard goes on "
+                        "with the one it was begun with; default: auto, on a GPU the fastest of those that agree "
+                        "with the exact bias, timed once on the run's pass shapes and cached per GPU, on a CPU "
+                        "fold")
     p.add_argument("--overwrite", action="store_true",
                    help="delete the shard's output, finished or partial, and write it from the start")
 
@@ -153,6 +160,7 @@ class PipelineSettings:
     commit_seconds: float
     compile: bool  # w2v-bert: the truncated encoder under torch.compile
     compile_given: bool  # --compile named on the command line
+    attention: str | None  # w2v-bert: --attention as given (None: auto)
     pass_flags_given: frozenset[str]  # the PASS_FLAGS named on the command line
 
     def batch_seconds_on(self, device: torch.device) -> float:
@@ -186,6 +194,7 @@ def input_settings(p: argparse.ArgumentParser,
         commit_seconds=(COMMIT_SECONDS[device_kind(args.device)] if args.commit_seconds is None
                         else args.commit_seconds),
         compile=args.compile == "on", compile_given=args.compile is not None,
+        attention=None if args.attention in (None, "auto") else args.attention,
         pass_flags_given=frozenset(name for name in PASS_FLAGS if getattr(args, name) is not None))
     share = AudioInput(args.source, args.split, args.nshard, args.rank,
                        SourceFlags(args.audio_ext, args.audio_column, args.key_column))
@@ -262,15 +271,65 @@ def shard_compile(pipeline: PipelineSettings, recorded: dict | None) -> Pipeline
     return dataclasses.replace(pipeline, compile=begun)
 
 
-def pass_settings(pipeline: PipelineSettings, device: torch.device, before_pass_rules: bool = False) -> dict:
+def pass_settings(pipeline: PipelineSettings, device: torch.device, before_pass_rules: bool = False,
+                  attention: str | None = None) -> dict:
     """What decides w2v-BERT's passes and their bits, for a shard's settings: the passes change a layer's last bits,
-    and so does torch.compile (noted when on, so that a shard begun before it was recorded reads as eager), so a
-    resumed shard keeps them (shard_compile). A shard begun before pass rules were recorded records none
+    and so do torch.compile (noted when on, so that a shard begun before it was recorded reads as eager) and the
+    attention kernel (shard_attention; None for a shard begun before kernels were recorded), so a resumed shard
+    keeps them (shard_compile). A shard begun before pass rules were recorded records none
     (begun_before_pass_rules)."""
     return {"batch_seconds": pipeline.batch_seconds_on(device),
             **({} if before_pass_rules else {"passes": PASS_RULE}),
             "commit_files": pipeline.commit_files, "commit_seconds": pipeline.commit_seconds,
-            **({"compile": "on"} if pipeline.compile else {})}
+            **({"compile": "on"} if pipeline.compile else {}),
+            **({} if attention is None else {"attention": attention})}
+
+
+def shard_attention(encoder: W2vBertLayer, pipeline: PipelineSettings, recorded: dict | None,
+                    before_pass_rules: bool, log: logging.Logger) -> str | None:
+    """The attention kernel a w2v-bert shard begun with settings `recorded` (None: a new one) computes with, set on
+    `encoder`, for its settings (pass_settings): the one it was begun with, or BadInputError naming it when it
+    cannot run here or --attention names another (kernels differ in their last bits, and a resumed shard must
+    give the bytes of an unbroken run); None for a shard begun before kernels were recorded, which goes on with
+    its own (transformers' module before pass rules, else auto). A new shard takes --attention, else under
+    --compile the gathered bias (what auto traces), else on a GPU the fastest that agrees with the exact bias
+    (data/attention_choice.py), on a CPU the folded kernel."""
+    flag = pipeline.attention
+    begun = recorded.get("attention") if isinstance(recorded, dict) else None
+    if before_pass_rules or (isinstance(recorded, dict) and "passes" in recorded and begun is None):
+        if flag is not None:
+            raise BadInputError(f"the shard was begun before attention kernels were recorded, with "
+                                f"{encoder.attention if before_pass_rules else 'auto'}'s last bits: rerun without "
+                                f"--attention {flag}, or --overwrite to start it over with it")
+        return None
+    if begun is not None:
+        if flag is not None and flag != begun:
+            raise BadInputError(f"the shard was begun with --attention {begun}, whose last bits differ from --attention "
+                                f"{flag}'s: rerun with --attention {begun} (or without it), or --overwrite to start "
+                                "it over")
+        why = unavailable(begun, encoder.device)
+        if why is not None:
+            raise BadInputError(f"the shard was begun with the attention kernel {begun}, which cannot run here "
+                                f"({why}); another kernel's last bits would differ: resume it where {begun} runs, or "
+                                "--overwrite to start it over")
+        kernel, how = begun, "the shard's own"
+    elif flag is not None:
+        why = unavailable(flag, encoder.device)
+        if why is not None:
+            raise BadInputError(f"--attention {flag} cannot run here ({why}): leave it out to choose a kernel that "
+                                "can")
+        kernel, how = flag, "--attention"
+    elif pipeline.compile:
+        kernel, how = "gather", "what the compiled encoder traces"
+    elif encoder.device.type == "cpu":
+        kernel, how = cpu_kernel(), "the CPU's"
+    else:
+        frames = int(pipeline.batch_seconds_on(encoder.device) * FRAME_RATE)
+        choice = choose_kernel(encoder, pass_shapes(frames, encoder.max_chunk))
+        kernel, how = choice.kernel, ("cached: " if choice.cached else "measured: ") + choice.describe()
+    encoder.use_attention(kernel)
+    log.info("w2v-bert attention: %s (%s)", kernel, how)
+    return kernel
 
 
 def w2v_attention(before_pass_rules: bool) -> str:

@@ -69,8 +69,8 @@ from data.resumable_shard import (FEATURE_DUMP, ShardWriter, check_split_shards,
 from errors import EXIT_FAILURE, EXIT_OK  # noqa: E402
 from tools.audio_shard import (AudioInput, AudioShare, PipelineSettings, ShardOutput, add_input_args,  # noqa: E402
                                audio_share, begun_before_pass_rules, input_settings, log_input_wait, model_device,
-                               pass_settings, progress_bar, shard_compile, shard_passes, w2v_attention, write_windows,
-                               written_lengths)
+                               pass_settings, progress_bar, shard_attention, shard_compile, shard_passes, w2v_attention,
+                               write_windows, written_lengths)
 from tools.cli import bad_input_exits_2, run  # noqa: E402
 from training.device import compute_dtype  # noqa: E402
 from training.faults import FaultInjector  # noqa: E402
@@ -195,7 +195,8 @@ def extract(cfg: ExtractSettings) -> int:
     fbank, encoder, features = feature_maker(cfg.features, cfg.pipeline, device, recorded, before_pass_rules)
     settings = {**features, "split": split, **share.settings}
     if encoder is not None:
-        settings.update(pass_settings(cfg.pipeline, encoder.device, before_pass_rules))
+        attention = shard_attention(encoder, cfg.pipeline, recorded, before_pass_rules, log)
+        settings.update(pass_settings(cfg.pipeline, encoder.device, before_pass_rules, attention))
     check_split_shards(out_dir, split, share.nshard, source_listing=settings["source_listing"], name=name)
     lock = claim_shard(out_dir, name, FEATURE_DUMP, settings, overwrite=cfg.output.overwrite, log=log,
                        redo="extract the shard again")

@@ -58,8 +58,8 @@ from errors import EXIT_FAILURE, EXIT_OK, BadInputError  # noqa: E402
 from models.codes import TAIL_PADDING, code_frames, encode_in_batches, km_lines  # noqa: E402
 from tools.audio_shard import (AudioInput, AudioShare, PipelineSettings, ShardOutput, add_input_args,  # noqa: E402
                                audio_share, begun_before_pass_rules, input_settings, log_input_wait, model_device,
-                               pass_settings, progress_bar, shard_compile, shard_passes, w2v_attention, write_windows,
-                               written_lengths)
+                               pass_settings, progress_bar, shard_attention, shard_compile, shard_passes, w2v_attention,
+                               write_windows, written_lengths)
 from tools.cli import bad_input_exits_2, run  # noqa: E402
 from tools.trained_codec import (CodesRequest, CodesSpec, add_codes_args, begin_code_shard,  # noqa: E402
                                  codes_request, codes_spec, describe_codes, load_codec)
@@ -193,7 +193,8 @@ def tokenize(cfg: TokenizeSettings) -> int:
     settings = {**spec.settings, "features": {k: v for k, v in features.items() if k != "checkpoint"},
                 "split": cfg.audio.split, **share.settings}
     if encoder is not None:
-        settings.update(pass_settings(cfg.pipeline, device, before_pass_rules))
+        attention = shard_attention(encoder, cfg.pipeline, recorded, before_pass_rules, log)
+        settings.update(pass_settings(cfg.pipeline, device, before_pass_rules, attention))
     streams = {".codes.len": "", ".codes.tsv": f"{share.root}\n", ".codes.skipped": "", ".codes.frames": ""}
     begun = begin_code_shard(out_dir, name, settings, overwrite=overwrite, log=log,
                              redo="tokenize the shard again", width=spec.levels, dtype=spec.dtype,
