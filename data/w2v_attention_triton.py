@@ -73,7 +73,8 @@ def triton_relative_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         out.stride(0), out.stride(2), out.stride(1), valid_stride,
         heads, length, head, float(scaling) * LOG2E,
         LEFT=left, RIGHT=right, HEAD=_power_of_two(head), BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_VALID=valid is not None, IEEE=ieee, num_warps=warps, num_stages=stages)
+        HAS_VALID=valid is not None, IEEE=ieee, EVEN_HEAD=_power_of_two(head) == head, num_warps=warps,
+        num_stages=stages)
     return out.transpose(1, 2)
 
 
@@ -83,17 +84,26 @@ def _power_of_two(n: int) -> int:
 
 if triton is not None:
     @triton.jit
+    def _rows_mask(rows_ok, d_ok, EVEN_HEAD: tl.constexpr):
+        """The mask of a [rows, HEAD] load or store: the rows alone where the head fills HEAD, so that it is constant
+        along a row and the access stays vectorised (and asynchronous copies can pipeline it)."""
+        if EVEN_HEAD:
+            return rows_ok[:, None]
+        else:
+            return rows_ok[:, None] & d_ok[None, :]
+
+    @triton.jit
     def _attend_tiles(acc, l_i, m_i, q, k_base, v_base, table_rows, bias_row, valid_base, stride_kt, stride_vt,
                       offs_m, offs_d, rows_ok, d_ok, length, scale_log2, first, stop,
                       STAGE: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
-                      HAS_VALID: tl.constexpr, IEEE: tl.constexpr):
+                      HAS_VALID: tl.constexpr, IEEE: tl.constexpr, EVEN_HEAD: tl.constexpr):
         """The online softmax over key tiles [first, stop): STAGE 1 and 3 add one bias per row (`bias_row`), STAGE
         2 reads each (query, key)'s from the table."""
         for start_n in range(first, stop, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             keys_ok = offs_n < length
             k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :],
-                        mask=keys_ok[:, None] & d_ok[None, :], other=0.0)
+                        mask=_rows_mask(keys_ok, d_ok, EVEN_HEAD), other=0.0)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -113,7 +123,7 @@ if triton is not None:
             alpha = tl.math.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :],
-                        mask=keys_ok[:, None] & d_ok[None, :], other=0.0)
+                        mask=_rows_mask(keys_ok, d_ok, EVEN_HEAD), other=0.0)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             else:
@@ -128,7 +138,8 @@ if triton is not None:
                                 stride_ob, stride_oh, stride_ot, stride_valid,
                                 heads, length, head, scale_log2,
                                 LEFT: tl.constexpr, RIGHT: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                                BLOCK_N: tl.constexpr, HAS_VALID: tl.constexpr, IEEE: tl.constexpr):
+                                BLOCK_N: tl.constexpr, HAS_VALID: tl.constexpr, IEEE: tl.constexpr,
+                                EVEN_HEAD: tl.constexpr):
         start_m = tl.program_id(0) * BLOCK_M
         bh = tl.program_id(1)
         b = bh // heads
@@ -138,7 +149,7 @@ if triton is not None:
         rows_ok = offs_m < length
         d_ok = offs_d < head
         q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
-                    mask=rows_ok[:, None] & d_ok[None, :], other=0.0)
+                    mask=_rows_mask(rows_ok, d_ok, EVEN_HEAD), other=0.0)
         table_rows = TABLE + b * stride_tb + h * stride_th + offs_m * stride_tt
         far_left = tl.load(table_rows, mask=rows_ok, other=0.0).to(tl.float32) * 1.4426950408889634
         far_right = tl.load(table_rows + LEFT + RIGHT, mask=rows_ok, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -156,15 +167,17 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, HEAD], dtype=tl.float32)
         acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, table_rows, far_left, valid_base,
                                       stride_kt, stride_vt, offs_m, offs_d, rows_ok, d_ok, length, scale_log2,
-                                      0, tl.minimum(band_first, key_end), 1, LEFT, RIGHT, BLOCK_N, HAS_VALID, IEEE)
+                                      0, tl.minimum(band_first, key_end), 1, LEFT, RIGHT, BLOCK_N, HAS_VALID, IEEE,
+                                      EVEN_HEAD)
         acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, table_rows, far_left, valid_base,
                                       stride_kt, stride_vt, offs_m, offs_d, rows_ok, d_ok, length, scale_log2,
                                       band_first, tl.minimum(band_stop, key_end), 2, LEFT, RIGHT, BLOCK_N, HAS_VALID,
-                                      IEEE)
+                                      IEEE, EVEN_HEAD)
         acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, table_rows, far_right, valid_base,
                                       stride_kt, stride_vt, offs_m, offs_d, rows_ok, d_ok, length, scale_log2,
-                                      band_stop, key_end, 3, LEFT, RIGHT, BLOCK_N, HAS_VALID, IEEE)
+                                      band_stop, key_end, 3, LEFT, RIGHT, BLOCK_N, HAS_VALID, IEEE,
+                                      EVEN_HEAD)
         l_i = tl.where(l_i == 0.0, 1.0, l_i)  # a row whose every key is padding: zeros, not 0 / 0
         out = acc / l_i[:, None]
         tl.store(OUT + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
-                 out.to(OUT.dtype.element_ty), mask=rows_ok[:, None] & d_ok[None, :])
+                 out.to(OUT.dtype.element_ty), mask=_rows_mask(rows_ok, d_ok, EVEN_HEAD))
