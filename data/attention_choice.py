@@ -108,10 +108,14 @@ def choose_kernel(encoder, shapes: list[tuple[int, int, bool]], *, path: Path | 
     cached. Processes choosing at once take turns (a lock beside the cache), so the later ones read the first's
     choice."""
     path = cache_file() if path is None else path
-    attention = encoder.attentions[0]
-    key = cache_key(encoder.device, encoder.dtype, attention, shapes)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "a+") as lock:
+    key = cache_key(encoder.device, encoder.dtype, encoder.attentions[0], shapes)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_name(path.name + ".lock"), "a+")
+    except OSError as e:  # a read-only or missing home: measured for this process alone
+        log.warning("the attention kernel's choice cannot be cached in %s (%s): measured for this process", path, e)
+        return measure(encoder, shapes, timer or time_kernel)
+    with lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         cached = read_cache(path).get(key)
         if isinstance(cached, dict) and unavailable(cached.get("kernel", "?"), encoder.device) is None:
@@ -122,7 +126,7 @@ def choose_kernel(encoder, shapes: list[tuple[int, int, bool]], *, path: Path | 
                         "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
         try:
             os.replace(write_temporary(path, json.dumps(entries, indent=1) + "\n"), path)
-        except OSError as e:  # a read-only home: the choice holds for this process
+        except OSError as e:  # a full or read-only disk: the choice holds for this process
             log.warning("the attention kernel's choice could not be cached in %s (%s)", path, e)
     return choice
 
@@ -136,10 +140,17 @@ def read_cache(path: Path) -> dict:
 
 
 def measure(encoder, shapes: list[tuple[int, int, bool]], timer: Callable) -> Choice:
-    """Every candidate that runs here, checked against the gathered bias on each shape's inputs, then timed."""
-    inputs = [attention_inputs(encoder, shape) for shape in shapes]
+    """Every candidate that runs here, checked against the gathered bias on each shape's inputs, then timed.
+    transformers' own module where the reference itself cannot run (no memory for it, say) or no candidate
+    agrees."""
     seconds, failed = {}, {}
-    reference = [run(encoder, "gather", call) for call in inputs]
+    try:
+        inputs = [attention_inputs(encoder, shape) for shape in shapes]
+        reference = [run(encoder, "gather", call) for call in inputs]
+    except Exception as e:  # noqa: BLE001 - nothing to check the candidates against: stock, untimed
+        log.warning("the attention kernels could not be checked on the run's pass shapes (%s: %s); w2v-bert keeps "
+                    "transformers' attention", type(e).__name__, _last_line(e))
+        return Choice("stock", seconds, {"gather": f"{type(e).__name__}: {_last_line(e)}"})
     for kernel in GPU_CANDIDATES:
         why = unavailable(kernel, encoder.device)
         if why is None:
@@ -148,8 +159,15 @@ def measure(encoder, shapes: list[tuple[int, int, bool]], timer: Callable) -> Ch
             failed[kernel] = why
             continue
         seconds[kernel] = timer(encoder, kernel, inputs)
+    if not seconds:
+        return Choice("stock", seconds, failed)
     fastest = min(seconds, key=lambda k: (seconds[k], GPU_CANDIDATES.index(k)))
     return Choice(fastest, seconds, failed)
+
+
+def _last_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[-1][:200] if lines else ""
 
 
 def attention_inputs(encoder, shape: tuple[int, int, bool]) -> tuple[tuple, dict]:
@@ -200,7 +218,7 @@ def disagreement(encoder, kernel: str, inputs: list, reference: list) -> str | N
         try:
             got = run(encoder, kernel, call)
         except Exception as e:  # noqa: BLE001 - a kernel that fails is left out, and said why
-            return f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''}"
+            return f"{type(e).__name__}: {_last_line(e)}"
         if kernel == "flex" and w2v_attention.compiled_flex_attention() is None:
             return "flex attention failed its probe here"
         error = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))

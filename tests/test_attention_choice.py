@@ -117,3 +117,23 @@ def test_a_padded_shape_times_the_padded_mask(encoder):
     args, kwargs = attention_choice.attention_inputs(encoder, (3, 60, False))
     mask = kwargs.get("attention_mask")
     assert mask is None or bool(w2v_attention.key_padding(mask, 3, 60).all())
+
+
+def test_a_home_without_a_cache_still_chooses(encoder, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(attention_choice, "GPU_CANDIDATES", ("stock", "gather"))
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    choice = choose_kernel(encoder, SHAPES, path=blocked / "cache" / "kernels.json",
+                           timer=fake_timer({"stock": 2.0, "gather": 1.0}, []))
+    assert choice.kernel == "gather" and not choice.cached
+    assert "cannot be cached" in caplog.text
+
+
+def test_nothing_to_check_against_keeps_transformers_attention(encoder, tmp_path, monkeypatch, caplog):
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 1.40 GiB")
+
+    monkeypatch.setattr(w2v_attention, "gathered_relative_key_attention", out_of_memory)
+    choice = choose_kernel(encoder, SHAPES, path=tmp_path / "cache.json", timer=fake_timer({}, []))
+    assert choice.kernel == "stock" and "out of memory" in choice.failed["gather"]
+    assert "keeps transformers' attention" in caplog.text
