@@ -107,6 +107,12 @@ class Utterances:
         return cls("folder", str(root), list(relpaths), list(relpaths), FileReader(root), "file", 0, len(relpaths),
                    len(relpaths), listing(relpaths))
 
+    @classmethod
+    def listed(cls, keys: list[str], entries: list, reader) -> Utterances:
+        """Utterances named `keys`, utterance i read by reader.read(entries[i]): a caller's own list (rvq_tokenizer.py's
+        files by path, or waves in memory, WavesInMemory)."""
+        return cls("listed", "", list(keys), list(entries), reader, "utterance", 0, len(keys), len(keys))
+
     @property
     def noun(self) -> str:
         """What one utterance is, in the log: a file, for a folder or manifest."""
@@ -151,6 +157,15 @@ class FileReader:
 
     def read(self, rel: str) -> np.ndarray:
         return load_audio(self.root / rel)
+
+
+class WavesInMemory:
+    """Waves already in memory, as data/audio_features.py model_input makes them (mono float32 at 16 kHz): an entry
+    is its wave."""
+
+    @staticmethod
+    def read(wave: np.ndarray) -> np.ndarray:
+        return wave
 
 
 # ---- the kind of a source -------------------------------------------------------------------------------------

@@ -235,3 +235,17 @@ def dead_code_counts(model: nn.Module) -> list[int]:
 def codebook_tensors(model: nn.Module) -> list[torch.Tensor]:
     """The codebook of every level, [codebook_size, codebook_dim] each."""
     return [layer._codebook.embed[0] for layer in model.rvq.layers]
+
+
+@torch.no_grad()
+def set_codebooks(model: nn.Module, codebooks: torch.Tensor) -> None:
+    """Every level's codebook from [levels, codebook_size, codebook_dim] (codebook_tensors stacked, as an export
+    holds them), each level marked initialised; the EMA sizes and sums, which only training reads, are left as
+    they are."""
+    levels = model.rvq.layers
+    if tuple(codebooks.shape) != (len(levels), *levels[0]._codebook.embed.shape[1:]):
+        raise ValueError(f"codebooks of shape {tuple(codebooks.shape)} for a quantizer of {len(levels)} levels of "
+                         f"{tuple(levels[0]._codebook.embed.shape[1:])}")
+    for layer, codebook in zip(levels, codebooks):
+        layer._codebook.embed.copy_(codebook[None])
+        layer._codebook.initted.fill_(True)

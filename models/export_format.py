@@ -27,13 +27,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from torch import nn
 
-from models.codec import ResidualBlock, RVQCodec
+from errors import BadInputError
+from models.codebook_ops import set_codebooks
+from models.codec import CodecConfig, ResidualBlock, RVQCodec
 from models.codes import TAIL_PADDING, code_dtype
 
 FORMAT = "rvq-seamless-codec"
 VERSION = 1
+WEIGHTS = "codec.safetensors"  # an export's tensors, in its folder
+NOTE = "codec.json"  # an export's JSON (also in the safetensors metadata under "codec_json")
 
 
 def _conv(module: nn.Module, name: str, op: str) -> dict:
@@ -73,8 +78,37 @@ def export_tensors(model: RVQCodec) -> dict:
     return {k: v.detach().float().cpu().contiguous().clone() for k, v in tensors.items()}
 
 
-def describe(model: RVQCodec, state: dict, ckpt_path: Path, kind: dict) -> dict:
-    """codec.json: the codec's shape, the tensors' names, the encoder and decoder ops, and where it came from."""
+def codec_from_export(meta: dict, tensors: dict[str, torch.Tensor], where: Path) -> RVQCodec:
+    """The codec an export describes (`meta`, its codec.json) and holds (`tensors`), in eval mode: export_tensors
+    undone, with the codec's own config. Its codes are those of the checkpoint it was exported from, bit for bit
+    (float32 weights, as trained); the EMA statistics, which only training reads, were not exported.
+    BadInputError naming `where` for an export this version cannot read."""
+    try:
+        model = RVQCodec(CodecConfig(**meta["checkpoint"]["codec"]))
+        codebooks = tensors[meta["tensors"]["codebooks"]]
+    except (KeyError, TypeError, ValueError) as e:
+        raise BadInputError(f"{where} is not an export of this repo's codec ({type(e).__name__}: {e}): export it "
+                            "again with python -m tools.export") from None
+    weights = {k: v for k, v in tensors.items() if k != meta["tensors"]["codebooks"]}
+    state = model.state_dict()
+    quantizer = {k for k in state if k.startswith("rvq.layers.")}  # the codebooks and their training statistics
+    wrong = sorted(set(weights) ^ (set(state) - quantizer))
+    if wrong or any(weights[k].shape != state[k].shape for k in weights):
+        raise BadInputError(f"{where} holds other tensors than its codec.json's codec has "
+                            f"({', '.join(wrong[:5]) or 'other shapes'}): export it again with python -m tools.export")
+    model.load_state_dict(weights, strict=False)
+    try:
+        set_codebooks(model, codebooks)
+    except ValueError as e:
+        raise BadInputError(f"{where}: {e}: export it again with python -m tools.export") from None
+    return model.eval()
+
+
+def describe(model: RVQCodec, state: dict, ckpt_path: Path, kind: dict, digest: str, features: dict) -> dict:
+    """codec.json: the codec's shape, the tensors' names, the encoder and decoder ops, and where it came from: the
+    checkpoint, its step, config and `digest` (tools/trained_codec.py codec_digest: the same codec, the same digest,
+    as code shards record it), and the settings of the `features` it was trained on, as its checkpoint records
+    them (what turns audio into its features: rvq_tokenizer.py)."""
     c = model.config
     def linear(name):  # the RVQ's own projections, present only when codebook_dim differs from latent_dim
         return {"weight": f"rvq.{name}.weight", "bias": f"rvq.{name}.bias"} if model.rvq.has_projections else None
@@ -103,5 +137,6 @@ def describe(model: RVQCodec, state: dict, ckpt_path: Path, kind: dict) -> dict:
         "layout": "ops act on [batch, channels, time]; features and codes are [time, ...]",
         "encoder": describe_ops(model.encoder, "encoder"),
         "decoder": describe_ops(model.decoder, "decoder"),
-        "checkpoint": {"path": str(ckpt_path.resolve()), "step": state.get("step"), "codec": c.to_dict()},
+        "checkpoint": {"path": str(ckpt_path.resolve()), "step": state.get("step"), "codec": c.to_dict(),
+                       "codec_digest": digest, "features": features},
     }

@@ -181,24 +181,29 @@ def input_settings(p: argparse.ArgumentParser,
     range."""
     if args.nshard < 1 or not 0 <= args.rank < args.nshard:
         p.error(f"need nshard >= 1 and 0 <= rank < nshard, got nshard {args.nshard}, rank {args.rank}")
-    num_workers = default_workers() if args.num_workers is None else args.num_workers
-    if num_workers < 0:
-        p.error(f"--num_workers must be 0 or more, got {num_workers}")
+    if args.num_workers is not None and args.num_workers < 0:
+        p.error(f"--num_workers must be 0 or more, got {args.num_workers}")
     for name in ("batch_seconds", "max_chunk_seconds", "commit_files", "commit_seconds"):
         value = getattr(args, name, None)
         if value is not None and not value > 0:
             p.error(f"--{name} must be positive, got {value}")
-    pipeline = PipelineSettings(
-        device=args.device, num_workers=num_workers, batch_seconds=args.batch_seconds,
-        commit_files=COMMIT_FILES if args.commit_files is None else args.commit_files,
-        commit_seconds=(COMMIT_SECONDS[device_kind(args.device)] if args.commit_seconds is None
-                        else args.commit_seconds),
+    given = {name: getattr(args, name) for name in ("num_workers", *PASS_FLAGS) if getattr(args, name) is not None}
+    pipeline = dataclasses.replace(
+        default_pipeline(args.device), **given,
         compile=args.compile == "on", compile_given=args.compile is not None,
         attention=None if args.attention in (None, "auto") else args.attention,
-        pass_flags_given=frozenset(name for name in PASS_FLAGS if getattr(args, name) is not None))
+        pass_flags_given=frozenset(name for name in PASS_FLAGS if name in given))
     share = AudioInput(args.source, args.split, args.nshard, args.rank,
                        SourceFlags(args.audio_ext, args.audio_column, args.key_column))
     return share, pipeline, ShardOutput(args.out_dir, args.overwrite)
+
+
+def default_pipeline(device: str) -> PipelineSettings:
+    """The input pipeline with every flag at its default, for --device `device` (auto, cpu, cuda, cuda:1 ...):
+    what tools.extract and tools.tokenize run without flags, and rvq_tokenizer.py always."""
+    return PipelineSettings(device=device, num_workers=default_workers(), batch_seconds=None,
+                            commit_files=COMMIT_FILES, commit_seconds=COMMIT_SECONDS[device_kind(device)],
+                            compile=False, compile_given=False, attention=None, pass_flags_given=frozenset())
 
 
 def default_workers() -> int:

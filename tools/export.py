@@ -7,8 +7,11 @@ names the tensors and says how to use them, an utterance's tail padding and cut
 included (the format is models/export_format.py's).
 The same JSON is stored in the safetensors metadata under "codec_json". The
 feature kind recorded is --feature, or else what the checkpoint says the codec
-was trained on (tools.extract's settings, data/feature_settings.py). Exit codes:
-0 done, 2 no readable checkpoint, 1 anything else.
+was trained on (tools.extract's settings, data/feature_settings.py). The JSON
+also records the checkpoint's step, the digest of its weights (as code shards
+record it) and the full settings of its features, so that rvq_tokenizer.load
+takes the folder as it takes the run. Exit codes: 0 done, 2 no readable
+checkpoint, 1 anything else.
 """
 from __future__ import annotations
 
@@ -21,20 +24,24 @@ from pathlib import Path
 from data.dump_writer import output_folder
 from data.feature_settings import dump_feature_settings
 from errors import EXIT_OK
-from models.export_format import describe, export_tensors
+from models.export_format import NOTE, WEIGHTS, describe, export_tensors
 from tools.cli import bad_input_exits_2, run
-from tools.trained_codec import load_codec
+from tools.trained_codec import codec_digest, load_codec
 from training.flag_help import FlagHelpFormatter
 
 log = logging.getLogger("export")
 
 
-def feature_kind(state: dict) -> dict:
-    """What the codec was trained on: the checkpoint's record of tools.extract's settings, or (a checkpoint from
-    before the trainer recorded them) the notes beside the training data, if they are still there."""
+def trained_on(state: dict) -> dict:
+    """The settings of the features the codec was trained on: the checkpoint's record of tools.extract's settings,
+    or (a checkpoint from before the trainer recorded them) the notes beside the training data, if they are still
+    there."""
     config = state.get("config") or {}
-    settings = config.get("features") or dump_feature_settings(config.get("data_dir"),
-                                                               config.get("train_split", "train"))
+    return config.get("features") or dump_feature_settings(config.get("data_dir"), config.get("train_split", "train"))
+
+
+def feature_kind(settings: dict) -> dict:
+    """The features' kind and what names them, from their `settings` (trained_on)."""
     keep = ("checkpoint", "layer", "frame_rate_hz", "sample_rate", "note")
     return {"kind": settings.get("feature", "unknown"), **{k: settings[k] for k in keep if k in settings}}
 
@@ -43,11 +50,12 @@ def export(checkpoint: Path, out_dir: Path, feature: str | None = None) -> tuple
     from safetensors.torch import save_file
 
     model, state, ckpt_path = load_codec(checkpoint)
-    kind = {"kind": feature} if feature else feature_kind(state)
-    meta = describe(model, state, ckpt_path, kind)
+    settings = trained_on(state)
+    kind = {"kind": feature} if feature else feature_kind(settings)
+    meta = describe(model, state, ckpt_path, kind, codec_digest(state["model"]), settings)
     tensors = export_tensors(model)
     output_folder(out_dir, "OUT_DIR")
-    weights, note = out_dir / "codec.safetensors", out_dir / "codec.json"
+    weights, note = out_dir / WEIGHTS, out_dir / NOTE
     text = json.dumps(meta, indent=1) + "\n"
     save_file(tensors, str(weights) + ".tmp", metadata={"codec_json": json.dumps(meta)})
     os.chmod(str(weights) + ".tmp", 0o644)  # safetensors creates it owner-only; it is meant to be shared

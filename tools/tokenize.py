@@ -49,12 +49,14 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from data.audio_features import FEATURES, FRONT_ENDS, SeamlessFbank, W2vBertLayer  # noqa: E402
-from data.audio_pipeline import FeatureWindows, Window  # noqa: E402
+from data.audio_pipeline import AudioFile, FeatureWindows, Window  # noqa: E402
+from data.audio_sources import Utterances  # noqa: E402
 from data.codes_parquet import write_codes_parquet  # noqa: E402
 from data.feature_settings import RECORDED_BEFORE, describe, front_end, model_fingerprint, settings_differ  # noqa: E402
 from data.resumable_shard import CODES, ShardWriter, shard_settings  # noqa: E402
 from data.transfers import host_copy  # noqa: E402
 from errors import EXIT_FAILURE, EXIT_OK, BadInputError  # noqa: E402
+from models.codec import RVQCodec  # noqa: E402
 from models.codes import TAIL_PADDING, code_frames, encode_in_batches, km_lines  # noqa: E402
 from tools.audio_shard import (AudioInput, AudioShare, PipelineSettings, ShardOutput, add_input_args,  # noqa: E402
                                audio_share, begun_before_pass_rules, input_settings, log_input_wait, model_device,
@@ -88,15 +90,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def as_flag(name: str, value=None) -> str:
+    """An option (with its value) as a message names it: the command line's `--name value`."""
+    return f"--{name}" if value is None else f"--{name} {value}"
+
+
 @dataclasses.dataclass(frozen=True)
 class FeatureFlags:
     """The features' flags: each None, the codec's own (a given one must be the codec's); w2v_bert: where its
-    model lies on this machine."""
+    model lies on this machine; named: how a message names an option (rvq_tokenizer.py's are keyword arguments)."""
 
     feature: str | None
     layer: int | None
     precision: str | None  # fp32 or bf16 (PRECISION_NAMES)
     w2v_bert: Path | None
+    named: Callable[..., str] = as_flag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,34 +140,34 @@ def trained_features(state: dict, ckpt_path: Path, flags: FeatureFlags) -> dict:
     asked = {k: PRECISION_NAMES.get(v) if k == "precision" else v for k, v in given.items()}  # as notes say them
     differ = settings_differ(trained, {**trained, **asked})
     if differ:  # the flags that differ, and the fix: the codec's own settings are the default
-        other = [f"--{k} {given[k]}" for k in asked if trained.get(k) != asked[k]]
-        raise BadInputError(f"the codec in {ckpt_path} was trained on {describe(trained)}; the flags ask for "
-                            f"{asked.get('feature', trained['feature'])} features ({differ}): its codes of other "
+        other = [flags.named(k, given[k]) for k in asked if trained.get(k) != asked[k]]
+        raise BadInputError(f"the codec in {ckpt_path} was trained on {describe(trained)}; the settings given ask "
+                            f"for {asked.get('feature', trained['feature'])} features ({differ}): its codes of other "
                             f"features would be meaningless. Leave out {' '.join(other)}: the codec's are the default")
     return trained
 
 
-def feature_maker(trained: dict, w2v_bert: Path | None, device: torch.device, ckpt_path: Path,
+def feature_maker(trained: dict, flags: FeatureFlags, device: torch.device, ckpt_path: Path,
                   before_pass_rules: bool, *, compile: bool) -> tuple[SeamlessFbank, W2vBertLayer | None, dict]:
     """(the fbank, the w2v-BERT layer or None, the settings of the features they make), the latter the codec's;
-    w2v-BERT from the folder `w2v_bert` (None: the one the codec records), under torch.compile with `compile`, for
-    a shard begun `before_pass_rules` or not (tools/audio_shard.py)."""
+    w2v-BERT from the folder flags.w2v_bert (None: the one the codec records), under torch.compile with `compile`,
+    for a shard begun `before_pass_rules` or not (tools/audio_shard.py)."""
     computed = codec_front_end(trained)
     if trained["feature"] != "w2v-bert":
         return SeamlessFbank(None, computed), None, trained
-    folder = w2v_bert or Path(trained["checkpoint"])
+    folder = flags.w2v_bert or Path(trained["checkpoint"])
     if not folder.is_dir():
         raise BadInputError(f"the codec in {ckpt_path} was trained on {describe(trained)}, and {folder} is not a "
-                            "folder here: give the model's folder with --w2v_bert")
+                            f"folder here: give the model's folder with {flags.named('w2v_bert', 'DIR')}")
     encoder = W2vBertLayer(folder, trained["layer"], device=device, dtype=getattr(torch, trained["precision"]),
-                           max_chunk_seconds=trained["max_chunk_seconds"], flag="--w2v_bert",
+                           max_chunk_seconds=trained["max_chunk_seconds"], flag=flags.named("w2v_bert"),
                            attention=w2v_attention(before_pass_rules),
                            compile=compile)
     now = {**trained, "dim": encoder.dim, "checkpoint": str(folder.resolve()), "model": model_fingerprint(folder)}
     differ = settings_differ(trained, now)
     if differ:
-        raise BadInputError(f"the codec in {ckpt_path} was trained on {describe(trained)}; --w2v_bert {folder} "
-                            f"gives {describe(now)} ({differ})")
+        raise BadInputError(f"the codec in {ckpt_path} was trained on {describe(trained)}; "
+                            f"{flags.named('w2v_bert', folder)} gives {describe(now)} ({differ})")
     log.info("w2v-bert layer %d of %s on %s (%s), %d-d%s", encoder.layer, folder, encoder.device, encoder.dtype,
              encoder.dim, ", under torch.compile" if encoder.compiled else "")
     return SeamlessFbank(folder, computed), encoder, now
@@ -175,26 +183,82 @@ def codec_front_end(trained: dict) -> str:
     return computed
 
 
+@dataclasses.dataclass(frozen=True)
+class AudioCodec:
+    """A codec with the features it was trained on, ready to turn audio into codes: the codes asked for (`spec`),
+    the fbank and the w2v-BERT layer (None for fbank features) that compute the features, the input pipeline it
+    runs, and what a code shard records of them: `codes` (the codec, its codes and the features) and `passes`
+    (w2v-BERT's passes and attention kernel; {} for fbank). tools.tokenize and rvq_tokenizer.py both make their
+    codes with it, so the same audio gets the same codes from either."""
+
+    spec: CodesSpec
+    fbank: SeamlessFbank
+    encoder: W2vBertLayer | None
+    pipeline: PipelineSettings
+    codes: dict
+    passes: dict
+
+    def windows(self, utterances: Utterances, *, num_workers: int, progress: Callable[[float], None] = lambda n: None,
+                weight: float = 1.0, on_host: bool = False) -> FeatureWindows:
+        """`utterances`' features computed where the codec is, in the pipeline's windows and passes
+        (data/audio_pipeline.py): on the host, or (on_host False) left on the device for `encode`."""
+        return FeatureWindows(utterances, fbank=self.fbank, encoder=self.encoder, dtype=self.codes["features"]["dtype"],
+                              num_workers=num_workers, commit_files=self.pipeline.commit_files,
+                              commit_seconds=self.pipeline.commit_seconds,
+                              passes=shard_passes(self.passes) if self.encoder else None,
+                              progress=progress, weight=weight, device=self.spec.model.feature_mean.device,
+                              on_host=on_host)
+
+    def encode(self, kept: list[AudioFile],
+               on_batch: Callable[[np.ndarray], None] | None = None) -> tuple[np.ndarray, Callable[[], np.ndarray]]:
+        """(the feature frames of the files `kept`, their codes concatenated on the way to the host: call it for
+        them), from the features `windows` left on the device, which are then let go. On a GPU the codec's kernels
+        are queued and nothing waits for them here (data/transfers.py host_copy). on_batch(positions) after each of
+        the codec's passes."""
+        spec = self.spec
+        lengths = np.array([len(item.features) for item in kept], dtype=np.int64)
+        # the features as the dump would store them (FeatureWindows), where they were computed; widened to float32
+        # as tools.encode reads a dump's
+        features = SimpleNamespace(lengths=lengths, utterance=lambda i: kept[i].features)
+        codes = encode_in_batches(spec.model, features, spec.levels, spec.batch_frames, spec.dtype, spec.beam,
+                                  on_batch=on_batch, on_device=True)
+        for item in kept:
+            item.features = None  # the device's memory back
+        return lengths, host_copy(codes)
+
+
+def audio_codec(model: RVQCodec, state: dict, ckpt_path: Path, request: CodesRequest, flags: FeatureFlags,
+                pipeline: PipelineSettings, device: torch.device, recorded: dict | None) -> AudioCodec:
+    """The codec `model` (its checkpoint `state`, from `ckpt_path`) with the features its checkpoint records, for a
+    shard begun with settings `recorded` (None: a new one, or no shard): a w2v-bert shard goes on with its own
+    passes, compile and attention kernel (tools/audio_shard.py). BadInputError for features or codes the codec
+    does not have."""
+    trained = trained_features(state, ckpt_path, flags)
+    spec = codes_spec(request, model, state, ckpt_path, device)
+    before_pass_rules = False
+    if trained["feature"] == "w2v-bert":  # such a shard goes on with its own passes and commits
+        pipeline, before_pass_rules = begun_before_pass_rules(pipeline, recorded, log)
+        pipeline = shard_compile(pipeline, recorded)
+    fbank, encoder, features = feature_maker(trained, flags, device, ckpt_path, before_pass_rules,
+                                             compile=pipeline.compile)
+    codes = {**spec.settings, "features": {k: v for k, v in features.items() if k != "checkpoint"}}
+    passes = {}
+    if encoder is not None:
+        attention = shard_attention(encoder, pipeline, recorded, before_pass_rules, log)
+        passes = pass_settings(pipeline, device, before_pass_rules, attention)
+    return AudioCodec(spec, fbank, encoder, pipeline, codes, passes)
+
+
 def tokenize(cfg: TokenizeSettings) -> int:
     share = audio_share(cfg.audio)
     device = model_device(cfg.pipeline.device, share)
     model, state, ckpt_path = load_codec(cfg.checkpoint, device)
-    trained = trained_features(state, ckpt_path, cfg.features)
-    spec = codes_spec(cfg.codes, model, state, ckpt_path, device)
     out_dir, overwrite = cfg.output.out_dir, cfg.output.overwrite
     name = f"{cfg.audio.split}_{share.rank}_{share.nshard}"
     recorded = None if overwrite else shard_settings(out_dir, name, CODES)
-    before_pass_rules = False
-    if trained["feature"] == "w2v-bert":  # such a shard goes on with its own passes and commits
-        pipeline, before_pass_rules = begun_before_pass_rules(cfg.pipeline, recorded, log)
-        cfg = dataclasses.replace(cfg, pipeline=shard_compile(pipeline, recorded))
-    fbank, encoder, features = feature_maker(trained, cfg.features.w2v_bert, device, ckpt_path, before_pass_rules,
-                                             compile=cfg.pipeline.compile)
-    settings = {**spec.settings, "features": {k: v for k, v in features.items() if k != "checkpoint"},
-                "split": cfg.audio.split, **share.settings}
-    if encoder is not None:
-        attention = shard_attention(encoder, cfg.pipeline, recorded, before_pass_rules, log)
-        settings.update(pass_settings(cfg.pipeline, device, before_pass_rules, attention))
+    codec = audio_codec(model, state, ckpt_path, cfg.codes, cfg.features, cfg.pipeline, device, recorded)
+    spec = codec.spec
+    settings = {**codec.codes, "split": cfg.audio.split, **share.settings, **codec.passes}
     streams = {".codes.len": "", ".codes.tsv": f"{share.root}\n", ".codes.skipped": "", ".codes.frames": ""}
     begun = begin_code_shard(out_dir, name, settings, overwrite=overwrite, log=log,
                              redo="tokenize the shard again", width=spec.levels, dtype=spec.dtype,
@@ -205,15 +269,16 @@ def tokenize(cfg: TokenizeSettings) -> int:
     lock, writer = begun
     try:
         try:
-            return tokenize_into(cfg, share, name, fbank, encoder, spec, settings, writer)
+            return tokenize_into(cfg, share, name, codec, settings, writer)
         finally:
             writer.close()
     finally:
         lock.release()
 
 
-def tokenize_into(cfg: TokenizeSettings, share: AudioShare, name: str, fbank: SeamlessFbank,
-                  encoder: W2vBertLayer | None, spec: CodesSpec, settings: dict, writer: ShardWriter) -> int:
+def tokenize_into(cfg: TokenizeSettings, share: AudioShare, name: str, codec: AudioCodec, settings: dict,
+                  writer: ShardWriter) -> int:
+    spec = codec.spec
     log.info("%s: %s from %s -> %s/%s.codes.npy: %s features, %s", name, share.describe(), cfg.audio.source,
              cfg.output.out_dir, name, settings["features"]["feature"], describe_codes(spec))
     if writer.done:
@@ -223,13 +288,8 @@ def tokenize_into(cfg: TokenizeSettings, share: AudioShare, name: str, fbank: Se
     began = time.perf_counter()
     with progress_bar(f"tokenize {name}", share, writer.done) as bar:
         # half of a file's share of the bar is its features, half its codes
-        pipeline = FeatureWindows(share.utterances, fbank=fbank, encoder=encoder,
-                                  dtype=settings["features"]["dtype"], num_workers=cfg.pipeline.num_workers,
-                                  commit_files=cfg.pipeline.commit_files,
-                                  commit_seconds=cfg.pipeline.commit_seconds,
-                                  passes=shard_passes(settings) if encoder else None,
-                                  progress=bar.update, weight=0.5, device=spec.model.feature_mean.device,
-                                  on_host=False)
+        pipeline = codec.windows(share.utterances, num_workers=codec.pipeline.num_workers, progress=bar.update,
+                                 weight=0.5)
         log.info("the fbank is computed %s", f"on {pipeline.device} from the decoded audio"
                  if pipeline.device_fbank else "by the decoding workers")
 
@@ -242,15 +302,7 @@ def tokenize_into(cfg: TokenizeSettings, share: AudioShare, name: str, fbank: Se
             bar.update(0.5 * (len(window.files) - len(kept)))
             if not kept:
                 return None
-            lengths = np.array([len(item.features) for item in kept], dtype=np.int64)
-            # the features as the dump would store them (FeatureWindows), where they were computed; widened to
-            # float32 as tools.encode reads a dump's
-            features = SimpleNamespace(lengths=lengths, utterance=lambda i: kept[i].features)
-            codes = encode_in_batches(spec.model, features, spec.levels, spec.batch_frames, spec.dtype, spec.beam,
-                                      on_batch=lambda batch: bar.update(0.5 * len(batch)), on_device=True)
-            for item in kept:
-                item.features = None  # the device's memory back
-            return lengths, host_copy(codes)
+            return codec.encode(kept, on_batch=lambda batch: bar.update(0.5 * len(batch)))
 
         def write(window: Window, encoded: tuple[np.ndarray, Callable[[], np.ndarray]] | None) -> None:
             for item in window.files:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import hashlib
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from data.writer_lock import WriterLock
 from errors import BadInputError, TransientFault
 from models.codec import CodecConfig, RVQCodec
 from models.codes import code_dtype
+from models.export_format import FORMAT, NOTE, WEIGHTS, codec_from_export
 from training.checkpoint import load_checkpoint, load_latest, unreadable_reason
 from training.run_folder import CHECKPOINTS, RunFolder
 
@@ -70,6 +72,39 @@ def load_codec(path: str | Path, device: str | torch.device = "cpu") -> tuple[RV
     model.load_state_dict(state["model"])
     log_codec(path, state)
     return model.to(device).eval(), state, path
+
+
+def is_export(path: Path) -> bool:
+    """Whether `path` is a folder tools.export wrote (its codec.json)."""
+    return path.is_dir() and (path / NOTE).is_file()
+
+
+def load_exported(folder: Path, device: str | torch.device = "cpu") -> tuple[RVQCodec, dict, Path]:
+    """(model in eval mode, what its checkpoint said of it as the export recorded it: step, `codec_digest` and the
+    features it was trained on under config.features; its weights' file) from a folder tools.export wrote.
+    BadInputError for a folder that does not hold a readable export, or one exported before exports recorded the
+    digest and the features (export it again)."""
+    from safetensors.torch import load_file
+
+    note, weights = folder / NOTE, folder / WEIGHTS
+    try:
+        meta = json.loads(note.read_text())
+        tensors = load_file(str(weights))
+    except (OSError, ValueError) as e:  # safetensors' own errors are ValueErrors too
+        raise BadInputError(f"{folder} holds no readable export ({e}): export the codec again with python -m "
+                            "tools.export RUN_DIR OUT_DIR") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise BadInputError(f"{note} is not the JSON of an export of this repo's codec (format {FORMAT})")
+    source = meta.get("checkpoint") or {}
+    if not (source.get("features") and source.get("codec_digest")):
+        raise BadInputError(f"{folder} was exported before exports recorded the codec's digest and the features it "
+                            "was trained on: export it again with python -m tools.export "
+                            f"{source.get('path', 'CHECKPOINT')} {folder}")
+    model = codec_from_export(meta, tensors, folder)
+    log.info("codec %s: exported from %s, step %s", folder, source.get("path"), source.get("step"))
+    state = {"step": source.get("step"), "codec_digest": source.get("codec_digest"),
+             "config": {"features": source["features"]}}
+    return model.to(device).eval(), state, weights
 
 
 def refuse_a_run_in_progress(folder: Path) -> None:
@@ -120,6 +155,11 @@ def codec_digest(weights: dict) -> str:
         digest.update(f"{key}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return "sha256:" + digest.hexdigest()[:16]
+
+
+def recorded_digest(state: dict) -> str:
+    """The codec_digest of a checkpoint's weights, or the one an export recorded (load_exported)."""
+    return codec_digest(state["model"]) if "model" in state else state["codec_digest"]
 
 
 def check_one_codec(folder: Path, name: str, settings: dict, *, overwrite: bool) -> None:
@@ -251,7 +291,7 @@ def codes_spec(request: CodesRequest, model: RVQCodec, state: dict, ckpt_path: P
         raise BadInputError(f"--beam_size {beam}: this codec has {config.codebook_size} codes a level, so the beam can "
                             f"be {config.codebook_size} wide at most")
     settings = {"checkpoint": str(ckpt_path.resolve()), "step": state.get("step"),
-                "codec_digest": codec_digest(state["model"]), "levels": q,
+                "codec_digest": recorded_digest(state), "levels": q,
                 "codebook_size": config.codebook_size, "downsample": config.downsample, "dtype": dtype.name,
                 "feature_dim": config.feature_dim, "beam_size": beam, "km_level": request.km}
     batch_frames = request.batch_frames or BATCH_FRAMES.get(device.type, BATCH_FRAMES["cpu"])
