@@ -59,7 +59,7 @@ from models.codes import TAIL_PADDING, code_frames, encode_in_batches, km_lines 
 from tools.audio_shard import (AudioInput, AudioShare, PipelineSettings, ShardOutput, add_input_args,  # noqa: E402
                                audio_share, begun_before_pass_rules, input_settings, log_input_wait, model_device,
                                pass_settings, progress_bar, shard_attention, shard_compile, shard_passes, w2v_attention,
-                               write_windows, written_lengths)
+                               list_skip, write_windows, written_lengths)
 from tools.cli import bad_input_exits_2, run  # noqa: E402
 from tools.trained_codec import (CodesRequest, CodesSpec, add_codes_args, begin_code_shard,  # noqa: E402
                                  codes_request, codes_spec, describe_codes, load_codec)
@@ -255,7 +255,7 @@ def tokenize_into(cfg: TokenizeSettings, share: AudioShare, name: str, fbank: Se
         def write(window: Window, encoded: tuple[np.ndarray, Callable[[], np.ndarray]] | None) -> None:
             for item in window.files:
                 if item.skipped is not None:
-                    writer.append(".codes.skipped", item.skip_line)
+                    list_skip(log, writer, ".codes.skipped", item)
             if encoded is None:
                 return
             lengths, codes_back = encoded
