@@ -312,6 +312,27 @@ def test_an_utterance_with_nan_or_inf_keeps_its_place_with_codes_of_minus_1_and_
     assert np.isfinite(np.load(tmp_path / "recon" / "train_0_1.npy")).all()
 
 
+def test_a_float16_dump_is_read_as_float32_by_a_codec_trained_on_float32_features_and_said_once(tmp_path, caplog):
+    """tools.extract --dtype float16 of the features a codec was trained on in float32: the same features rounded,
+    encoded (widened to float32) to the codes of those values stored in float32, and said once."""
+    f16, f32 = tmp_path / "f16", tmp_path / "f32"
+    write_fairseq(f16, "train", [40, 37, 50], dim=32, dtype=np.float16)
+    write_fairseq(f32, "train", [40, 37, 50], dim=32)
+    np.save(f32 / "train_0_1.npy", np.load(f16 / "train_0_1.npy").astype(np.float32))  # the same values
+    note = {"feature": "fbank", "dim": 32, "frame_rate_hz": 50, "sample_rate": 16000, "front_end": "torch"}
+    for folder, dtype in ((f16, "float16"), (f32, "float32")):
+        (folder / "train_0_1.json").write_text(json.dumps({**note, "dtype": dtype}))
+    codec = random_codec(tmp_path / "codec.pt", f32)
+    assert encode.main(["--checkpoint", codec, "--data_dir", f32, "--output_dir", tmp_path / "want"]) == 0
+    caplog.clear()
+    assert encode.main(["--checkpoint", codec, "--data_dir", f16, "--output_dir", tmp_path / "codes"]) == 0
+    said = [r.getMessage() for r in caplog.records if "stored as float16, trained on float32" in r.getMessage()]
+    assert len(said) == 1 and "read as float32" in said[0]
+    codes, _, meta = read_codes(tmp_path / "codes", "train_0_1")
+    np.testing.assert_array_equal(codes, read_codes(tmp_path / "want", "train_0_1")[0])
+    assert "stored as float16" in meta["feature_check"] and meta["features"]["dtype"] == "float16"
+
+
 def test_encode_reads_utterance_files_directly_in_the_data_dir_as_the_trainer_does(pipeline, tmp_path):
     """A folder of [T, D] .npy files, the trainer's training split: encode's default --split train reads them."""
     p = pipeline

@@ -38,7 +38,7 @@ exists (the features it would shadow) unless --overwrite.
 
 The features must be those the codec was trained on, as tools.tokenize requires: where the dump has
 tools.extract's notes and the checkpoint records its features, their settings must agree (exit 2 naming those
-that differ); otherwise the statistics of the share's first frames must lie within PLAUSIBLE_SHIFT of those the
+that differ), but for the dump's dtype alone (float16 or float32: read as float32, and said); otherwise the statistics of the share's first frames must lie within PLAUSIBLE_SHIFT of those the
 codec was trained on (data/feature_settings.py). --allow_feature_mismatch encodes anyway, and the .codes.json
 says so. One output folder holds the codes of one codec: a shard from another checkpoint exits 2, naming both
 (tools/trained_codec.py).
@@ -65,7 +65,7 @@ from data.audio_manifest import manifest_lines, share_manifest, shown_name
 from data.codes_parquet import write_codes_parquet
 from data.dump_writer import NpyRowWriter, len_text, output_folder, publish, shard_range, write_temporary
 from data.feature_settings import (PLAUSIBLE_SHIFT, STATS_FRAMES, dump_feature_settings, feature_shift,
-                                   front_ends_differ, settings_differ)
+                                   front_ends_differ, settings_differ, stored_differently)
 from data.resumable_shard import CODES, FEATURE_DUMP, ShardWriter, split_shards
 from data.stores import FeatureStore, find_split, missing_split
 from data.writer_lock import WriterLock
@@ -154,11 +154,15 @@ def check_features(data: SplitShare, state: dict, model, store: FeatureStore, ck
     if dump["feature"] == "mixed":
         problem = dump["note"]
     elif dump["feature"] in FEATURES and trained.get("feature") in (*FEATURES, "demo"):
-        differ = settings_differ(trained, dump)
+        stored = stored_differently(trained, dump)
+        differ = settings_differ(trained, {**dump, "dtype": trained.get("dtype")} if stored else dump)
         if not differ:
             if front_ends := front_ends_differ(trained, dump):  # the same features (data/feature_settings.py)
                 log.info("%s: the codec's fbank and the dump's come from different front-ends (%s), the same "
                          "features within 1e-4", where, front_ends)
+            if stored:
+                log.info("%s: the features are %s: the same features, read as float32", where, stored)
+                return features, f"tools.extract's settings are the codec's, the features {stored}"
             return features, "tools.extract's settings are the codec's"
         problem = f"the features of {where} are not those the codec in {ckpt_path} was trained on ({differ})"
     else:  # no notes on one side: the features' statistics against those the codec normalises by
