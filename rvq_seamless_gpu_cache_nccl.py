@@ -194,7 +194,8 @@ class Trainer:
         self.schedule = Schedule(cfg.optim, steps_per_epoch=self.steps_per_epoch, world_size=ctx.world_size,
                                  frames_per_step=cfg.data.frames_per_step * cfg.optim.grad_accum,
                                  codebook_size=self.codec.codebook_size, started_at=STARTED, start_step=p.step,
-                                 start_fraction=p.schedule_fraction, time_spent=p.time_spent)
+                                 start_fraction=p.schedule_fraction, time_spent=p.time_spent,
+                                 per_frame=p.seconds_per_frame)
         if self.schedule.stop_reason(p.step) is None:  # training goes on: the end-of-schedule work is to come
             p.end_of_schedule = []
         self.ddp_model = wrap_ddp(self.model, ctx)
@@ -563,7 +564,7 @@ class Trainer:
 
     def save(self) -> None:
         p = self.progress
-        p.time_spent = self.schedule.spent()
+        p.time_spent, p.seconds_per_frame = self.schedule.spent(), self.schedule.per_frame
         try:
             with p.phase_of("checkpoint"):  # the others wait for rank 0's write
                 path = self.checkpointer.save(self.model, self.optimizer, self.scaler, p,
