@@ -78,7 +78,6 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
         make_deterministic()  # before any CUDA work
     device = select_device(cfg.run.device, launch.local_rank, bind_local_rank=launch.world_size > 1)
     check_compile(cfg.optim.compile, device)
-    set_threads(cfg.run.threads, device)
     data = open_training_data(cfg.data, rank=launch.rank, world_size=launch.world_size, seed=cfg.optim.seed,
                               multiple_of=cfg.codec["downsample"], device_type=device.type,
                               manifest_dir=Path(cfg.run.output_dir), save_manifests=False)
@@ -102,6 +101,7 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
         output.abandon()  # interpreter's exit
         destroy()
         raise
+    set_threads(cfg.run.threads, device, resume)  # once the resume is known: a resumed run computes as its run did
     data.save_manifests()  # the output dir is this run's from here on
     make_flight_recorder_dir(ctx, Path(cfg.run.output_dir))
     trainer = Trainer(cfg, ctx, data, codec, stop, faults, output)
@@ -628,11 +628,13 @@ class Trainer:
         self.output.release()
 
 
-def set_threads(flag: int | None, device: torch.device) -> None:
-    """torch's CPU threads: on a CPU the cores this run can get (training/threads.py); on a GPU --threads alone."""
+def set_threads(flag: int | None, device: torch.device, resume: Resume | None) -> None:
+    """torch's CPU threads: on a CPU the count the resumed run computed with, else the cores this run can get
+    (training/threads.py); on a GPU --threads alone."""
     if device.type != "cpu" and flag is None:
         return
-    choice = choose_threads(flag, default=torch.get_num_threads())
+    recorded = resume.state.get("threads") if resume is not None else None
+    choice = choose_threads(flag, default=torch.get_num_threads(), recorded=recorded)
     set_torch_threads(choice)
     log.info("threads: %d (%s)", choice.threads, choice.why)
 

@@ -276,6 +276,8 @@ class Checkpointer:
                      "scaler": scaler.state_dict(), "step": progress.step, "samples_seen": progress.samples_seen,
                      "schedule_fraction": progress.schedule_fraction, "time_spent": progress.time_spent,
                      "seconds_per_frame": progress.seconds_per_frame,
+                     # what a resumed CPU run computes with (training/threads.py): other counts round sums otherwise
+                     "threads": torch.get_num_threads() if self.ctx.device.type == "cpu" else None,
                      "epoch": progress.step // self.steps_per_epoch, "codec": self.codec.to_dict(),
                      "config": self.config, "rng": rng, "end_of_schedule": list(progress.end_of_schedule),
                      "data": {**self.data, "stats": feature_stats_record(model)} if self.data else None,

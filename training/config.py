@@ -158,8 +158,9 @@ class RunConfig:
                                     "(pip install -r requirements-report.txt)")
     device: str = flag("auto", "auto, cpu, cuda, or cuda:N (single process)")
     threads: int | None = flag(None, "torch's intra-op threads per rank; none: OMP_NUM_THREADS when set, else on a CPU "
-                                     "the cores this process can get (its CPU affinity and cgroup quota, less those "
-                                     "other processes keep busy at start-up), on a GPU torch's default")
+                                     "the count a resumed run computed with (its checkpoint's), else the cores this "
+                                     "process can get (its CPU affinity and cgroup quota, shared by the node's ranks, "
+                                     "less those other processes keep busy at start-up), on a GPU torch's default")
 
 
 @dataclass(kw_only=True)
