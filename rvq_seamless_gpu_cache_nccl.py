@@ -81,6 +81,7 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
     data = open_training_data(cfg.data, rank=launch.rank, world_size=launch.world_size, seed=cfg.optim.seed,
                               multiple_of=cfg.codec["downsample"], device_type=device.type,
                               manifest_dir=Path(cfg.run.output_dir), save_manifests=False)
+    given = cfg  # config.json's and the checkpoints' flags: as given (the automatic choices are logged)
     cfg = dataclasses.replace(cfg, data=data.config)  # the batch size and automatic segment length decided
     codec = cfg.codec_config(data.train.dim)
     # ---- one run per output dir: rank 0 locks it for the run's life (a refusal is raised once every rank knows it)
@@ -104,7 +105,7 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
     set_threads(cfg.run.threads, device, resume)  # once the resume is known: a resumed run computes as its run did
     data.save_manifests()  # the output dir is this run's from here on
     make_flight_recorder_dir(ctx, Path(cfg.run.output_dir))
-    trainer = Trainer(cfg, ctx, data, codec, stop, faults, output)
+    trainer = Trainer(cfg, ctx, data, codec, stop, faults, output, given)
     try:
         trainer.build(resume)
         # ---- the loop
@@ -136,9 +137,10 @@ class Trainer:
     """The run's objects and the named steps of its loop; `progress` is the loop's state."""
 
     def __init__(self, cfg: TrainConfig, ctx: DistContext, data: TrainingData, codec: CodecConfig,
-                 stop: StopRequest, faults: FaultInjector, output: OutputDirLock):
+                 stop: StopRequest, faults: FaultInjector, output: OutputDirLock, given: TrainConfig):
+        """given: the configuration as the flags gave it, before the automatic choices that `cfg` holds."""
         self.cfg, self.ctx, self.data, self.codec, self.stop, self.faults = cfg, ctx, data, codec, stop, faults
-        self.output = output
+        self.output, self.given = output, given
         self.main_rank = ctx.rank == 0
         self.folder = RunFolder(cfg.run.output_dir)
         self.progress = Progress()
@@ -146,7 +148,7 @@ class Trainer:
         # the checkpoint says what features the codec learns (tools.extract's notes): tools.tokenize makes them again
         features = data.identity["features"]
         self.checkpointer = Checkpointer(self.folder.checkpoints, keep=cfg.run.keep_checkpoints, ctx=ctx,
-                                         codec=codec, config={**cfg.to_dict(), "features": features},
+                                         codec=codec, config={**given.to_dict(), "features": features},
                                          steps_per_epoch=self.steps_per_epoch, data=data.identity)
         self.amp_dtype = compute_dtype(cfg.optim.precision, ctx.device)
         self.metrics = MetricsLog(None)  # rank 0's writes to the output dir, once build() opens it
@@ -318,7 +320,7 @@ class Trainer:
         cfg, codec = self.cfg, self.codec
         if self.main_rank:
             self.folder.checkpoints.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.folder.config)
+            save_config(self.given, self.folder.config)
             self.metrics = MetricsLog(self.folder.metrics,
                                       tensorboard_dir=self.folder.tensorboard if cfg.run.tensorboard else None)
         log.info("codec: %d levels x %d codes, latent %d, downsample %d (%.0f bits/frame), %.2fM parameters",
