@@ -2,6 +2,8 @@
 import json
 import logging
 import math
+import re
+import shutil
 import signal
 from pathlib import Path
 from types import SimpleNamespace
@@ -310,6 +312,29 @@ def test_an_utterance_with_nan_or_inf_keeps_its_place_with_codes_of_minus_1_and_
     assert encode.main(["decode", "--checkpoint", codec, "--codes_dir", tmp_path / "codes", "--output_dir",
                         tmp_path / "recon"]) == 0
     assert np.isfinite(np.load(tmp_path / "recon" / "train_0_1.npy")).all()
+
+
+def test_decode_says_the_reconstruction_error_against_the_features_it_was_encoded_from(tmp_path, caplog):
+    """The .codes.json names the features its codes came from; decode scores its output against them (rel_mse as
+    models/metrics.py defines it), and says why not when they are gone."""
+    feats, codes, recon = tmp_path / "feats", tmp_path / "codes", tmp_path / "recon"
+    write_fairseq(feats, "train", [40, 37, 50, 44, 21], dim=32)
+    codec = random_codec(tmp_path / "codec.pt", feats, downsample=2)
+    assert encode.main(["--checkpoint", codec, "--data_dir", feats, "--output_dir", codes, "--beam_size", 1,
+                        "--nshard", 2, "--rank", 1]) == 0
+    caplog.clear()
+    assert encode.main(["decode", "--checkpoint", codec, "--codes_dir", codes, "--output_dir", recon, "--nshard", 2,
+                        "--rank", 1]) == 0
+    x = np.concatenate([find_split(feats, "train").utterance(i) for i in (2, 3, 4)]).astype(np.float64)
+    x_hat = np.load(recon / "train_1_2.npy").astype(np.float64)
+    rel_mse = ((x - x_hat) ** 2).sum() / ((x - x.mean(0)) ** 2).sum()
+    said = re.search(r"reconstruction of .*: rel_mse ([\d.]+), cosine [\d.]+ over (\d+) frames", caplog.text)
+    assert said and float(said.group(1)) == pytest.approx(rel_mse, abs=1e-4) and int(said.group(2)) == len(x)
+    shutil.rmtree(feats)
+    caplog.clear()
+    assert encode.main(["decode", "--checkpoint", codec, "--codes_dir", codes, "--output_dir", tmp_path / "again",
+                        "--nshard", 2, "--rank", 1]) == 0
+    assert "no reconstruction error: split 'train' of" in caplog.text and "rel_mse" not in caplog.text
 
 
 def test_a_float16_dump_is_read_as_float32_by_a_codec_trained_on_float32_features_and_said_once(tmp_path, caplog):
