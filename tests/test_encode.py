@@ -337,6 +337,18 @@ def test_decode_says_the_reconstruction_error_against_the_features_it_was_encode
     assert "no reconstruction error: split 'train' of" in caplog.text and "rel_mse" not in caplog.text
 
 
+def test_a_rerun_without_km_names_the_flag_as_it_is_typed(tmp_path, caplog):
+    """A shard written with --km 1, asked for again without it: refused, naming --km, not the setting's key."""
+    feats, codes = tmp_path / "feats", tmp_path / "codes"
+    write_fairseq(feats, "train", [40, 37, 50], dim=32)
+    args = ["--checkpoint", random_codec(tmp_path / "codec.pt", feats), "--data_dir", feats, "--output_dir", codes]
+    assert encode.main([*args, "--km"]) == 0
+    caplog.clear()
+    assert encode.main(args) == 2
+    assert "train_0_1.codes.npy was written with other settings (--km 1 -> no --km)" in caplog.text
+    assert "km_level" not in caplog.text
+
+
 def test_a_float16_dump_is_read_as_float32_by_a_codec_trained_on_float32_features_and_said_once(tmp_path, caplog):
     """tools.extract --dtype float16 of the features a codec was trained on in float32: the same features rounded,
     encoded (widened to float32) to the codes of those values stored in float32, and said once."""
