@@ -71,7 +71,7 @@ from data.dump_writer import NpyRowWriter, len_text, output_folder, publish, sha
 from data.feature_settings import (PLAUSIBLE_SHIFT, STATS_FRAMES, dump_feature_settings, feature_shift,
                                    front_ends_differ, settings_differ, stored_differently)
 from data.resumable_shard import CODES, FEATURE_DUMP, ShardWriter, split_shards
-from data.stores import FeatureStore, find_split, missing_split
+from data.stores import FeatureStore, absent_folder, find_split, missing_split
 from data.writer_lock import WriterLock
 from errors import EXIT_OK, BadInputError
 from models.codec import CodecConfig
@@ -131,6 +131,8 @@ class DecodeSettings:
 def open_share(data: SplitShare, config: CodecConfig, ckpt_path: Path) -> tuple[FeatureStore, int, int, int]:
     """(this rank's share of the split, its first utterance, its end, the split's utterances), checked against the
     codec. The split's metadata are read; only the share's sources stay open."""
+    if not data.folder.exists():
+        raise absent_folder("--data_dir", data.folder)
     if not data.folder.is_dir():
         raise BadInputError(f"--data_dir {data.folder} is not a folder")
     split = find_split(data.folder, data.split)  # utterance files directly in --data_dir: 'train', as trained

@@ -31,6 +31,15 @@ from __future__ import annotations
 
 import os
 
+if not __package__:  # a tool run as a file puts tools/ first on the path, where the standard library's tokenize
+    import sys  # (imported by logging) finds this file: every such run comes here first, and is told what to do
+
+    CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.stderr.write(f"{sys.argv[0]} is a module of the checkout {CHECKOUT}, not a script: run it there as python -m "
+                     f"tools.{os.path.splitext(os.path.basename(sys.argv[0]))[0]} ..., or from any folder with "
+                     f"PYTHONPATH={CHECKOUT}\n")
+    sys.exit(2)
+
 # numpy's BLAS (the fbank's mel projection) on one thread a process, set before numpy loads: the decoding workers
 # are the parallelism, and on busy cores a multi-threaded BLAS made the fbank 2.2x slower (benchmarks/README.md)
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
