@@ -27,6 +27,7 @@ import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
+import shlex  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -592,12 +593,23 @@ class Trainer:
         final_barrier(self.ctx, self.cfg.dist.sync_timeout)
         if self.exit_code == EXIT_OK:
             log.info("finished at step %d: %s", p.step, p.stop_reason)
+            if set(END_OF_SCHEDULE) <= set(p.end_of_schedule):  # the codec is done: say what comes next
+                self.say_next_steps()
         elif self.write_failed:
             log.error("stopped at step %d: %s", p.step, p.stop_reason)
         else:
             log.error("%s (more than --max_bad_steps %d): checkpoint written, stopping; lower --lr or check the data",
                       p.stop_reason, self.cfg.optim.max_bad_steps)
         return self.exit_code
+
+    def say_next_steps(self) -> None:
+        """The commands that take a finished run on, with its paths: its report, and the codes of its data."""
+        run, data = shlex.quote(str(self.folder.root.absolute())), shlex.quote(self.data.identity["data_dir"])
+        checkout = Path(__file__).resolve().parent  # the tools run as modules of the checkout
+        log.info("next%s: python -m tools.report %s plots the run and sums it up; python -m tools.encode --checkpoint "
+                 "%s --data_dir %s --split %s --output_dir codes writes the codes of its training data",
+                 "" if Path.cwd() == checkout else f", from {shlex.quote(str(checkout))}", run, run, data,
+                 shlex.quote(self.cfg.data.train_split))
 
     def lost_peer(self, error: Exception) -> DistributedFailure | None:
         """An exception on one of several ranks, judged by which peers are alive, not by its text (a collective in
