@@ -104,21 +104,25 @@ def test_a_relaunched_time_budget_trains_no_more_unless_raised(tmp_path, data, m
     assert newest_checkpoint(out)["time_spent"] == 6.0
 
 
-@pytest.mark.timeout(120)
-def test_a_time_budget_stopped_in_its_refit_resumes_to_the_refit_alone(tmp_path, data, monkeypatch):
+def stopped_in_its_refit(monkeypatch, flags):
+    """A timed run (timed_in_process) whose refit is stopped as a SIGTERM agreed by every rank stops it."""
     import rvq_seamless_gpu_cache_nccl as trainer
     from training.signals import Stopped
-
-    out = tmp_path / "run"
-    flags = ["--data_dir", data, "--output_dir", out, *TINY, "--kmeans_init_frames", "0", "--eval_every", "100000",
-             "--save_every", "100000", "--max_minutes", "0.05"]
 
     def stopped(*args, **kwargs):
         raise Stopped("signal SIGTERM")
 
     with monkeypatch.context() as patched:
         patched.setattr(trainer, "refit", stopped)
-        r = timed_in_process(patched, flags)
+        return timed_in_process(patched, flags)
+
+
+@pytest.mark.timeout(120)
+def test_a_time_budget_stopped_in_its_refit_resumes_to_the_refit_alone(tmp_path, data, monkeypatch):
+    out = tmp_path / "run"
+    flags = ["--data_dir", data, "--output_dir", out, *TINY, "--kmeans_init_frames", "0", "--eval_every", "100000",
+             "--save_every", "100000", "--max_minutes", "0.05"]
+    r = stopped_in_its_refit(monkeypatch, flags)
     assert r.returncode == 0, r.stderr[-2000:]
     stop = events(out, "stop")[-1]
     assert stop["reason"] == "signal SIGTERM during the refit"
@@ -156,20 +160,11 @@ def test_a_relaunch_with_only_its_refit_left_reads_the_frames_its_run_chose(tmp_
     run stopped in its refit and relaunched (no step left to measure) reads as many, not --refit_frames."""
     import re
 
-    import rvq_seamless_gpu_cache_nccl as trainer
-    from training.signals import Stopped
-
     data = write_dump(tmp_path / "data", train=400, valid=6, seed=5)  # far more frames than the budget's share
     out = tmp_path / "run"
     flags = ["--data_dir", data, "--output_dir", out, *TINY, "--kmeans_init_frames", "0", "--eval_every", "100000",
              "--save_every", "100000", "--max_minutes", "0.05", "--refit_frames", "1000000"]
-
-    def stopped(*args, **kwargs):
-        raise Stopped("signal SIGTERM")
-
-    with monkeypatch.context() as patched:
-        patched.setattr(trainer, "refit", stopped)
-        r = timed_in_process(patched, flags)
+    r = stopped_in_its_refit(monkeypatch, flags)
     assert r.returncode == 0, r.stderr[-2000:]
     chosen = re.search(r"the refit reads (\d+) frames per rank, not --refit_frames 1000000", r.stderr)
     assert chosen, r.stderr[-2000:]
