@@ -148,21 +148,22 @@ def test_ranks_srun_started_share_the_nodes_cores_as_torchruns_do(environ, ranks
         assert choice.threads == 1 and "8.0 of them busy" in choice.why, choice.why
 
 
-def test_a_resumed_cpu_run_computes_with_its_runs_thread_count_unless_told_otherwise(tmp_path):
+def test_a_resumed_cpu_run_computes_with_its_runs_thread_count_unless_told_otherwise(tmp_path, small_data):
     """The count a run computed with is in its checkpoint; a resumed run takes it, not the machine's choice of the
     moment, unless --threads or OMP_NUM_THREADS says otherwise."""
     before = torch.get_num_threads()
     out = tmp_path / "run"
-    flags = ["--output_dir", out, "--device", "cpu", *TINY, *QUICK, "--refit_iters", "0"]
+    flags = ["--data_dir", small_data, "--output_dir", out, "--device", "cpu", *TINY, *QUICK, "--refit_iters", "0"]
     try:
         r = trainer_in_process([*flags, "--threads", "2", "--max_steps", "1"])
         assert r.returncode == 0, r.stderr[-2000:]
         r = trainer_in_process([*flags, "--max_steps", "2"], extra_env={"OMP_NUM_THREADS": ""})
         assert r.returncode == 0, r.stderr[-2000:]
         assert "threads: 2 (the count the run it resumes computed with, from its checkpoint" in r.stderr
-        r = trainer_in_process([*flags, "--max_steps", "3"], extra_env={"OMP_NUM_THREADS": "1"})
-        assert r.returncode == 0, r.stderr[-2000:]
-        assert "threads: 1 (OMP_NUM_THREADS=1 from the environment)" in r.stderr
-        assert newest_checkpoint(out)["threads"] == 1
+        assert newest_checkpoint(out)["threads"] == 2
     finally:
         torch.set_num_threads(before)
+    machine = {"cpus": 8, "quota": None, "busy": 0.0}  # the flag and the environment still win over the record
+    assert decide(flag=3, environ={"OMP_NUM_THREADS": "5"}, recorded=2, **machine).threads == 3
+    assert decide(flag=None, environ={"OMP_NUM_THREADS": "5"}, recorded=2, **machine).threads == 5
+    assert decide(flag=None, environ={}, recorded=2, **machine).threads == 2
