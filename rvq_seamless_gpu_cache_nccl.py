@@ -27,6 +27,7 @@ import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
+import shlex  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -78,10 +79,10 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
         make_deterministic()  # before any CUDA work
     device = select_device(cfg.run.device, launch.local_rank, bind_local_rank=launch.world_size > 1)
     check_compile(cfg.optim.compile, device)
-    set_threads(cfg.run.threads, device)
     data = open_training_data(cfg.data, rank=launch.rank, world_size=launch.world_size, seed=cfg.optim.seed,
                               multiple_of=cfg.codec["downsample"], device_type=device.type,
                               manifest_dir=Path(cfg.run.output_dir), save_manifests=False)
+    given = cfg  # config.json's and the checkpoints' flags: as given (the automatic choices are logged)
     cfg = dataclasses.replace(cfg, data=data.config)  # the batch size and automatic segment length decided
     codec = cfg.codec_config(data.train.dim)
     # ---- one run per output dir: rank 0 locks it for the run's life (a refusal is raised once every rank knows it)
@@ -102,9 +103,10 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
         output.abandon()  # interpreter's exit
         destroy()
         raise
+    set_threads(cfg.run.threads, device, resume)  # once the resume is known: a resumed run computes as its run did
     data.save_manifests()  # the output dir is this run's from here on
     make_flight_recorder_dir(ctx, Path(cfg.run.output_dir))
-    trainer = Trainer(cfg, ctx, data, codec, stop, faults, output)
+    trainer = Trainer(cfg, ctx, data, codec, stop, faults, output, given)
     try:
         trainer.build(resume)
         # ---- the loop
@@ -136,9 +138,10 @@ class Trainer:
     """The run's objects and the named steps of its loop; `progress` is the loop's state."""
 
     def __init__(self, cfg: TrainConfig, ctx: DistContext, data: TrainingData, codec: CodecConfig,
-                 stop: StopRequest, faults: FaultInjector, output: OutputDirLock):
+                 stop: StopRequest, faults: FaultInjector, output: OutputDirLock, given: TrainConfig):
+        """given: the configuration as the flags gave it, before the automatic choices that `cfg` holds."""
         self.cfg, self.ctx, self.data, self.codec, self.stop, self.faults = cfg, ctx, data, codec, stop, faults
-        self.output = output
+        self.output, self.given = output, given
         self.main_rank = ctx.rank == 0
         self.folder = RunFolder(cfg.run.output_dir)
         self.progress = Progress()
@@ -146,7 +149,7 @@ class Trainer:
         # the checkpoint says what features the codec learns (tools.extract's notes): tools.tokenize makes them again
         features = data.identity["features"]
         self.checkpointer = Checkpointer(self.folder.checkpoints, keep=cfg.run.keep_checkpoints, ctx=ctx,
-                                         codec=codec, config={**cfg.to_dict(), "features": features},
+                                         codec=codec, config={**given.to_dict(), "features": features},
                                          steps_per_epoch=self.steps_per_epoch, data=data.identity)
         self.amp_dtype = compute_dtype(cfg.optim.precision, ctx.device)
         self.metrics = MetricsLog(None)  # rank 0's writes to the output dir, once build() opens it
@@ -194,7 +197,8 @@ class Trainer:
         self.schedule = Schedule(cfg.optim, steps_per_epoch=self.steps_per_epoch, world_size=ctx.world_size,
                                  frames_per_step=cfg.data.frames_per_step * cfg.optim.grad_accum,
                                  codebook_size=self.codec.codebook_size, started_at=STARTED, start_step=p.step,
-                                 start_fraction=p.schedule_fraction, time_spent=p.time_spent)
+                                 start_fraction=p.schedule_fraction, time_spent=p.time_spent,
+                                 per_frame=p.seconds_per_frame)
         if self.schedule.stop_reason(p.step) is None:  # training goes on: the end-of-schedule work is to come
             p.end_of_schedule = []
         self.ddp_model = wrap_ddp(self.model, ctx)
@@ -317,7 +321,7 @@ class Trainer:
         cfg, codec = self.cfg, self.codec
         if self.main_rank:
             self.folder.checkpoints.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.folder.config)
+            save_config(self.given, self.folder.config)
             self.metrics = MetricsLog(self.folder.metrics,
                                       tensorboard_dir=self.folder.tensorboard if cfg.run.tensorboard else None)
         log.info("codec: %d levels x %d codes, latent %d, downsample %d (%.0f bits/frame), %.2fM parameters",
@@ -563,7 +567,7 @@ class Trainer:
 
     def save(self) -> None:
         p = self.progress
-        p.time_spent = self.schedule.spent()
+        p.time_spent, p.seconds_per_frame = self.schedule.spent(), self.schedule.per_frame
         try:
             with p.phase_of("checkpoint"):  # the others wait for rank 0's write
                 path = self.checkpointer.save(self.model, self.optimizer, self.scaler, p,
@@ -589,12 +593,23 @@ class Trainer:
         final_barrier(self.ctx, self.cfg.dist.sync_timeout)
         if self.exit_code == EXIT_OK:
             log.info("finished at step %d: %s", p.step, p.stop_reason)
+            if set(END_OF_SCHEDULE) <= set(p.end_of_schedule):  # the codec is done: say what comes next
+                self.say_next_steps()
         elif self.write_failed:
             log.error("stopped at step %d: %s", p.step, p.stop_reason)
         else:
             log.error("%s (more than --max_bad_steps %d): checkpoint written, stopping; lower --lr or check the data",
                       p.stop_reason, self.cfg.optim.max_bad_steps)
         return self.exit_code
+
+    def say_next_steps(self) -> None:
+        """The commands that take a finished run on, with its paths: its report, and the codes of its data."""
+        run, data = shlex.quote(str(self.folder.root.absolute())), shlex.quote(self.data.identity["data_dir"])
+        checkout = Path(__file__).resolve().parent  # the tools run as modules of the checkout
+        log.info("next%s: python -m tools.report %s plots the run and sums it up; python -m tools.encode --checkpoint "
+                 "%s --data_dir %s --split %s --output_dir codes writes the codes of its training data",
+                 "" if Path.cwd() == checkout else f", from {shlex.quote(str(checkout))}", run, run, data,
+                 shlex.quote(self.cfg.data.train_split))
 
     def lost_peer(self, error: Exception) -> DistributedFailure | None:
         """An exception on one of several ranks, judged by which peers are alive, not by its text (a collective in
@@ -627,11 +642,13 @@ class Trainer:
         self.output.release()
 
 
-def set_threads(flag: int | None, device: torch.device) -> None:
-    """torch's CPU threads: on a CPU the cores this run can get (training/threads.py); on a GPU --threads alone."""
+def set_threads(flag: int | None, device: torch.device, resume: Resume | None) -> None:
+    """torch's CPU threads: on a CPU the count the resumed run computed with, else the cores this run can get
+    (training/threads.py); on a GPU --threads alone."""
     if device.type != "cpu" and flag is None:
         return
-    choice = choose_threads(flag, default=torch.get_num_threads())
+    recorded = resume.state.get("threads") if resume is not None else None
+    choice = choose_threads(flag, default=torch.get_num_threads(), recorded=recorded)
     set_torch_threads(choice)
     log.info("threads: %d (%s)", choice.threads, choice.why)
 

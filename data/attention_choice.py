@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from data import w2v_attention
-from data.dump_writer import write_temporary
+from data.dump_writer import cache_folder, write_temporary
 from data.w2v_attention_triton import triton_available
 
 log = logging.getLogger(__name__)
@@ -90,8 +90,7 @@ def pass_shapes(batch_frames: int, chunk_frames: int) -> list[tuple[int, int, bo
 
 def cache_file() -> Path:
     """$XDG_CACHE_HOME (or ~/.cache)/rvq_seamless/w2v_attention_kernels.json."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "rvq_seamless" / CACHE_NAME
+    return cache_folder() / CACHE_NAME
 
 
 def cache_key(device: torch.device, dtype: torch.dtype, attention, shapes) -> str:

@@ -28,7 +28,8 @@ parses only its own cuts, so what it reads before its first file grows with its 
 
 What cannot be read is an utterance with a reason, skipped and listed as a file is: a member the tar ends
 inside, a tar that ends without its end-of-archive blocks (listed under the tar's name: what followed is
-lost), a key with no audio member, a row whose bytes are not audio, a cut beyond its recording's end.
+lost), a key with no audio member, a parquet file that cannot be opened (listed under its name: its rows are
+lost), a row whose bytes are not audio, a cut beyond its recording's end.
 The pyarrow, webdataset and lhotse libraries (requirements-sources.txt) are imported where they are used.
 """
 from __future__ import annotations
@@ -421,19 +422,28 @@ def _columns(schema, path: Path, flags: SourceFlags) -> tuple[str, str | None]:
     return flags.audio_column, key
 
 
-def _parquet_utterances(files: list[Path], c: int, flags: SourceFlags) -> Iterator[tuple[str, TableRow]]:
+def _parquet_utterances(files: list[Path], c: int,
+                        flags: SourceFlags) -> Iterator[tuple[str, TableRow | Unreadable]]:
+    """(key, its row or why it cannot be read) of each row of parquet file `c`: a file that cannot be opened (cut
+    short, or not parquet) is one unreadable entry under its name, a row group whose keys cannot be read one
+    under `NAME:row group G`, as a truncated tar is listed (what they hold is lost)."""
     pq = _need("pyarrow.parquet", "parquet")
     path = files[c]
     try:
         table = pq.ParquetFile(path)
-    except Exception as e:  # noqa: BLE001 - a file that is not parquet is named
-        raise BadInputError(f"{path} is not a readable parquet file: {e}") from None
+    except Exception as e:  # noqa: BLE001 - any file that cannot be opened is skipped and named
+        yield path.name, Unreadable(f"not a readable parquet file ({e}): its rows are lost")
+        return
     _, key = _columns(table.schema_arrow, path, flags)
     base = 0
     for g in range(table.num_row_groups):
         rows = table.metadata.row_group(g).num_rows
-        keys = (table.read_row_group(g, columns=[key]).column(0).to_pylist() if key else
-                [f"{path.name}:{base + i}" for i in range(rows)])
+        try:
+            keys = (table.read_row_group(g, columns=[key]).column(0).to_pylist() if key else
+                    [f"{path.name}:{base + i}" for i in range(rows)])
+        except Exception as e:  # noqa: BLE001 - a damaged row group is skipped and named
+            yield f"{path.name}:row group {g}", Unreadable(f"its {rows} row(s) cannot be read ({e}): they are lost")
+            keys = []
         for i, k in enumerate(keys):
             yield str(k), TableRow(c, g, i)
         base += rows
@@ -446,13 +456,15 @@ class ParquetReader:
         self.files, self.column = files, flags.audio_column
 
     @staticmethod
-    def group(entry: TableRow) -> tuple[int, int]:
-        return entry.file, entry.group
+    def group(entry: TableRow | Unreadable) -> tuple[int, int] | Unreadable:
+        return entry if isinstance(entry, Unreadable) else (entry.file, entry.group)
 
-    def read_group(self, entries: list[TableRow]) -> list[np.ndarray | BadAudio]:
+    def read_group(self, entries: list[TableRow | Unreadable]) -> list[np.ndarray | BadAudio]:
         import pyarrow.parquet as pq
 
         first = entries[0]
+        if isinstance(first, Unreadable):
+            return [BadAudio(entry.reason) for entry in entries]
         try:
             column = pq.ParquetFile(self.files[first.file]).read_row_group(first.group, columns=[self.column])
             cells = column.column(0)

@@ -33,6 +33,13 @@ def output_folder(folder: Path, what: str) -> Path:
     return folder
 
 
+def cache_folder() -> Path:
+    """$XDG_CACHE_HOME (or ~/.cache)/rvq_seamless: what the tools keep between runs (choices, fits), each file
+    named by what it depends on."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "rvq_seamless"
+
+
 def shard_range(total: int, nshard: int, rank: int) -> tuple[int, int]:
     """Rank's contiguous share of `total` items, as fairseq's simple_kmeans splits a manifest."""
     return round(total / nshard * rank), round(total / nshard * (rank + 1))

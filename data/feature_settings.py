@@ -4,7 +4,9 @@ each shard, which the trainer records in its checkpoints (config "features") and
 They are what makes the features what they are: the kind (`fbank`, `w2v-bert`) and dim; for w2v-BERT the model
 (its folder, and a fingerprint of its files, the same wherever the folder is copied), the layer, the chunk
 length and the precision; and the dump's dtype (float16 rounds the features). Batch and commit sizes are not
-among them: padding changes the last bits of a layer's output, not what the features are.
+among them: padding changes the last bits of a layer's output, not what the features are. A codec reads a dump
+of either dtype as float32, so a dump that differs from its training dump in the dtype alone is one it encodes,
+saying so (stored_differently); a resumed run and tools.tokenize hold to the dtype recorded.
 
 The fbank's front-end (`front_end`: `torch`, data/fbank.py, or `transformers`, SeamlessM4TFeatureExtractor; none
 recorded: `transformers`, the only one before) is recorded and shown, but two records that differ only there
@@ -22,6 +24,8 @@ import re
 from pathlib import Path
 
 import numpy as np
+
+from data.dump_writer import DUMP_DTYPES
 
 FEATURE_KEYS = ("feature", "dim", "frame_rate_hz", "sample_rate", "front_end", "checkpoint", "model", "layer",
                 "max_chunk_seconds", "precision", "dtype")
@@ -119,6 +123,18 @@ def settings_differ(trained: dict, now: dict) -> str:
     shown = lambda value: "(absent)" if value is None else repr(value)  # noqa: E731
     return ", ".join(f"{k}: {shown(trained.get(k))} -> {shown(now.get(k))}" for k in keys
                      if trained.get(k) != now.get(k))
+
+
+def stored_differently(trained: dict, now: dict) -> str:
+    """'' unless features of these settings differ in the dump's dtype, each one of tools.extract's (DUMP_DTYPES),
+    and in nothing else; then `stored as now, trained on trained`, for a tool to say: the same features, one of
+    them rounded to float16, which a codec reads widened to float32 either way."""
+    was, new = trained.get("dtype"), now.get("dtype")
+    if was == new or was not in DUMP_DTYPES or new not in DUMP_DTYPES:
+        return ""
+    if settings_differ(trained, {**now, "dtype": was}):
+        return ""
+    return f"stored as {new}, trained on {was}"
 
 
 def front_ends_differ(trained: dict, now: dict) -> str:

@@ -157,9 +157,20 @@ def other_source(recorded: dict | None, listing: dict) -> str:
 LATER_SETTINGS = ("source_listing",)
 
 
+# settings that a flag sets under another name, and that are absent without it: shown as the flag is typed
+SETTING_FLAGS = {"km_level": "--km"}
+
+
 def changed_settings(recorded: dict, settings: dict) -> str:
-    """`key: recorded -> now` for each setting that differs from what was recorded ('' when none does)."""
-    return ", ".join(f"{key}: {recorded.get(key)!r} -> {value!r}" for key, value in settings.items()
+    """`key: recorded -> now` for each setting that differs from what was recorded ('' when none does); one of
+    SETTING_FLAGS as its flag, `--km 1 -> no --km`."""
+    def change(key, was, now) -> str:
+        if key not in SETTING_FLAGS:
+            return f"{key}: {was!r} -> {now!r}"
+        flag = SETTING_FLAGS[key]
+        return " -> ".join(f"no {flag}" if value is None else f"{flag} {value}" for value in (was, now))
+
+    return ", ".join(change(key, recorded.get(key), value) for key, value in settings.items()
                      if recorded.get(key) != value and not (key in LATER_SETTINGS and key not in recorded))
 
 

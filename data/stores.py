@@ -427,6 +427,12 @@ def _audio_hint(data_dir: Path, split: str) -> str:
     return ""
 
 
+def absent_folder(flag: str, folder: Path) -> BadInputError:
+    """`FLAG FOLDER does not exist`, saying where it was looked for when the path given is relative."""
+    where = "" if folder.is_absolute() else f": looked for {folder.absolute()}, from the folder the command ran in"
+    return BadInputError(f"{flag} {folder} does not exist{where}")
+
+
 def open_stores(data_dir: str | Path, train_split: str, valid_split: str, *, seed: int, holdout: float = HOLDOUT,
                 manifest_dir: Path | None = None, pending: list | None = None):
     """Open the training and held-out stores; returns (train, valid, note).
@@ -442,7 +448,7 @@ def open_stores(data_dir: str | Path, train_split: str, valid_split: str, *, see
         log.warning("--train_split and --valid_split both name '%s': the held-out figures (the evals, the final "
                     "rel_mse) will be scores on the training data", train_split)
     if not data_dir.exists():
-        raise BadInputError(f"--data_dir {data_dir} does not exist")
+        raise absent_folder("--data_dir", data_dir)
     if not data_dir.is_dir():
         raise BadInputError(f"--data_dir {data_dir} is not a folder")
     train = find_split(data_dir, train_split, loose_files=True, pending=pending, manifest_dir=manifest_dir)

@@ -103,11 +103,13 @@ class DataConfig:
         lengths = np.asarray(lengths, dtype=np.int64)
         reach = {L: float(lengths[lengths >= L].sum() / max(1, lengths.sum())) for L in candidates}
         length = next((L for L in candidates if reach[L] >= AUTO_COVERAGE), candidates[-1])
-        batch = max(1, batch * AUTO_LENGTHS[0] // length)
+        crops = max(1, batch * AUTO_LENGTHS[0] // length)
         log.info("segment length %d (automatic: %.1f%% of the training frames are in utterances of at least %d "
-                 "frames%s), %d crops per step", length, 100 * reach[length], length,
+                 "frames%s), %d crops per step: the frames of batch size %d at %d frames a crop", length,
+                 100 * reach[length], length,
                  "" if length == candidates[0] else f"; {100 * reach[candidates[0]]:.1f}% at {candidates[0]}",
-                 batch)
+                 crops, batch, AUTO_LENGTHS[0])
+        batch = crops
         return dataclasses.replace(self, segment_length=length, batch_size=batch)
 
 

@@ -81,10 +81,13 @@ def quality_from_cells(phone: np.ndarray, unit: np.ndarray, count: np.ndarray, n
 
 def phone_information(phones: np.ndarray, codes: np.ndarray) -> list[dict]:
     """Per level of `codes` [frames, levels] (one phone label per row in `phones`): its unit_quality alone, and
-    that of levels 1..k together as `joint_pnmi`, `joint_phone_purity`, `joint_cluster_purity`."""
+    that of levels 1..k together as `joint_pnmi`, `joint_phone_purity`, `joint_cluster_purity`, with the number of
+    distinct units they form (`joint_units`)."""
     out = []
     for k in range(1, codes.shape[1] + 1):
         alone = unit_quality(phones, codes[:, k - 1])
-        joint = alone if k == 1 else unit_quality(phones, joint_units(codes, k))
-        out.append({**alone, **{f"joint_{key}": value for key, value in joint.items()}})
+        units = joint_units(codes, k)
+        joint = alone if k == 1 else unit_quality(phones, units)
+        out.append({**alone, **{f"joint_{key}": value for key, value in joint.items()},
+                    "joint_units": int(units.max()) + 1 if len(units) else 0})
     return out

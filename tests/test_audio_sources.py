@@ -176,6 +176,22 @@ def test_a_truncated_tar_is_read_up_to_the_cut_and_the_rest_listed(corpus, tmp_p
     assert "cut.tar" in reasons and "lost" in reasons["cut.tar"]
 
 
+def test_a_corrupt_parquet_file_is_skipped_and_listed_and_the_others_read(corpus, tmp_path):
+    """A parquet file cut short (a failed download: its footer gone) beside a whole one: the run goes on, its
+    rows listed as lost under its name, as a truncated tar is."""
+    c, source = corpus, tmp_path / "parquet"
+    source.mkdir()
+    whole = (c.parquet / "train-00000-of-00001.parquet").read_bytes()
+    (source / "train-00000-of-00002.parquet").write_bytes(whole)
+    (source / "train-00001-of-00002.parquet").write_bytes(whole[: len(whole) // 2])
+    out = tmp_path / "feats"
+    assert extract.main([source, "train", 1, 0, out, "--num_workers", 0]) == 0
+    assert set(features_by_key(out)) == set(c.row_of)
+    reasons = skipped(out)
+    assert reasons["train-00001-of-00002.parquet"].startswith("not a readable parquet file")
+    assert set(reasons) == {"train-00001-of-00002.parquet", f"row{len(c.rels)}"}
+
+
 @pytest.mark.parametrize("name", ["corpus.zip", "shards.tar.gz"])
 def test_a_source_of_no_known_kind_exits_2_naming_what_is_accepted(tmp_path, caplog, name):
     (tmp_path / name).write_bytes(b"PK\x03\x04 not a corpus")

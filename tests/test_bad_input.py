@@ -144,3 +144,19 @@ def test_device_cuda_without_a_gpu_exits_2(tmp_path):
 def test_bad_fault_spec_exits_2(tmp_path):
     r = trainer_in_process(["--output_dir", tmp_path / "run", *TINY], extra_env={"RVQ_FAULT": "explode:rank=0"})
     assert r.returncode == 2 and "unknown fault 'explode'" in r.stderr
+
+
+def test_a_relative_data_dir_that_does_not_exist_is_named_where_it_was_looked_for(tmp_path, monkeypatch, caplog):
+    """`--data_dir feats` from another folder: the trainer and tools.encode say the absolute path they looked at."""
+    from tests.audio_helpers import random_codec
+    from tools import encode
+
+    (tmp_path / "elsewhere").mkdir()
+    looked = f"--data_dir feats does not exist: looked for {tmp_path / 'elsewhere' / 'feats'}"
+    r = trainer_in_process(["--data_dir", "feats", "--output_dir", tmp_path / "run", *TINY, "--max_steps", "3"],
+                           cwd=tmp_path / "elsewhere")
+    assert r.returncode == 2 and looked in r.stderr, r.stderr[-2000:]
+    codec = random_codec(tmp_path / "codec.pt", tmp_path)
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert encode.main(["--checkpoint", codec, "--data_dir", "feats", "--output_dir", "codes"]) == 2
+    assert looked in caplog.text and not (tmp_path / "elsewhere" / "codes").exists()

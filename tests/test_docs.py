@@ -136,3 +136,67 @@ def test_a_default_the_pages_state_is_the_one_the_code_has():
             elif not any(normal(d.split()[0] if d.split() else d) == normal(value) for d in defaults[flag]):
                 wrong.append(f"{page.name}: {flag} (default {value}), but --help says {sorted(defaults[flag])}")
     assert seen >= 5 and not wrong, "\n".join(wrong)
+
+
+def split_reads(text: str) -> dict[str, set[str]]:
+    """Feature folder -> the splits the page's commands read from it: the trainer's --train_split and
+    --valid_split, tools.encode's and tools.evaluate's --split (and --baseline_split), each at its default when
+    not given."""
+    from tools import encode, evaluate
+    from training.config import build_parser
+
+    parsers = {"trainer": build_parser(), "tools.encode": encode.build_parser(False),
+               "tools.evaluate": evaluate.build_parser()}
+    flags = {"trainer": ("--train_split", "--valid_split"), "tools.encode": ("--split",),
+             "tools.evaluate": ("--split", "--baseline_split")}
+    reads: dict[str, set[str]] = {}
+    for line in shown_commands(text):
+        for command, args in invocations(line):
+            if command not in parsers or "--data_dir" not in args:
+                continue
+            folder = args[args.index("--data_dir") + 1]
+            for flag in flags[command]:
+                given = args[args.index(flag) + 1] if flag in args else None
+                reads.setdefault(folder, set()).add(given or parsers[command].get_default(flag.lstrip("-")))
+    return reads
+
+
+def test_an_example_that_extracts_features_and_trains_extracts_every_split_its_page_reads_from_them():
+    """A block that extracts features into a folder and trains on them extracts each split the page's commands
+    read there (the trainer's held-out split, tools.evaluate's): a reader who follows the example has what the
+    next step reads."""
+    wrong = []
+    for page in PAGES:
+        text = page.read_text()
+        wrong += unextracted_splits(text, split_reads(text), page.name)
+    assert not wrong, "\n".join(wrong)
+
+
+def unextracted_splits(text: str, reads: dict[str, set[str]], name: str) -> list[str]:
+    wrong = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        extracted: dict[str, set[str]] = {}
+        trained = set()
+        for line in shown_commands(f"```bash\n{block}```"):
+            for command, args in invocations(line):
+                if command == "tools.extract":
+                    source, split, nshard, rank, folder = [a for a in args if not a.startswith("-")][:5]
+                    extracted.setdefault(folder, set()).add(split)
+                if command == "trainer" and "--data_dir" in args:
+                    trained.add(args[args.index("--data_dir") + 1])
+        for folder, splits in extracted.items():
+            if folder in trained and reads.get(folder, set()) - splits:
+                wrong.append(f"{name}: a block extracts {sorted(splits)} into {folder}; the page reads "
+                             f"{sorted(reads[folder] - splits)} there too:\n{block}")
+    return wrong
+
+
+def test_the_readme_says_where_the_phone_alignments_it_passes_come_from():
+    """The README passes `--alignments valid.phn`: the paragraph says what makes such a file (a forced aligner),
+    and the manual's section names the command that makes one."""
+    readme = (REPO / "README.md").read_text()
+    paragraph = next(p for p in readme.split("\n\n") if "--alignments" in p)
+    assert "forced aligner" in paragraph and "docs/evaluating-codes.md" in paragraph, paragraph
+    manual = (REPO / "docs" / "evaluating-codes.md").read_text()
+    section = manual.split("## Phone alignments", 1)[1].split("\n## ", 1)[0]
+    assert "forced aligner" in section and "mfa align" in section

@@ -2,6 +2,8 @@
 import json
 import logging
 import math
+import re
+import shutil
 import signal
 from pathlib import Path
 from types import SimpleNamespace
@@ -310,6 +312,62 @@ def test_an_utterance_with_nan_or_inf_keeps_its_place_with_codes_of_minus_1_and_
     assert encode.main(["decode", "--checkpoint", codec, "--codes_dir", tmp_path / "codes", "--output_dir",
                         tmp_path / "recon"]) == 0
     assert np.isfinite(np.load(tmp_path / "recon" / "train_0_1.npy")).all()
+
+
+def test_decode_says_the_reconstruction_error_against_the_features_it_was_encoded_from(tmp_path, caplog):
+    """The .codes.json names the features its codes came from; decode scores its output against them (rel_mse as
+    models/metrics.py defines it), and says why not when they are gone."""
+    feats, codes, recon = tmp_path / "feats", tmp_path / "codes", tmp_path / "recon"
+    write_fairseq(feats, "train", [40, 37, 50, 44, 21], dim=32)
+    codec = random_codec(tmp_path / "codec.pt", feats, downsample=2)
+    assert encode.main(["--checkpoint", codec, "--data_dir", feats, "--output_dir", codes, "--beam_size", 1,
+                        "--nshard", 2, "--rank", 1]) == 0
+    caplog.clear()
+    assert encode.main(["decode", "--checkpoint", codec, "--codes_dir", codes, "--output_dir", recon, "--nshard", 2,
+                        "--rank", 1]) == 0
+    x = np.concatenate([find_split(feats, "train").utterance(i) for i in (2, 3, 4)]).astype(np.float64)
+    x_hat = np.load(recon / "train_1_2.npy").astype(np.float64)
+    rel_mse = ((x - x_hat) ** 2).sum() / ((x - x.mean(0)) ** 2).sum()
+    said = re.search(r"reconstruction of .*: rel_mse ([\d.]+), cosine [\d.]+ over (\d+) frames", caplog.text)
+    assert said and float(said.group(1)) == pytest.approx(rel_mse, abs=1e-4) and int(said.group(2)) == len(x)
+    shutil.rmtree(feats)
+    caplog.clear()
+    assert encode.main(["decode", "--checkpoint", codec, "--codes_dir", codes, "--output_dir", tmp_path / "again",
+                        "--nshard", 2, "--rank", 1]) == 0
+    assert "no reconstruction error: split 'train' of" in caplog.text and "rel_mse" not in caplog.text
+
+
+def test_a_rerun_without_km_names_the_flag_as_it_is_typed(tmp_path, caplog):
+    """A shard written with --km 1, asked for again without it: refused, naming --km, not the setting's key."""
+    feats, codes = tmp_path / "feats", tmp_path / "codes"
+    write_fairseq(feats, "train", [40, 37, 50], dim=32)
+    args = ["--checkpoint", random_codec(tmp_path / "codec.pt", feats), "--data_dir", feats, "--output_dir", codes]
+    assert encode.main([*args, "--km"]) == 0
+    caplog.clear()
+    assert encode.main(args) == 2
+    assert "train_0_1.codes.npy was written with other settings (--km 1 -> no --km)" in caplog.text
+    assert "km_level" not in caplog.text
+
+
+def test_a_float16_dump_is_read_as_float32_by_a_codec_trained_on_float32_features_and_said_once(tmp_path, caplog):
+    """tools.extract --dtype float16 of the features a codec was trained on in float32: the same features rounded,
+    encoded (widened to float32) to the codes of those values stored in float32, and said once."""
+    f16, f32 = tmp_path / "f16", tmp_path / "f32"
+    write_fairseq(f16, "train", [40, 37, 50], dim=32, dtype=np.float16)
+    write_fairseq(f32, "train", [40, 37, 50], dim=32)
+    np.save(f32 / "train_0_1.npy", np.load(f16 / "train_0_1.npy").astype(np.float32))  # the same values
+    note = {"feature": "fbank", "dim": 32, "frame_rate_hz": 50, "sample_rate": 16000, "front_end": "torch"}
+    for folder, dtype in ((f16, "float16"), (f32, "float32")):
+        (folder / "train_0_1.json").write_text(json.dumps({**note, "dtype": dtype}))
+    codec = random_codec(tmp_path / "codec.pt", f32)
+    assert encode.main(["--checkpoint", codec, "--data_dir", f32, "--output_dir", tmp_path / "want"]) == 0
+    caplog.clear()
+    assert encode.main(["--checkpoint", codec, "--data_dir", f16, "--output_dir", tmp_path / "codes"]) == 0
+    said = [r.getMessage() for r in caplog.records if "stored as float16, trained on float32" in r.getMessage()]
+    assert len(said) == 1 and "read as float32" in said[0]
+    codes, _, meta = read_codes(tmp_path / "codes", "train_0_1")
+    np.testing.assert_array_equal(codes, read_codes(tmp_path / "want", "train_0_1")[0])
+    assert "stored as float16" in meta["feature_check"] and meta["features"]["dtype"] == "float16"
 
 
 def test_encode_reads_utterance_files_directly_in_the_data_dir_as_the_trainer_does(pipeline, tmp_path):

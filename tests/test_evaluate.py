@@ -265,3 +265,53 @@ def test_bad_alignments_exit_2_naming_the_utterance_and_write_nothing(data, tmp_
         assert "8 labels for 11 feature frames" in caplog.text
     assert not out.exists() and not list(tmp_path.glob("*.json*"))
     assert "k-means" not in caplog.text  # refused before any long work
+
+
+@pytest.mark.timeout(90)
+def test_evaluate_says_how_it_found_the_features_the_codecs_and_warns_of_joint_units_of_one_frame(data, tmp_path,
+                                                                                                 caplog):
+    """The feature check it made is said (and in the JSON); levels 1..k whose units have fewer than
+    FRAMES_PER_UNIT code frames each get a warning naming them, since their joint PNMI counts frames."""
+    d = data
+    out = tmp_path / "eval.json"
+    assert run_evaluate(d, "--alignments", d.phn, "--json", out) == 0
+    result = json.loads(out.read_text())
+    assert result["feature_check"].startswith("the statistics of the first")  # a dump with no tools.extract notes
+    assert f"features: {result['feature_check']}" in caplog.text
+    frames = result["code_frames"]
+    thin = [level for level in result["levels"] if level["joint_units"] * evaluate.FRAMES_PER_UNIT > frames]
+    assert thin, result["levels"]  # 16 codes a level over a few dozen code frames: few frames a unit
+    k = thin[0]["level"]
+    assert f"levels 1..{k} form {thin[0]['joint_units']} units over {frames} code frames" in caplog.text
+
+
+@pytest.mark.timeout(10)
+def test_the_joint_units_warning_names_the_first_levels_with_too_few_frames_a_unit(caplog):
+    frames = 100
+    many = {"joint_units": frames // evaluate.FRAMES_PER_UNIT, "joint_pnmi": 0.5}  # just enough frames each
+    evaluate.warn_of_joint_units([{"level": 1, **many}], frames)
+    assert "form" not in caplog.text
+    few = {"joint_units": frames // evaluate.FRAMES_PER_UNIT + 1, "joint_pnmi": 0.99}
+    evaluate.warn_of_joint_units([{"level": 1, **many}, {"level": 2, **few}, {"level": 3, **few}], frames)
+    assert f"levels 1..2 form {few['joint_units']} units over {frames} code frames" in caplog.text
+    assert "levels 1..3" not in caplog.text and "0.9900" in caplog.text
+
+
+@pytest.mark.timeout(90)
+def test_the_kmeans_baseline_is_fitted_once_for_the_same_features_and_again_for_others(data, tmp_path, caplog,
+                                                                                       monkeypatch):
+    """The baseline's centroids are cached, keyed on the frames they are fitted on, the clusters, the seed and the
+    iterations: a second call on the same features reads them (the same figures), another seed fits anew."""
+    d = data
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    fits = []
+    fit = evaluate.fit_kmeans
+    monkeypatch.setattr(evaluate, "fit_kmeans", lambda *args, **kwargs: fits.append(1) or fit(*args, **kwargs))
+    figures = []
+    for seed in (0, 0, 1):
+        out = tmp_path / f"eval{len(figures)}.json"
+        assert run_evaluate(d, "--baseline", "kmeans", "--seed", seed, "--json", out) == 0
+        figures.append(json.loads(out.read_text())["baseline"])
+    assert len(fits) == 2  # seed 0 once, seed 1 once
+    assert figures[1] == figures[0] and "k-means baseline: read from the cache" in caplog.text
+    assert list((tmp_path / "cache" / "rvq_seamless" / evaluate.KMEANS_CACHE).glob("*.pt"))

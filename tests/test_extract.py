@@ -131,6 +131,25 @@ def test_bad_files_are_skipped_named_and_counted(tmp_path, caplog):
     assert [p.name for p in (tmp_path / "none").iterdir()] == [".train_0_1.lock"]  # the writer lock's file alone
 
 
+def test_a_skipped_file_is_named_as_it_is_skipped_not_at_the_shards_end(tmp_path, caplog, monkeypatch):
+    """A run stopped after the window of an unreadable file (here by an error before its second commit) has
+    already named it: a large shard's end may be hours off, or never come."""
+    audio = tmp_path / "audio"
+    write_corpus(audio, [("b1.wav", 1.0, 16000, 1), ("b2.wav", 1.0, 16000, 1)])
+    (audio / "a_text.wav").write_text("this is a text file, not audio\n" * 20)  # the first file listed
+
+    class StopAtTheSecondCommit:
+        def before_commit(self, number):
+            if number == 2:
+                raise RuntimeError("stopped before the second commit")
+
+    monkeypatch.setattr(extract, "FaultInjector", lambda rank: StopAtTheSecondCommit())
+    with pytest.raises(RuntimeError, match="second commit"):
+        extract.main([audio, "train", 1, 0, tmp_path / "feats", "--commit_files", 1, "--num_workers", 0])
+    assert "skipped a_text.wav: unreadable" in caplog.text
+    assert (tmp_path / "feats" / "train_0_1.skipped.partial").read_text().startswith("a_text.wav\tunreadable")
+
+
 def test_empty_or_missing_input_exits_2(tmp_path, caplog):
     (tmp_path / "empty.tsv").write_text("")
     (tmp_path / "root_only.tsv").write_text(f"{tmp_path}\n")

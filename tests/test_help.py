@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, TRAINER, help_output, trainer_in_process
+from tests.helpers import REPO, TRAINER, env, help_output, trainer_in_process
 from tests.test_launcher import launch_env
 from tools import flags_doc
 from tools.launch import EXAMPLES
@@ -186,3 +186,16 @@ def test_a_flag_is_taken_by_its_full_name_only(capsys):
         build_parser().parse_args(["--output_d", "elsewhere"])
     assert e.value.code == 2 and "unrecognized arguments: --output_d" in capsys.readouterr().err
     assert build_parser().parse_args(["--output_dir", "x"]).output_dir == "x"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("tool", ["check", "doctor", "encode", "evaluate", "export", "extract", "report", "tokenize"])
+def test_a_tool_run_as_a_file_from_another_folder_says_how_to_run_it(tool, tmp_path):
+    """`python /checkout/tools/encode.py` from another folder, no PYTHONPATH: exit 2 with the command that works,
+    not a traceback (tools/tokenize.py would shadow the standard library's tokenize)."""
+    environ = {k: v for k, v in env().items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, str(REPO / "tools" / f"{tool}.py"), "--help"], capture_output=True, text=True,
+                       timeout=50, cwd=tmp_path, env=environ)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"run it there as python -m tools.{tool}" in r.stderr and f"PYTHONPATH={REPO}" in r.stderr
+    assert "Traceback" not in r.stderr

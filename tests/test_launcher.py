@@ -336,3 +336,38 @@ def test_single_process_fallback_command(tmp_path):
     assert "DEMO corpus" in r.stderr
     assert events(out, "stop")[-1]["step"] == 4
     assert {e["segment_length"] for e in events(out, "train")} <= {64, 128, 256, 512}
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_to_every_process_at_once_ends_the_launcher_as_any_checkpointed_stop(tmp_path):
+    """scancel (or a preemption) signals the launcher, torchrun and the ranks at one instant: the ranks stop at one
+    step with a checkpoint, and the launcher exits 0, the code of any stop with a checkpoint, which a requeue
+    script reads (docs/launching.md), not torchrun's 1."""
+    from tools.launch import child_processes
+
+    out, log = tmp_path / "run", tmp_path / "launch.log"
+    with open(log, "w") as sink:
+        launcher = subprocess.Popen(["bash", str(REPO / "run_nccl_optimized.sh"), "basic", *TINY, *QUICK,
+                                     "--max_steps", "100000", "--save_every", "100000"], stdout=sink,
+                                    stderr=subprocess.STDOUT, env=launch_env(OUTPUT_DIR=out, NPROC_PER_NODE=2),
+                                    cwd=REPO)
+    try:
+        deadline = time.monotonic() + 150
+        while not (out / "metrics.jsonl").is_file() or not events(out, "train"):  # both ranks are in the loop
+            assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.2)
+        agents = child_processes(launcher.pid)
+        every = [launcher.pid, *agents, *(rank for agent in agents for rank in child_processes(agent))]
+        assert len(every) == 4, every  # the launcher, torchrun and its two ranks
+        for pid in every:
+            os.kill(pid, signal.SIGTERM)
+        code = launcher.wait(timeout=90)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(timeout=30)
+    text = log.read_text()
+    assert code == 0, text[-4000:]
+    stop = events(out, "stop")[-1]
+    assert stop["reason"].startswith("signal") and events(out, "checkpoint")[-1]["step"] == stop["step"]
+    assert "SignalException" not in text  # torchrun did not end the ranks itself

@@ -122,3 +122,32 @@ def test_eval_frames_bound_every_eval(tmp_path, small_data):
     r = trainer_in_process([*common, "--eval_frames", "0", "--output_dir", tmp_path / "every"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert [e["frames"] for e in events(tmp_path / "every", "eval")] == [384, 384]
+
+
+@pytest.mark.timeout(120)
+def test_a_finished_run_ends_by_naming_the_next_steps_with_its_paths(tmp_path, small_data, caplog):
+    """The last line of a finished run: tools.report and tools.encode with the run's folder and data, commands
+    that work as given; a run stopped before its end names none."""
+    import logging
+    import shlex
+
+    from tools import encode, report
+
+    out = tmp_path / "run"
+    r = trainer_in_process(["--data_dir", small_data, *TINY, "--max_steps", "3", "--refit_iters", "0",
+                            "--output_dir", out])
+    assert r.returncode == 0, r.stderr[-3000:]
+    last = [line for line in r.stderr.splitlines() if "[rank0]" in line][-1]
+    assert "INFO next: " in last, r.stderr[-3000:]
+    report_args = shlex.split(last.split("python -m tools.report ", 1)[1].split(" plots", 1)[0])
+    encode_args = shlex.split(last.split("python -m tools.encode ", 1)[1].split(" writes", 1)[0])
+    assert report_args == [str(out.absolute())]
+    assert encode_args[encode_args.index("--data_dir") + 1] == str(small_data.resolve())
+    caplog.set_level(logging.INFO)
+    assert report.main(report_args) == 0
+    encode_args[encode_args.index("--output_dir") + 1] = str(tmp_path / "codes")
+    assert encode.main(encode_args) == 0 and (tmp_path / "codes" / "train_0_1.codes.npy").is_file()
+    stopped = trainer_in_process(["--data_dir", small_data, *TINY, "--max_steps", "3", "--output_dir",
+                                  tmp_path / "stopped"], extra_env={"RVQ_FAULT": "signal:step=1:sig=TERM"})
+    assert stopped.returncode == 0 and "finished at step 2: signal SIGTERM" in stopped.stderr, stopped.stderr[-3000:]
+    assert "next: " not in stopped.stderr

@@ -104,21 +104,25 @@ def test_a_relaunched_time_budget_trains_no_more_unless_raised(tmp_path, data, m
     assert newest_checkpoint(out)["time_spent"] == 6.0
 
 
-@pytest.mark.timeout(120)
-def test_a_time_budget_stopped_in_its_refit_resumes_to_the_refit_alone(tmp_path, data, monkeypatch):
+def stopped_in_its_refit(monkeypatch, flags):
+    """A timed run (timed_in_process) whose refit is stopped as a SIGTERM agreed by every rank stops it."""
     import rvq_seamless_gpu_cache_nccl as trainer
     from training.signals import Stopped
-
-    out = tmp_path / "run"
-    flags = ["--data_dir", data, "--output_dir", out, *TINY, "--kmeans_init_frames", "0", "--eval_every", "100000",
-             "--save_every", "100000", "--max_minutes", "0.05"]
 
     def stopped(*args, **kwargs):
         raise Stopped("signal SIGTERM")
 
     with monkeypatch.context() as patched:
         patched.setattr(trainer, "refit", stopped)
-        r = timed_in_process(patched, flags)
+        return timed_in_process(patched, flags)
+
+
+@pytest.mark.timeout(120)
+def test_a_time_budget_stopped_in_its_refit_resumes_to_the_refit_alone(tmp_path, data, monkeypatch):
+    out = tmp_path / "run"
+    flags = ["--data_dir", data, "--output_dir", out, *TINY, "--kmeans_init_frames", "0", "--eval_every", "100000",
+             "--save_every", "100000", "--max_minutes", "0.05"]
+    r = stopped_in_its_refit(monkeypatch, flags)
     assert r.returncode == 0, r.stderr[-2000:]
     stop = events(out, "stop")[-1]
     assert stop["reason"] == "signal SIGTERM during the refit"
@@ -148,3 +152,25 @@ def test_eval_reports_dead_codes_and_warns_on_low_usage(tmp_path, data):
         assert len(e["dead_codes"]) == 2 and all(0 <= d <= 2048 for d in e["dead_codes"])
         assert len(e["code_usage"]) == 2
     assert "use less than 20% of their codes" in r.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_relaunch_with_only_its_refit_left_reads_the_frames_its_run_chose(tmp_path, monkeypatch):
+    """Under --max_minutes the refit reads what fits in its share of the budget at the measured time per frame; a
+    run stopped in its refit and relaunched (no step left to measure) reads as many, not --refit_frames."""
+    import re
+
+    data = write_dump(tmp_path / "data", train=400, valid=6, seed=5)  # far more frames than the budget's share
+    out = tmp_path / "run"
+    flags = ["--data_dir", data, "--output_dir", out, *TINY, "--kmeans_init_frames", "0", "--eval_every", "100000",
+             "--save_every", "100000", "--max_minutes", "0.05", "--refit_frames", "1000000"]
+    r = stopped_in_its_refit(monkeypatch, flags)
+    assert r.returncode == 0, r.stderr[-2000:]
+    chosen = re.search(r"the refit reads (\d+) frames per rank, not --refit_frames 1000000", r.stderr)
+    assert chosen, r.stderr[-2000:]
+    frames = int(chosen.group(1))
+    r = timed_in_process(monkeypatch, flags)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"the refit reads {frames} frames per rank" in r.stderr
+    read = events(out, "refit")[-1]["frames_per_rank"]
+    assert frames <= read < frames + 200  # whole utterances, up to the first that reaches the count

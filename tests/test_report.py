@@ -205,3 +205,31 @@ def test_final_evals_with_phone_measures_get_a_plot_per_level_and_rows(tmp_path)
     assert report.main([plain]) == 0
     assert not (plain / "report" / report.PHONE_PLOT).exists()
     assert "PNMI" not in (plain / "report" / "report.md").read_text()
+
+
+def test_config_json_and_the_reports_command_hold_the_flags_as_given(tmp_path):
+    """--batch_size 16 with the automatic segment length: config.json says 16, as the command did, the log says
+    what it made of it, and report.md's command lists only flags that were given (no --segment_length chosen,
+    no --nccl_timeout at its default)."""
+    import shlex
+
+    from tests.helpers import QUICK, trainer_in_process, write_dump
+    from tools import report
+
+    data = write_dump(tmp_path / "data", train=40, valid=4, seed=3)  # 40-199 frames: an automatic length below 128
+    out = tmp_path / "run"
+    r = trainer_in_process(["--data_dir", data, "--output_dir", out, "--latent_dim", "16", "--num_quantizers", "2",
+                            "--codebook_size", "16", "--batch_size", "16", "--max_steps", "1", *QUICK,
+                            "--refit_iters", "0"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    chosen = re.search(r"segment length (\d+) \(automatic.*?(\d+) crops per step: the frames of batch size 16 at "
+                       r"128 frames a crop", r.stderr)
+    assert chosen and int(chosen.group(1)) < 128 and int(chosen.group(2)) > 16, r.stderr[-2000:]
+    config = json.loads((out / "config.json").read_text())
+    assert config["batch_size"] == 16 and config["segment_length"] is None
+    report.write_report(out, tmp_path / "report")
+    command = re.search(r"```bash\n(python rvq_seamless_gpu_cache_nccl.py .*)\n```",
+                        (tmp_path / "report" / "report.md").read_text()).group(1)
+    argv = shlex.split(command)[2:]
+    assert argv[argv.index("--batch_size") + 1] == "16"
+    assert "--segment_length" not in argv and "--nccl_timeout" not in argv

@@ -3,7 +3,7 @@ other processes' load), from fake inputs; the environment is always passed, neve
 import pytest
 import torch
 
-from tests.helpers import QUICK, TINY, trainer_in_process
+from tests.helpers import QUICK, TINY, newest_checkpoint, trainer_in_process
 from training.threads import (busy_cores, choose_threads, cpu_times, decide, omp_threads, parse_cfs, parse_cpu_max,
                               quota_cores)
 
@@ -123,3 +123,47 @@ def test_the_trainer_says_what_it_chose_and_why(tmp_path):
         assert "threads: 1 (OMP_NUM_THREADS=1 from the environment)" in r.stderr
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("environ, ranks, named", [
+    ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_NODEID": "1"}, 2,
+     "SLURM_STEP_TASKS_PER_NODE"),
+    ({"SLURM_PROCID": "4", "SLURM_NTASKS": "5", "SLURM_TASKS_PER_NODE": "4,1", "SLURM_NODEID": "1"}, 1,
+     "SLURM_TASKS_PER_NODE"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "4"}, 4, "SLURM_NTASKS_PER_NODE"),
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, 2, "SLURM_NTASKS over the nodes"),  # one node
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "LOCAL_WORLD_SIZE": "1"}, 1, "LOCAL_WORLD_SIZE"),  # torchrun's wins
+])
+def test_ranks_srun_started_share_the_nodes_cores_as_torchruns_do(environ, ranks, named, tmp_path, monkeypatch):
+    """Without LOCAL_WORLD_SIZE, srun's tasks on this node share its cores, and none samples the load as if alone."""
+    monkeypatch.setattr("training.threads.affinity_cpus", lambda: set(range(8)))
+    fake = tmp_path / "stat"  # every CPU busy: a rank that sampled it would take one thread
+    fake.write_text(stat(*[(0, 0, 0)] * 8))
+    monkeypatch.setattr("training.threads.time.sleep", lambda s: fake.write_text(stat(*[(100, 0, 0)] * 8)))
+    choice = choose_threads(None, environ, cgroup=tmp_path, stat=fake)
+    if ranks > 1:
+        assert choice.threads == 8 // ranks, choice.why
+        assert f"shared by {ranks} ranks on this node ({named})" in choice.why and "busy" not in choice.why
+    else:  # the node's only rank: the load it samples decides
+        assert choice.threads == 1 and "8.0 of them busy" in choice.why, choice.why
+
+
+def test_a_resumed_cpu_run_computes_with_its_runs_thread_count_unless_told_otherwise(tmp_path, small_data):
+    """The count a run computed with is in its checkpoint; a resumed run takes it, not the machine's choice of the
+    moment, unless --threads or OMP_NUM_THREADS says otherwise."""
+    before = torch.get_num_threads()
+    out = tmp_path / "run"
+    flags = ["--data_dir", small_data, "--output_dir", out, "--device", "cpu", *TINY, *QUICK, "--refit_iters", "0"]
+    try:
+        r = trainer_in_process([*flags, "--threads", "2", "--max_steps", "1"])
+        assert r.returncode == 0, r.stderr[-2000:]
+        r = trainer_in_process([*flags, "--max_steps", "2"], extra_env={"OMP_NUM_THREADS": ""})
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "threads: 2 (the count the run it resumes computed with, from its checkpoint" in r.stderr
+        assert newest_checkpoint(out)["threads"] == 2
+    finally:
+        torch.set_num_threads(before)
+    machine = {"cpus": 8, "quota": None, "busy": 0.0}  # the flag and the environment still win over the record
+    assert decide(flag=3, environ={"OMP_NUM_THREADS": "5"}, recorded=2, **machine).threads == 3
+    assert decide(flag=None, environ={"OMP_NUM_THREADS": "5"}, recorded=2, **machine).threads == 5
+    assert decide(flag=None, environ={}, recorded=2, **machine).threads == 2

@@ -27,7 +27,8 @@ from data.attention_choice import choose_kernel, cpu_kernel, pass_shapes, unavai
 from data.audio_features import FRAME_RATE, W2vBertLayer
 from data.audio_sources import (AUDIO_COLUMN, AUDIO_EXTENSIONS, KEY_COLUMNS, SourceFlags, Utterances, listing,
                                 source_share)
-from data.audio_pipeline import FeatureWindows, Window
+from data.audio_manifest import shown_name
+from data.audio_pipeline import AudioFile, FeatureWindows, Window
 from data.resumable_shard import ShardWriter
 from data.w2v_attention import KERNELS
 from errors import BadInputError
@@ -416,19 +417,24 @@ def write_windows(pipeline: FeatureWindows, writer: ShardWriter, write: Callable
         raise failed[0]
 
 
+def list_skip(log: logging.Logger, writer: ShardWriter, skipped: str, item: AudioFile) -> None:
+    """A file skipped: its line in the shard's `skipped` list, and a warning now, not at the shard's end (hours
+    off in a large shard, and never reached by a run that is stopped)."""
+    writer.append(skipped, item.skip_line)
+    log.warning("skipped %s: %s", shown_name(item.key), item.skipped)
+
+
 def written_lengths(log: logging.Logger, writer: ShardWriter, share: AudioShare, lengths: str,
                     skipped: str) -> tuple[list[int], list[list[str]]] | None:
     """What the shard holds once every window is written: the length of each utterance (the `lengths` file, one
-    a line) and the (file, reason) of each skipped one (`skipped`, each logged as a warning). None, with the
-    partial shard discarded and the reason logged, when every file was skipped."""
+    a line) and the (file, reason) of each skipped one (`skipped`, each warned about as it was skipped: list_skip).
+    None, with the partial shard discarded and the reason logged, when every file was skipped."""
     written = [int(n) for n in writer.text(lengths).split()]
     skips = [line.split("\t", 1) for line in writer.text(skipped).split("\n") if line]
-    for rel, reason in skips:
-        log.warning("skipped %s: %s", rel, reason)
     if not written:
         writer.discard()
-        log.error("nothing written: all %d file(s) of shard %d/%d were skipped (reasons above)",
-                  len(share.keys), share.rank, share.nshard)
+        log.error("nothing written: all %d file(s) of shard %d/%d were skipped (each named in a warning as it was "
+                  "skipped)", len(share.keys), share.rank, share.nshard)
         return None
     return written, skips
 

@@ -34,12 +34,15 @@ command says so and exits 0 (--overwrite starts it over); one written with other
 second process on the same shard exits 2, naming the first. Decoding writes a fairseq dump (`NAME.npy/.len`)
 of the reconstructed features, cut back to each utterance's T frames when the .codes.json gives them, with the
 codec that wrote them (another exits 2, naming both); it refuses an output folder where NAME.npy or NAME.len
-exists (the features it would shadow) unless --overwrite.
+exists (the features it would shadow) unless --overwrite. When the features the codes were encoded from are
+still where the .codes.json says (`data_dir`, the split, the share), it logs the reconstruction's rel_mse and
+cosine against them, as the trainer's evals score them (models/metrics.py).
 
 The features must be those the codec was trained on, as tools.tokenize requires: where the dump has
 tools.extract's notes and the checkpoint records its features, their settings must agree (exit 2 naming those
-that differ); otherwise the statistics of the share's first frames must lie within PLAUSIBLE_SHIFT of those the
-codec was trained on (data/feature_settings.py). --allow_feature_mismatch encodes anyway, and the .codes.json
+that differ), but for the dump's dtype alone (float16 or float32: read as float32, and said); otherwise the
+statistics of the share's first frames must lie within PLAUSIBLE_SHIFT of those the codec was trained on
+(data/feature_settings.py). --allow_feature_mismatch encodes anyway, and the .codes.json
 says so. One output folder holds the codes of one codec: a shard from another checkpoint exits 2, naming both
 (tools/trained_codec.py).
 
@@ -58,6 +61,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from data.audio_features import FEATURES
@@ -65,13 +69,14 @@ from data.audio_manifest import manifest_lines, share_manifest, shown_name
 from data.codes_parquet import write_codes_parquet
 from data.dump_writer import NpyRowWriter, len_text, output_folder, publish, shard_range, write_temporary
 from data.feature_settings import (PLAUSIBLE_SHIFT, STATS_FRAMES, dump_feature_settings, feature_shift,
-                                   front_ends_differ, settings_differ)
+                                   front_ends_differ, settings_differ, stored_differently)
 from data.resumable_shard import CODES, FEATURE_DUMP, ShardWriter, split_shards
-from data.stores import FeatureStore, find_split, missing_split
+from data.stores import FeatureStore, absent_folder, find_split, missing_split
 from data.writer_lock import WriterLock
 from errors import EXIT_OK, BadInputError
 from models.codec import CodecConfig
 from models.codes import TAIL_PADDING, code_frames, decode_utterance, encode_in_batches, km_lines, uncoded
+from models.metrics import EvalSums
 from tools.cli import bad_input_exits_2, run
 from tools.trained_codec import (CodesRequest, CodesSpec, add_codes_args, begin_code_shard, codec_digest,
                                  codes_request, codes_spec, describe_codes, load_codec)
@@ -126,6 +131,8 @@ class DecodeSettings:
 def open_share(data: SplitShare, config: CodecConfig, ckpt_path: Path) -> tuple[FeatureStore, int, int, int]:
     """(this rank's share of the split, its first utterance, its end, the split's utterances), checked against the
     codec. The split's metadata are read; only the share's sources stay open."""
+    if not data.folder.exists():
+        raise absent_folder("--data_dir", data.folder)
     if not data.folder.is_dir():
         raise BadInputError(f"--data_dir {data.folder} is not a folder")
     split = find_split(data.folder, data.split)  # utterance files directly in --data_dir: 'train', as trained
@@ -154,11 +161,15 @@ def check_features(data: SplitShare, state: dict, model, store: FeatureStore, ck
     if dump["feature"] == "mixed":
         problem = dump["note"]
     elif dump["feature"] in FEATURES and trained.get("feature") in (*FEATURES, "demo"):
-        differ = settings_differ(trained, dump)
+        stored = stored_differently(trained, dump)
+        differ = settings_differ(trained, {**dump, "dtype": trained.get("dtype")} if stored else dump)
         if not differ:
             if front_ends := front_ends_differ(trained, dump):  # the same features (data/feature_settings.py)
                 log.info("%s: the codec's fbank and the dump's come from different front-ends (%s), the same "
                          "features within 1e-4", where, front_ends)
+            if stored:
+                log.info("%s: the features are %s: the same features, read as float32", where, stored)
+                return features, f"tools.extract's settings are the codec's, the features {stored}"
             return features, "tools.extract's settings are the codec's"
         problem = f"the features of {where} are not those the codec in {ckpt_path} was trained on ({differ})"
     else:  # no notes on one side: the features' statistics against those the codec normalises by
@@ -224,7 +235,8 @@ def encode_store(cfg: EncodeSettings) -> int:
             encode_chunks(spec, store, writer, name=name, first_utterance=start, faults=FaultInjector(data.rank),
                           commit_frames=cfg.commit_frames)
             skipped = writer.text(".codes.skipped").count("\n")
-            meta = {**settings, "feature_check": feature_check, "store": store.description, "padding": TAIL_PADDING,
+            meta = {**settings, "feature_check": feature_check, "store": store.description,
+                    "data_dir": str(data.folder.absolute()), "padding": TAIL_PADDING,
                     "feature_frames": store.lengths.tolist(), "skipped": skipped}
             texts = {".codes.len": (f"{n}\n" for n in code_lengths), ".codes.json": json.dumps(meta) + "\n"}
             manifest = share_manifest(data.folder, data.split, total, start, end)
@@ -298,6 +310,8 @@ def decode_codes(cfg: DecodeSettings) -> int:
     if frames is not None and len(frames) != len(counts):
         frames = None
     output_folder(output_dir, "--output_dir")
+    source = encoded_features(meta, frames, model.config.feature_dim)
+    sums = EvalSums(model.config.feature_dim, codes.shape[1], model.config.codebook_size, "cpu")
     with WriterLock(FEATURE_DUMP.lock_path(output_dir, name), f"shard {output_dir / name}.npy"):
         if not cfg.overwrite:
             refuse_to_shadow(output_dir, name)
@@ -306,10 +320,16 @@ def decode_codes(cfg: DecodeSettings) -> int:
         try:
             for i, n in enumerate(tqdm(counts, desc=f"decode {name}", unit="utt", dynamic_ncols=True,
                                        mininterval=1.0)):
-                out = decode_utterance(model, codes[row : row + n], frames[i] if frames else None)
+                utterance_codes = codes[row : row + n]
+                out = decode_utterance(model, utterance_codes, frames[i] if frames else None)
                 writer.append(out)
                 lengths.append(len(out))
                 row += n
+                if source is not None:
+                    x = np.array(source.utterance(i), dtype=np.float32)  # a copy: a store's arrays are read-only
+                    if np.isfinite(x).all():  # one with NaN or Inf features has codes of -1: nothing to score
+                        sums.add(torch.from_numpy(x), torch.from_numpy(out),
+                                 torch.from_numpy(np.asarray(utterance_codes, dtype=np.int64)))
             len_path = output_dir / f"{name}.len"
             publish([(write_temporary(len_path, len_text(lengths)), len_path)], (writer.finish(), writer.path))
         except BaseException:
@@ -317,8 +337,29 @@ def decode_codes(cfg: DecodeSettings) -> int:
             raise
     log.info("wrote %d utterances, %d frames of %d-d features to %s", len(lengths), sum(lengths),
              model.config.feature_dim, writer.path)
+    if source is not None and float(sums.frames):
+        scored = sums.result(model.config.downsample)
+        log.info("reconstruction of %s: rel_mse %.4f, cosine %.4f over %d frames", source.description,
+                 scored["rel_mse"], scored["cosine"], scored["frames"])
     log.info("finished successfully")
     return EXIT_OK
+
+
+def encoded_features(meta: dict, frames: list[int] | None, dim: int) -> FeatureStore | None:
+    """The utterances a shard's codes were encoded from (its .codes.json's data_dir, split and share), to score
+    their reconstruction by; None, saying why, when the codes do not name them or they are no longer those."""
+    folder, split, first = meta.get("data_dir"), meta.get("split"), meta.get("first_utterance")
+    if folder is None or split is None or first is None or frames is None:
+        log.info("no reconstruction error: the .codes.json does not name the features its codes were encoded from "
+                 "(codes from before it did); python -m tools.evaluate scores a codec on features")
+        return None
+    store = find_split(Path(folder), split) if Path(folder).is_dir() else None
+    share = store.share(first, first + len(frames)) if store is not None and first + len(frames) <= len(store) else None
+    if share is None or share.dim != dim or share.lengths.tolist() != frames:
+        log.info("no reconstruction error: split '%s' of %s no longer holds the features these codes were encoded "
+                 "from", split, folder)
+        return None
+    return share
 
 
 def missing_codes(codes: SplitShare, array: Path, lens: Path) -> BadInputError:

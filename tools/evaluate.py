@@ -18,13 +18,15 @@ feature frame), a folder of TextGrid files with a "phones" tier (the Montreal Fo
 TextGrid and CTM are matched by utterance name (the audio file's stem, from the dump's .tsv manifests) and
 converted to frames at the features' frame rate (the dump's frame_rate_hz, else 50 Hz) by each frame's centre.
 Labels are scored at the code rate: code frame j takes the label of its first feature frame, j x downsample.
+Levels 1..k whose units have fewer than FRAMES_PER_UNIT code frames each are warned about (warn_of_joint_units).
 
 --baseline kmeans fits plain k-means with as many clusters as a level has codes on a seeded sample of at most
 KMEANS_FRAMES feature frames of --baseline_split (whole utterances in a random order), k-means++ then
 KMEANS_ITERS Lloyd iterations (models/kmeans.py), on the raw feature frames (as fairseq's simple_kmeans fits
 HuBERT's units; the codec sees standardised frames through its encoder), and scores each held-out feature frame's
 nearest centroid the same way: its units mapped to code frames as the labels are, its rel_mse that of the
-centroids as a reconstruction.
+centroids as a reconstruction. The centroids are cached (fit_baseline), keyed on everything they depend on.
+The features are checked as tools.encode checks them, and how they passed is said (`feature_check`).
 
 The table goes to stdout; --json OUT writes the same figures as one JSON object. Exit codes: 0 done, 2 bad
 arguments or data (a bad alignment names the first bad utterance; nothing is written), 1 anything else.
@@ -32,6 +34,7 @@ arguments or data (a bad alignment names the first bad utterance; nothing is wri
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import math
@@ -46,7 +49,7 @@ from tqdm import tqdm
 
 from data.alignments import Alignments, labels_at_code_rate, read_alignments, utterance_names
 from data.audio_features import FRAME_RATE
-from data.dump_writer import write_temporary
+from data.dump_writer import cache_folder, write_temporary
 from data.feature_settings import dump_feature_settings
 from data.stores import FeatureStore, find_split, missing_split
 from errors import EXIT_OK, BadInputError
@@ -67,6 +70,10 @@ log = logging.getLogger("evaluate")
 
 KMEANS_FRAMES = 100_000  # training frames the k-means baseline is fitted on, at most
 PHONE_KEYS = ("pnmi", "phone_purity", "cluster_purity")
+# levels 1..k whose units have fewer code frames each than this: their joint PNMI and phone purity near 1 say how
+# few frames each unit has (a unit seen once predicts its one phone), not what the units carry
+FRAMES_PER_UNIT = 2
+KMEANS_CACHE = "kmeans_baseline"  # the fitted baselines' folder in data/dump_writer.py cache_folder()
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,44 @@ def kmeans_sample(store: FeatureStore, size: int, seed: int) -> torch.Tensor:
         raise BadInputError(f"{store.description} has {len(sample)} finite frames: too few for a k-means of {size} "
                             "clusters (the codec's codebook size); give another --baseline_split")
     return sample
+
+
+def fit_baseline(sample: torch.Tensor, size: int, seed: int, device: torch.device) -> tuple[torch.Tensor, str]:
+    """(k-means centroids of `sample`, where they come from): read from the cache when this sample, cluster count,
+    seed, iterations, kind of device and torch version were fitted before (each file is named by a digest of
+    them all), else fitted and cached."""
+    digest = hashlib.sha256(sample.contiguous().numpy().tobytes())
+    digest.update(f"{tuple(sample.shape)} {size} {seed} {KMEANS_ITERS} {device.type} {torch.__version__}".encode())
+    path = cache_folder() / KMEANS_CACHE / f"{digest.hexdigest()[:32]}.pt"
+    try:
+        return torch.load(path, map_location=device, weights_only=True), f"read from the cache, {path}"
+    except FileNotFoundError:
+        pass
+    except Exception as e:  # noqa: BLE001 - a damaged cache file is fitted again, and replaced
+        log.warning("k-means baseline: %s cannot be read (%s): fitting it again", path, e)
+    with tqdm(total=KMEANS_ITERS + 1, desc="k-means", unit="iter", dynamic_ncols=True, mininterval=1.0) as bar:
+        centroids = fit_kmeans(sample.to(device), size, seed=seed, on_iteration=lambda: bar.update(1))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(centroids.cpu(), path.with_name(path.name + ".tmp"))
+        os.replace(path.with_name(path.name + ".tmp"), path)
+    except OSError as e:  # a read-only home: the next call fits again
+        log.warning("k-means baseline: could not be cached in %s (%s)", path, e)
+        return centroids, "fitted"
+    return centroids, f"fitted, cached in {path}"
+
+
+def warn_of_joint_units(levels: list[dict], code_frames: int) -> None:
+    """A warning when levels 1..k form units of fewer than FRAMES_PER_UNIT code frames each: their joint PNMI and
+    purities then count frames, not phone information."""
+    thin = next((entry for entry in levels if entry["joint_units"] * FRAMES_PER_UNIT > code_frames), None)
+    if thin is not None:
+        k = thin["level"]
+        log.warning("levels 1..%d form %d units over %d code frames (%.1f frames a unit; fewer than %d from level %d "
+                    "on): their joint PNMI (%s) and phone purity come near 1 because nearly every unit is seen once "
+                    "and predicts its one phone, whatever the units carry. Read those levels alone, or score more "
+                    "frames", k, thin["joint_units"], code_frames, code_frames / thin["joint_units"], FRAMES_PER_UNIT,
+                    k, number(thin["joint_pnmi"]))
 
 
 def encode_split(spec: CodesSpec, store: FeatureStore) -> np.ndarray:
@@ -163,6 +208,7 @@ def score(data: SplitShare, spec: CodesSpec, store: FeatureStore, codes: np.ndar
         labels = np.concatenate(phones)
         for entry, measures in zip(levels, phone_information(labels, np.concatenate(scored_codes))):
             entry.update(measures)
+        warn_of_joint_units(levels, len(labels))
         result.update(alignments=alignments.source, phones=len(alignments.phones))
     result["levels"] = levels
     if baseline is not None:
@@ -218,7 +264,8 @@ def evaluate_codec(cfg: EvaluateSettings) -> int:
     data = cfg.data
     store = open_share(data, model.config, ckpt_path)[0]
     spec = codes_spec(cfg.codes, model, state, ckpt_path, device)
-    check_features(data, state, model, store, ckpt_path, allow_mismatch=cfg.allow_feature_mismatch)
+    feature_check = check_features(data, state, model, store, ckpt_path, allow_mismatch=cfg.allow_feature_mismatch)[1]
+    log.info("features: %s", feature_check)
     alignments = None
     if cfg.alignments is not None:  # everything a user can get wrong is checked before the long work
         rate = dump_feature_settings(data.folder, data.split).get("frame_rate_hz") or FRAME_RATE
@@ -236,12 +283,12 @@ def evaluate_codec(cfg: EvaluateSettings) -> int:
                   "iterations": KMEANS_ITERS, "seed": baseline.seed}
         log.info("k-means baseline: %d clusters on %d frames of %s (seed %d), k-means++ then %d Lloyd iterations",
                  size, len(sample), train.description, baseline.seed, KMEANS_ITERS)
-        with tqdm(total=KMEANS_ITERS + 1, desc="k-means", unit="iter", dynamic_ncols=True, mininterval=1.0) as bar:
-            centroids = fit_kmeans(sample.to(device), size, seed=baseline.seed, on_iteration=lambda: bar.update(1))
+        centroids, source = fit_baseline(sample, size, baseline.seed, device)
+        log.info("k-means baseline: %s", source)
     log.info("%s: %d utterances, %d frames, %s", store.description, len(store), store.total_frames,
              describe_codes(spec))
     codes = encode_split(spec, store)
-    result = score(data, spec, store, codes, alignments, centroids, fitted, device)
+    result = {**score(data, spec, store, codes, alignments, centroids, fitted, device), "feature_check": feature_check}
     print(printout(result), flush=True)
     if cfg.json is not None:
         os.replace(write_temporary(cfg.json, json.dumps(result, indent=1) + "\n"), cfg.json)

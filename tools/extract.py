@@ -70,7 +70,7 @@ from errors import EXIT_FAILURE, EXIT_OK  # noqa: E402
 from tools.audio_shard import (AudioInput, AudioShare, PipelineSettings, ShardOutput, add_input_args,  # noqa: E402
                                audio_share, begun_before_pass_rules, input_settings, log_input_wait, model_device,
                                pass_settings, progress_bar, shard_attention, shard_compile, shard_passes, w2v_attention,
-                               write_windows, written_lengths)
+                               list_skip, write_windows, written_lengths)
 from tools.cli import bad_input_exits_2, run  # noqa: E402
 from training.device import compute_dtype  # noqa: E402
 from training.faults import FaultInjector  # noqa: E402
@@ -235,7 +235,7 @@ def extract_into(cfg: ExtractSettings, share: AudioShare, name: str, fbank: Seam
         def write(window: Window, _) -> None:
             for item in window.files:
                 if item.features is None:
-                    writer.append(".skipped", item.skip_line)
+                    list_skip(log, writer, ".skipped", item)
                 else:
                     writer.write(item.features)
                     writer.append(".len", f"{len(item.features)}\n")

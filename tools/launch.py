@@ -359,8 +359,12 @@ def run_torchrun(cmd: list[str], env: dict, run_dir: str, relay: "StopRelay") ->
 
     The output of torchrun and its ranks passes through, and its end is read for its failure summary.
     """
-    # terminal signals reach the launcher alone
-    agent = relay.agent = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
+    # terminal signals reach the launcher alone; SIGTERM is blocked in torchrun (StopRelay)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        agent = relay.agent = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # one that came meanwhile reaches the relay now
     tail = bytearray()
     copier = threading.Thread(target=copy_output, args=(agent.stderr, sys.stderr.buffer, tail), daemon=True)
     copier.start()
@@ -397,9 +401,14 @@ class StopRelay:
     restart under MAX_RESTARTS: they succeeded). It goes only to ranks that catch it (the trainer does from its
     first line), so that a rank still starting is not killed by it; while none does (torchrun and its ranks
     starting), it waits, and is passed on as soon as one does: those stop before their first step, and their peers
-    with them. Any other signal goes to torchrun: after a stop was passed on, as SIGINT, which torchrun passes on
-    too, and a rank already stopping exits at once; else (a second signal while no rank could take the first,
-    SIGQUIT) as SIGTERM, which ends torchrun in its rendezvous, or its ranks within 30 s.
+    with them. Any other signal goes to torchrun as SIGINT: after a stop was passed on, torchrun passes it on too,
+    and a rank already stopping exits at once; else (a second signal while no rank could take the first, SIGQUIT)
+    it ends torchrun in its rendezvous, or its ranks within 30 s.
+
+    torchrun starts with SIGTERM blocked (run_torchrun), and its ranks with it until the trainer's first line takes
+    stop signals: SLURM's scancel, or a preemption, sends SIGTERM to every process at once, and torchrun's own
+    answer (end the ranks, exit 1) would make the ranks' stop with a checkpoint a failure. Its ranks stop and exit
+    0, and so do torchrun and the launcher, as for any other stop with a checkpoint.
 
     One process: the launcher becomes the trainer (exec), which records a stop from its first line; a stop that
     came before is handed over pending (exec_trainer).
@@ -424,12 +433,11 @@ class StopRelay:
                     "stop before their first step; a second signal ends torchrun")
             return
         self.pending = None
-        sig = signal.SIGINT if self.relayed else signal.SIGTERM
-        say(f"{name}: passed to torchrun as {sig.name}: " + ("this node's ranks exit at once, without a checkpoint"
-                                                            if self.relayed else "it ends this node's part of the job"))
+        say(f"{name}: passed to torchrun as SIGINT: " + ("this node's ranks exit at once, without a checkpoint"
+                                                        if self.relayed else "it ends this node's part of the job"))
         if self.agent is not None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.agent.pid, sig)
+                os.kill(self.agent.pid, signal.SIGINT)
 
     def pass_on(self) -> bool:
         """Pass the pending stop to this node's ranks that catch it; True once it is passed."""

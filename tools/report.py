@@ -296,7 +296,7 @@ def summary(run_dir: Path, events: dict, bad_lines: int, config: dict) -> str:
         rows.append(("unreadable lines in metrics.jsonl", str(bad_lines)))
     lines = [f"# Training report: {shown(run_dir)}", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
-    if config:  # the flags that give this run's configuration (the automatic ones as decided), to paste
+    if config:  # the flags that give this run's configuration (as given: the automatic ones chosen alike), to paste
         command = shlex.join(["python", "rvq_seamless_gpu_cache_nccl.py", *command_line(config)])
         lines += ["", "The run's configuration, as a command (in another --output_dir it trains the same run "
                       "afresh; in this one it resumes):", "", "```bash", command, "```"]

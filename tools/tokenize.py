@@ -31,6 +31,15 @@ from __future__ import annotations
 
 import os
 
+if not __package__:  # a tool run as a file puts tools/ first on the path, where the standard library's tokenize
+    import sys  # (imported by logging) finds this file: every such run comes here first, and is told what to do
+
+    CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.stderr.write(f"{sys.argv[0]} is a module of the checkout {CHECKOUT}, not a script: run it there as python -m "
+                     f"tools.{os.path.splitext(os.path.basename(sys.argv[0]))[0]} ..., or from any folder with "
+                     f"PYTHONPATH={CHECKOUT}\n")
+    sys.exit(2)
+
 # numpy's BLAS (the fbank's mel projection) on one thread a process, set before numpy loads: the decoding workers
 # are the parallelism, and on busy cores a multi-threaded BLAS made the fbank 2.2x slower (benchmarks/README.md)
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -61,7 +70,7 @@ from models.codes import TAIL_PADDING, code_frames, encode_in_batches, km_lines 
 from tools.audio_shard import (AudioInput, AudioShare, PipelineSettings, ShardOutput, add_input_args,  # noqa: E402
                                audio_share, begun_before_pass_rules, input_settings, log_input_wait, model_device,
                                pass_settings, progress_bar, shard_attention, shard_compile, shard_passes, w2v_attention,
-                               write_windows, written_lengths)
+                               list_skip, write_windows, written_lengths)
 from tools.cli import bad_input_exits_2, run  # noqa: E402
 from tools.trained_codec import (CodesRequest, CodesSpec, add_codes_args, begin_code_shard,  # noqa: E402
                                  codes_request, codes_spec, describe_codes, load_codec)
@@ -307,7 +316,7 @@ def tokenize_into(cfg: TokenizeSettings, share: AudioShare, name: str, codec: Au
         def write(window: Window, encoded: tuple[np.ndarray, Callable[[], np.ndarray]] | None) -> None:
             for item in window.files:
                 if item.skipped is not None:
-                    writer.append(".codes.skipped", item.skip_line)
+                    list_skip(log, writer, ".codes.skipped", item)
             if encoded is None:
                 return
             lengths, codes_back = encoded

@@ -275,6 +275,9 @@ class Checkpointer:
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                      "scaler": scaler.state_dict(), "step": progress.step, "samples_seen": progress.samples_seen,
                      "schedule_fraction": progress.schedule_fraction, "time_spent": progress.time_spent,
+                     "seconds_per_frame": progress.seconds_per_frame,
+                     # what a resumed CPU run computes with (training/threads.py): other counts round sums otherwise
+                     "threads": torch.get_num_threads() if self.ctx.device.type == "cpu" else None,
                      "epoch": progress.step // self.steps_per_epoch, "codec": self.codec.to_dict(),
                      "config": self.config, "rng": rng, "end_of_schedule": list(progress.end_of_schedule),
                      "data": {**self.data, "stats": feature_stats_record(model)} if self.data else None,
@@ -294,6 +297,7 @@ class Checkpointer:
         progress.step, progress.samples_seen = state["step"], state["samples_seen"]
         progress.schedule_fraction = state.get("schedule_fraction", 0.0)
         progress.time_spent = time_spent(state)
+        progress.seconds_per_frame = state.get("seconds_per_frame")
         # a checkpoint from before this entry was saved after the end-of-schedule work, if any was due
         progress.end_of_schedule = list(state.get("end_of_schedule", END_OF_SCHEDULE))
         restore_rng_states(state["rng"], self.ctx)

@@ -4,7 +4,8 @@ Every flag is a field of one section (data, codec, codebooks, optimisation, run,
 distributed), with its default and help text beside it: the dataclasses are the
 single source of truth, and `build_parser` makes one flag per field. The codec's
 fields are `models.codec.CodecConfig`'s, so a new codec knob is one edit there.
-`config.json` and a checkpoint's "config" hold every field under its flag name.
+`config.json` and a checkpoint's "config" hold every field under its flag name, as given (None for an
+automatic one: the log says what was chosen).
 
 A bad flag or value ends in argparse's message and exit code 2. `--local_rank`
 and `--local-rank` are both accepted, for the older `torch.distributed.launch`;
@@ -158,8 +159,9 @@ class RunConfig:
                                     "(pip install -r requirements-report.txt)")
     device: str = flag("auto", "auto, cpu, cuda, or cuda:N (single process)")
     threads: int | None = flag(None, "torch's intra-op threads per rank; none: OMP_NUM_THREADS when set, else on a CPU "
-                                     "the cores this process can get (its CPU affinity and cgroup quota, less those "
-                                     "other processes keep busy at start-up), on a GPU torch's default")
+                                     "the count a resumed run computed with (its checkpoint's), else the cores this "
+                                     "process can get (its CPU affinity and cgroup quota, shared by the node's ranks, "
+                                     "less those other processes keep busy at start-up), on a GPU torch's default")
 
 
 @dataclass(kw_only=True)
@@ -298,9 +300,9 @@ def parse_args(argv=None) -> TrainConfig:
 
 def command_line(values: dict) -> list[str]:
     """The trainer's flags that give back the configuration `values` (config.json's: every flag's value under
-    its name, the automatic ones as they were decided), each as it is typed: a plain switch (`--prefetch`) when
-    on, true/false for the others, lists comma-separated; a flag at its default is left out. Flags it does not
-    know (a config.json of another version) are left out."""
+    its name, as given), each as it is typed: a plain switch (`--prefetch`) when on, true/false for the others,
+    lists comma-separated; a flag at its default is left out (--nccl_timeout's is DEFAULT_NCCL_TIMEOUT, which
+    parse_args puts in place of none). Flags it does not know (a config.json of another version) are left out."""
     parser = build_parser()
     argv = []
     for action in parser._actions:
@@ -308,7 +310,7 @@ def command_line(values: dict) -> list[str]:
         if not action.option_strings or name not in values or action.help == argparse.SUPPRESS:
             continue
         value = values[name]
-        if value == action.default:
+        if value == (DEFAULT_NCCL_TIMEOUT if name == "nccl_timeout" else action.default):
             continue
         if isinstance(action, argparse._StoreTrueAction):
             argv += [action.option_strings[0]] if value else []

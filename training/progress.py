@@ -47,6 +47,9 @@ class Progress:
     bad_in_a_row: int = 0
     schedule_fraction: float = 0.0  # how far along the learning-rate decay (saved, for a resumed time budget)
     time_spent: float = 0.0  # seconds of --max_minutes spent by the run and those it resumed (saved: Schedule.spent)
+    # seconds a training frame took on rank 0 under --max_minutes (saved: a resumed run with no step left sizes its
+    # refit by it, as the run it resumes did: Schedule.per_frame)
+    seconds_per_frame: float | None = None
     # END_OF_SCHEDULE's parts done after this step (saved as the checkpoint's "end_of_schedule": a resume at the end
     # of the schedule does the rest)
     end_of_schedule: list = field(default_factory=list)

@@ -16,7 +16,9 @@ every step. A resumed run starts its schedule where the checkpoint left it
 what is left of --max_minutes: a checkpoint records the seconds its run spent
 (`spent`; the whole budget once the clock ended the schedule), so a relaunch with
 the same flags only finishes the end of the schedule, and a larger --max_minutes
-trains on for the minutes added.
+trains on for the minutes added. It records the seconds a training frame took too
+(`per_frame`), so that a relaunch with no step left reads in its refit the frames
+the run it resumes would have read, not the whole --refit_frames.
 """
 from __future__ import annotations
 
@@ -64,10 +66,11 @@ class ScheduleEnd(str, Enum):
 class Schedule:
     def __init__(self, optim: OptimConfig, *, steps_per_epoch: int, frames_per_step: int, world_size: int,
                  codebook_size: int, started_at: float, start_step: int = 0, start_fraction: float = 0.0,
-                 time_spent: float = 0.0):
+                 time_spent: float = 0.0, per_frame: float | None = None):
         """frames_per_step: per rank (all micro-batches). started_at: the process start (time.monotonic()), which
         --max_minutes counts from. start_step, start_fraction, time_spent: where a resumed run's schedule was, and
-        the seconds of --max_minutes its runs spent, which this run has no more."""
+        the seconds of --max_minutes its runs spent, which this run has no more. per_frame: the seconds a training
+        frame took in the run resumed, until this run measures its own (`refit_frames`)."""
         self.optim = optim
         if optim.max_steps:
             self.steps, self.end, why = optim.max_steps, ScheduleEnd.MAX_STEPS, f"--max_steps {optim.max_steps}"
@@ -88,7 +91,7 @@ class Schedule:
         self._warned = False
         self._origin = None  # (step, time) the step-time clock counts from: after the first step, which is slower
         self.end_work = 0.0  # estimated seconds for the refit, the final eval and the checkpoint
-        self.per_frame = None  # seconds a training frame takes on this rank, measured by `estimate`
+        self.per_frame = per_frame  # seconds a training frame takes on this rank, measured by `estimate`
         self.frames_per_step, self.world_size = frames_per_step, world_size
         self.why = why
         if self.steps is not None:

@@ -6,10 +6,13 @@ on a shared machine"). So a CPU run takes, in this order:
 
 1. `--threads N`;
 2. OMP_NUM_THREADS from the environment (the user's, or a launcher's share of the node);
-3. else the cores it can get: those of its CPU affinity, capped by the cgroup's CPU quota (v2 cpu.max,
-   v1 cpu.cfs_quota_us / cpu.cfs_period_us), shared with the other ranks on this node (LOCAL_WORLD_SIZE),
-   less what other processes keep busy on them over a short /proc/stat sample, and never more than torch's
-   own default. A core counts as free when others use less than FREE_SHARE of it.
+3. a resumed run, the count the run it resumes computed with (its checkpoint's "threads"): a sum over other
+   threads rounds otherwise, and the resumed run would not match an unbroken one;
+4. else the cores it can get: those of its CPU affinity, capped by the cgroup's CPU quota (v2 cpu.max,
+   v1 cpu.cfs_quota_us / cpu.cfs_period_us), shared with the other ranks on this node (`local_ranks`:
+   LOCAL_WORLD_SIZE, else SLURM's tasks on this node for ranks srun started), less what other processes keep
+   busy on them over a short /proc/stat sample, and never more than torch's own default. A core counts as free
+   when others use less than FREE_SHARE of it.
 
 Every function takes its inputs (file contents, the environment) so that tests can feed fake ones;
 `choose_threads` reads the real machine and `set_torch_threads` sets torch's count.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,16 +114,53 @@ def sample_busy(cpus: set[int] | None, seconds: float = SAMPLE_S, stat: Path = P
         return None
 
 
+def slurm_task_counts(text: str) -> list[int]:
+    """SLURM's tasks per node ("2(x3),1": 2 on each of three nodes, then 1) as one count per node; [] for a text
+    of another form."""
+    counts = []
+    for part in text.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if match is None:
+            return []
+        counts += [int(match[1])] * int(match[2] or 1)
+    return counts
+
+
+def local_ranks(environ) -> tuple[int, str]:
+    """(ranks on this node, the variable that says so): LOCAL_WORLD_SIZE (torchrun, accelerate); else, for one of
+    several tasks srun started (SLURM_PROCID, SLURM_NTASKS > 1: training/distributed.py detect_launch), this
+    node's count in SLURM_STEP_TASKS_PER_NODE or SLURM_TASKS_PER_NODE (at SLURM_NODEID), or
+    SLURM_NTASKS_PER_NODE, or the tasks spread over the step's nodes; else (1, "")."""
+    if environ.get("LOCAL_WORLD_SIZE"):
+        return max(1, int(environ["LOCAL_WORLD_SIZE"])), "LOCAL_WORLD_SIZE"
+    if "SLURM_PROCID" not in environ or int(environ.get("SLURM_NTASKS") or 1) <= 1:
+        return 1, ""
+    node = int(environ.get("SLURM_NODEID") or 0)
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        counts = slurm_task_counts(environ.get(name) or "")
+        if node < len(counts):
+            return max(1, counts[node]), name
+    if (environ.get("SLURM_NTASKS_PER_NODE") or "").isdigit():
+        return max(1, int(environ["SLURM_NTASKS_PER_NODE"])), "SLURM_NTASKS_PER_NODE"
+    nodes = int(environ.get("SLURM_STEP_NUM_NODES") or environ.get("SLURM_NNODES") or 1)
+    return math.ceil(int(environ["SLURM_NTASKS"]) / max(1, nodes)), "SLURM_NTASKS over the nodes"
+
+
 def decide(*, flag: int | None, environ, cpus: int, quota: float | None, busy: float | None,
-           local_ranks: int = 1, default: int | None = None) -> ThreadChoice:
+           local_ranks: int = 1, default: int | None = None, recorded: int | None = None,
+           ranks_from: str = "") -> ThreadChoice:
     """The thread count and its reason, from the inputs alone (see the module's docstring for the order).
     cpus: CPUs of the affinity; quota: the cgroup's cores or None; busy: cores other processes used in the
-    sample (None: not measured); local_ranks: ranks on this node; default: torch's own count, the ceiling."""
+    sample (None: not measured); local_ranks: ranks on this node (ranks_from: the variable that says so);
+    default: torch's own count, the ceiling; recorded: the count of the run this one resumes."""
     if flag is not None:
         return ThreadChoice(flag, f"--threads {flag}")
     env = omp_threads(environ)
     if env is not None:
         return ThreadChoice(env, f"OMP_NUM_THREADS={env} from the environment")
+    if recorded is not None:
+        return ThreadChoice(recorded, "the count the run it resumes computed with, from its checkpoint, so that "
+                                      "it computes alike; --threads or OMP_NUM_THREADS to change it")
     reasons = [f"{cpus} CPU(s) in this process's affinity"]
     cores = float(cpus)
     if quota is not None and quota < cores:
@@ -127,7 +168,7 @@ def decide(*, flag: int | None, environ, cpus: int, quota: float | None, busy: f
         reasons.append(f"a cgroup quota of {quota:g} cores")
     if local_ranks > 1:
         cores /= local_ranks
-        reasons.append(f"shared by {local_ranks} ranks on this node")
+        reasons.append(f"shared by {local_ranks} ranks on this node" + (f" ({ranks_from})" if ranks_from else ""))
     own = max(1, math.ceil(cores - 1e-9))
     if busy is not None:
         free = cpus - busy  # other processes' load falls on the affinity's CPUs; a quota throttles all threads alike
@@ -142,18 +183,19 @@ def decide(*, flag: int | None, environ, cpus: int, quota: float | None, busy: f
     return ThreadChoice(threads, "; ".join(reasons))
 
 
-def choose_threads(flag: int | None, environ=os.environ, *, default: int | None = None,
+def choose_threads(flag: int | None, environ=os.environ, *, default: int | None = None, recorded: int | None = None,
                    cgroup: Path = CGROUP, stat: Path = PROC_STAT) -> ThreadChoice:
-    """The choice for this process on this machine now. The load is sampled only when the choice is ours
-    (no --threads, no OMP_NUM_THREADS) and this is the node's only rank (its peers start up beside it)."""
-    local_ranks = max(1, int(environ.get("LOCAL_WORLD_SIZE") or 1))
-    if flag is not None or omp_threads(environ) is not None:
-        return decide(flag=flag, environ=environ, cpus=1, quota=None, busy=None)
+    """The choice for this process on this machine now (`recorded`: the count of the run it resumes). The load is
+    sampled only when the choice is the machine's and this is the node's only rank (its peers start up beside
+    it)."""
+    ranks, ranks_from = local_ranks(environ)
+    if flag is not None or omp_threads(environ) is not None or recorded is not None:
+        return decide(flag=flag, environ=environ, cpus=1, quota=None, busy=None, recorded=recorded)
     cpus = affinity_cpus()
     count = len(cpus) if cpus else (os.cpu_count() or 1)
-    busy = sample_busy(cpus, stat=stat) if local_ranks == 1 else None
+    busy = sample_busy(cpus, stat=stat) if ranks == 1 else None
     return decide(flag=None, environ=environ, cpus=count, quota=quota_cores(cgroup), busy=busy,
-                  local_ranks=local_ranks, default=default)
+                  local_ranks=ranks, default=default, ranks_from=ranks_from)
 
 
 def set_torch_threads(choice: ThreadChoice) -> None:
