@@ -62,10 +62,11 @@ def test_max_minutes_on_two_ranks_stops_every_rank_at_the_same_step(tmp_path, da
         codes = job.wait(timeout=200)
         assert codes == [0, 0], job.output(0)[-2000:] + job.output(1)[-2000:]
         last = assert_stopped_on_time(out)
-        # decided from rank 0's clock, which the ranks first share at the step-3 sync check: at a later check,
-        # or at the end of the schedule that its time estimate set (a check too; the same step everywhere,
-        # else the refit's and the final eval's collectives would not meet and the ranks would not exit 0)
-        assert last >= 3
+        # decided from rank 0's clock, which the ranks share at a sync check (by step, or by time: on busy cores
+        # the set-up alone can spend the 3-s budget, and the first check, at step 1, ends the run), or at the end
+        # of the schedule that its time estimate set (a check too): the same step everywhere, else the refit's and
+        # the final eval's collectives would not meet and the ranks would not exit 0
+        assert last >= 1
         assert f"finished at step {last}: max_minutes" in job.output(0)
     finally:
         job.close()
