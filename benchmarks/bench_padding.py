@@ -8,10 +8,10 @@ No model and no audio: generated file lengths, seeded, for the length mixes a us
   --max_chunk_seconds by W2vBertLayer.chunks.
 
 Each mix goes through the tools' own code: windows of files cut by data/audio_pipeline.py cut_windows, each
-window's chunks grouped into passes, at each device's defaults (tools/audio_shard.py). The rules compared:
+window's chunks grouped into passes, at each device's defaults (data/pass_plan.py). The rules compared:
 today's (length_sorted_batches: sorted, each pass filled up to --batch_seconds, in 600-s windows), a ratio cut
 (a new pass when the longest chunk would exceed the shortest by 15%, up to --batch_seconds, in 600-s windows),
-least_cost_passes in 600-s windows, and the tools' default (w2v_passes: least_cost_passes in COMMIT_SECONDS
+least_cost_passes in 600-s windows, and the tools' default (w2v_passes: least_cost_passes in the device's --commit_seconds
 windows). For each: padding (padded frames that are not audio, per audio frame: the extra work), the padded
 share (padding per padded frame), passes per window, audio seconds per pass (mean, 10th percentile, min, and
 the size of the pass an audio second is in, on average), the largest padded pass, and the host time to cut a
@@ -39,12 +39,13 @@ sys.path.insert(0, str(REPO))
 from benchmarks.demo_run import machine  # noqa: E402
 from data.audio_features import FRAME_RATE, SAMPLE_RATE, W2vBertLayer  # noqa: E402
 from data.audio_pipeline import AudioFile, cut_windows  # noqa: E402
-from models.codes import length_sorted_batches  # noqa: E402
+from data.pass_plan import length_sorted_batches  # noqa: E402
 from tools import extract  # noqa: E402
-from tools.audio_shard import BATCH_SECONDS, COMMIT_FILES, COMMIT_SECONDS, PASS_COST, w2v_passes  # noqa: E402
+from data.pass_plan import DEVICE_DEFAULTS, PASS_COST, w2v_passes  # noqa: E402
+from tools.audio_shard import COMMIT_FILES  # noqa: E402
 
 MIXES = ("2-20 s", "LibriSpeech-like", "long files")
-TODAY_COMMIT_SECONDS = 600.0  # the window before COMMIT_SECONDS, on every device
+TODAY_COMMIT_SECONDS = 600.0  # the window before the devices' --commit_seconds, on every device
 MAX_CHUNK_SECONDS = extract.build_parser().get_default("max_chunk_seconds")
 
 
@@ -116,13 +117,14 @@ def measure(windows: list[np.ndarray], passes: Callable[[np.ndarray], list[np.nd
 
 def rules(device: str) -> dict[str, tuple[float, Callable[[np.ndarray], list[np.ndarray]]]]:
     """name -> (window seconds, passes) of the rules compared on `device`'s defaults."""
-    frames = int(BATCH_SECONDS[device] * FRAME_RATE)
+    defaults = DEVICE_DEFAULTS[device]
+    frames = int(defaults.batch_seconds * FRAME_RATE)
     compared = {"today: filled up to the budget": (TODAY_COMMIT_SECONDS,
                                                    functools.partial(length_sorted_batches, batch_frames=frames)),
                 "ratio 1.15 cut": (TODAY_COMMIT_SECONDS, functools.partial(ratio_passes, batch_frames=frames))}
-    if COMMIT_SECONDS[device] != TODAY_COMMIT_SECONDS:
-        compared["least cost, today's windows"] = (TODAY_COMMIT_SECONDS, w2v_passes(BATCH_SECONDS[device]))
-    return {**compared, "least cost (default)": (COMMIT_SECONDS[device], w2v_passes(BATCH_SECONDS[device]))}
+    if defaults.commit_seconds != TODAY_COMMIT_SECONDS:
+        compared["least cost, today's windows"] = (TODAY_COMMIT_SECONDS, w2v_passes(defaults.batch_seconds))
+    return {**compared, "least cost (default)": (defaults.commit_seconds, w2v_passes(defaults.batch_seconds))}
 
 
 def main() -> int:
@@ -132,7 +134,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "bench_padding.json")
     args = p.parse_args()
     results = {"machine": machine(), "files": args.files, "seed": args.seed, "pass_cost": PASS_COST,
-               "batch_seconds": BATCH_SECONDS, "commit_seconds": COMMIT_SECONDS,
+               "batch_seconds": {kind: d.batch_seconds for kind, d in DEVICE_DEFAULTS.items()},
+               "commit_seconds": {kind: d.commit_seconds for kind, d in DEVICE_DEFAULTS.items()},
                "today_commit_seconds": TODAY_COMMIT_SECONDS, "commit_files": COMMIT_FILES,
                "max_chunk_seconds": MAX_CHUNK_SECONDS, "runs": []}
     print("| mix | device (pass budget) | rule | window s | padding | padded share | passes / window | "
@@ -140,14 +143,14 @@ def main() -> int:
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mix in MIXES:
         seconds = file_seconds(mix, args.files, args.seed)
-        for device in BATCH_SECONDS:
+        for device in DEVICE_DEFAULTS:
             cut: dict[float, list[np.ndarray]] = {}
             for rule, (window, passes) in rules(device).items():
                 if window not in cut:
                     cut[window] = window_chunks(seconds, window)
                 m = measure(cut[window], passes)
                 results["runs"].append({"mix": mix, "device": device, "rule": rule, "commit_seconds": window, **m})
-                print(f"| {mix} | {device} ({BATCH_SECONDS[device]:g} s) | {rule} | {window:g} | "
+                print(f"| {mix} | {device} ({DEVICE_DEFAULTS[device].batch_seconds:g} s) | {rule} | {window:g} | "
                       f"{100 * m['padding']:.1f}% | {100 * m['padded_share']:.1f}% | {m['passes_per_window']:.1f} | "
                       f"{m['pass_seconds_mean']:.0f} | {m['pass_seconds_p10']:.0f} | {m['pass_seconds_min']:.0f} | "
                       f"{m['pass_seconds_audio_weighted']:.0f} | "

@@ -27,6 +27,7 @@ import torch
 
 from data import w2v_attention
 from data.dump_writer import cache_folder, write_temporary
+from data.transfers import dtype_name
 from data.w2v_attention_triton import triton_available
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ def cache_key(device: torch.device, dtype: torch.dtype, attention, shapes) -> st
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     layout = f"{attention.num_heads} heads of {attention.head_size}, left {attention.left} right {attention.right}"
     passes = ", ".join(f"{rows} x {frames}" for rows, frames, padded in shapes if not padded)
-    return f"{name} | {str(dtype).replace('torch.', '')} | torch {torch.__version__} | {layout} | passes {passes}"
+    return f"{name} | {dtype_name(dtype)} | torch {torch.__version__} | {layout} | passes {passes}"
 
 
 def choose_kernel(encoder, shapes: list[tuple[int, int, bool]], *, path: Path | None = None,

@@ -283,7 +283,7 @@ class W2vBertLayer:
         """Layer outputs of whole files, packed on the device: [the files' frames in all, dim] in `dtype`, file i's
         rows after file i - 1's. Every chunk of `fbanks` (arrays from the decoding workers, or tensors the device
         computed) is grouped into forward passes by `passes` (chunk lengths in frames -> the positions of each
-        pass: the tools give tools/audio_shard.py's least-cost cut of the sorted chunks under --batch_seconds), and
+        pass: the tools give data/pass_plan.py's least-cost cut of the sorted chunks under --batch_seconds), and
         each pass's output is cast into its rows as soon as it is computed: no copy to the host, no wait for the
         device, one pass's output alive at a time. on_batch(files) after each pass: the share of the files it did
         (a chunk of a file in k chunks counts 1/k), for a caller's progress bar."""

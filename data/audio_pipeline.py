@@ -6,7 +6,7 @@ their output into windows, one window ahead of the model. A window is consecutiv
 `commit_files` of them and at most `commit_seconds` of audio (it closes as soon as it reaches either): what a
 tool commits at once. For w2v-BERT the chunks of every file of a window are grouped into forward passes by
 the caller's `passes` (tools.extract and tools.tokenize: sorted by length, at most --batch_seconds of padded
-audio a pass, cut where padding and passes cost least: models/codes.py least_cost_passes); a window of several
+audio a pass, cut where padding and passes cost least: data/pass_plan.py least_cost_passes); a window of several
 passes' audio is what lets them be both full and little padded. The windows depend on the files alone
 (cut_windows), and the passes on a window's chunks alone, so a run resumed at a window's first file meets the
 passes of a run never stopped (padding changes a layer's last bits: the same bytes need the same passes).
@@ -58,10 +58,11 @@ from data.audio_manifest import name_problem, shown_name
 from data.audio_sources import Utterances, read_group
 from data.fbank import TorchFbank, feature_frames
 from data.transfers import host_copy, to_device, torch_dtype
-from models.codes import length_sorted_batches
+from data.pass_plan import DEVICE_DEFAULTS, length_sorted_batches
 
 WORKER_PREFETCH = 4  # files decoded ahead per worker; the window thread bounds the rest by files and seconds
-FBANK_ON_DEVICE = ("cuda",)  # the kinds of device that compute the fbank of the model's input (module doc)
+# the kinds of device that compute the fbank of the model's input (module doc)
+FBANK_ON_DEVICE = tuple(kind for kind, defaults in DEVICE_DEFAULTS.items() if defaults.fbank_on_device)
 DEVICE_FBANK_SECONDS = 600.0  # padded audio per batch of the fbank on the device
 
 

@@ -22,7 +22,7 @@ from data.batch_plan import StepBatch
 from data.crops import CropReader
 from data.prefetcher import Prefetcher
 from data.stores import FeatureStore
-from data.transfers import to_device
+from data.transfers import dtype_name, to_device
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class DeviceFeatureCache:
                         "streamed by the prefetcher" if stream is not None else "read from the store")
         log.info(
             "feature cache on %s: %d of %d utterances (%.2f GB, %s), built at %.2f GB/s%s",
-            device, self.num_cached, len(lengths), self.cached_bytes / 1e9, str(dtype).replace("torch.", ""),
+            device, self.num_cached, len(lengths), self.cached_bytes / 1e9, dtype_name(dtype),
             self.cached_bytes / 1e9 / seconds,
             "" if self.num_cached == len(lengths) else
             "; the rest is streamed by the prefetcher" if stream is not None else "; the rest is read from the store",

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from data.dump_writer import DUMP_DTYPES
+from data.setting_changes import changes
 
 FEATURE_KEYS = ("feature", "dim", "frame_rate_hz", "sample_rate", "front_end", "checkpoint", "model", "layer",
                 "max_chunk_seconds", "precision", "dtype")
@@ -120,9 +121,7 @@ def settings_differ(trained: dict, now: dict) -> str:
     else:
         fingerprinted = "model" in trained
         keys = [k for k in FEATURE_KEYS if k not in ("checkpoint" if fingerprinted else "model", "front_end")]
-    shown = lambda value: "(absent)" if value is None else repr(value)  # noqa: E731
-    return ", ".join(f"{k}: {shown(trained.get(k))} -> {shown(now.get(k))}" for k in keys
-                     if trained.get(k) != now.get(k))
+    return ", ".join(changes(trained, now, keys, show=lambda value: "(absent)" if value is None else repr(value)))
 
 
 def stored_differently(trained: dict, now: dict) -> str:
@@ -140,8 +139,7 @@ def stored_differently(trained: dict, now: dict) -> str:
 def front_ends_differ(trained: dict, now: dict) -> str:
     """'' when features of these settings come from the same fbank front-end, else `front-end: trained -> now`,
     for a tool to report (the same features: module doc)."""
-    was, new = front_end(trained), front_end(now)
-    return "" if was == new else f"front-end: {was} -> {new}"
+    return ", ".join(changes({"front-end": front_end(trained)}, {"front-end": front_end(now)}, show=str))
 
 
 # Features plausibly the codec's: the mean over dimensions of KL(N(sample mean, sample std) || N(codec mean, codec

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from data.dump_writer import fsync_folder, npy_header, output_folder, publish, write_temporary
+from data.setting_changes import changes
 from data.writer_lock import WriterLock
 from errors import BadInputError, TransientFault
 
@@ -163,15 +164,15 @@ SETTING_FLAGS = {"km_level": "--km"}
 
 def changed_settings(recorded: dict, settings: dict) -> str:
     """`key: recorded -> now` for each setting that differs from what was recorded ('' when none does); one of
-    SETTING_FLAGS as its flag, `--km 1 -> no --km`."""
-    def change(key, was, now) -> str:
+    SETTING_FLAGS as its flag, `--km 1 -> no --km`; one of LATER_SETTINGS that the record lacks is no change."""
+    def word(key: str, was, now) -> str:
         if key not in SETTING_FLAGS:
             return f"{key}: {was!r} -> {now!r}"
-        flag = SETTING_FLAGS[key]
-        return " -> ".join(f"no {flag}" if value is None else f"{flag} {value}" for value in (was, now))
+        return " -> ".join(f"no {SETTING_FLAGS[key]}" if value is None else f"{SETTING_FLAGS[key]} {value}"
+                           for value in (was, now))
 
-    return ", ".join(change(key, recorded.get(key), value) for key, value in settings.items()
-                     if recorded.get(key) != value and not (key in LATER_SETTINGS and key not in recorded))
+    return ", ".join(changes(recorded, settings, word=word,
+                             skip=lambda key: key in LATER_SETTINGS and key not in recorded))
 
 
 def remove_shard(folder: Path, name: str, layout: ShardLayout) -> None:

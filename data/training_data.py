@@ -26,6 +26,7 @@ from data.crops import CropReader, HostBatches
 from data.demo_corpus import ensure_demo_corpus
 from data.device_cache import DeviceFeatureCache
 from data.feature_settings import describe, dump_feature_settings, settings_differ
+from data.setting_changes import changes
 from data.prefetcher import Prefetcher
 from data.stores import HOLDOUT, TRAIN_SPLIT, VALID_SPLIT, FeatureStore, open_stores, save_manifest, store_identity
 from errors import BadInputError
@@ -278,18 +279,14 @@ def data_identity(given: str | None, data_dir: str | Path, store: dict, dim: int
 
 def data_differences(trained: dict, now: dict) -> list[str]:
     """`what: trained -> now` for each part of two data identities that differs (none: the same data)."""
-    differ = []
     was, new = trained.get("features", {}), now.get("features", {})
     if was.get("feature") != new.get("feature"):
-        differ.append(f"features: {describe(was)} -> {describe(new)}")
-    elif settings_differ(was, new):
-        differ.append(f"features: {settings_differ(was, new)}")
-    if trained.get("dim") != now.get("dim"):
-        differ.append(f"dim: {trained.get('dim')} -> {now.get('dim')}")
+        differ = changes({"features": was}, {"features": new}, show=describe)
+    else:
+        differ = [f"features: {settings_differ(was, new)}"] if settings_differ(was, new) else []
+    differ += changes(trained, now, ["dim"], show=str)
     was, new = trained.get("store", {}), now.get("store", {})
-    differ += [f"{key}: {was.get(key)!r} -> {new.get(key)!r}" if key == "split" else
-               f"{key}: {was.get(key)} -> {new.get(key)}" for key in ("split", "files", "utterances", "frames")
-               if was.get(key) != new.get(key)]
+    differ += changes(was, new, ["split"]) + changes(was, new, ["files", "utterances", "frames"], show=str)
     return differ
 
 

@@ -18,6 +18,11 @@ def torch_dtype(dtype: np.dtype | str) -> torch.dtype:
     return torch.from_numpy(np.zeros(0, dtype)).dtype
 
 
+def dtype_name(dtype: torch.dtype | None) -> str:
+    """How settings, notes and logs name a torch dtype: float32, bfloat16, float16 (None, no autocast: float32)."""
+    return str(dtype or torch.float32).replace("torch.", "")
+
+
 def to_device(data: torch.Tensor | np.ndarray, device: torch.device) -> torch.Tensor:
     """`data` (a tensor, or a host array) on `device`; from the host to a GPU through pinned memory, not blocking."""
     tensor = data if isinstance(data, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(data))

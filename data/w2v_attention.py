@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from data.w2v_attention_triton import triton_available, triton_relative_key_attention
+from data.w2v_attention_triton import triton_relative_key_attention
 
 log = logging.getLogger(__name__)
 

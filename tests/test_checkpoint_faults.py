@@ -230,7 +230,7 @@ def test_a_checkpoint_resumes_into_its_own_codec_and_a_field_it_predates_counts_
 
     from errors import BadInputError
     from models.codec import CodecConfig
-    from training.checkpoint import check_codec
+    from training.resume import check_codec
 
     codec = CodecConfig(feature_dim=16)
     older = {k: v for k, v in codec.to_dict().items() if k != "beam_size"}  # saved before --beam_size existed

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 
 from data.stores import find_split
-from models.codes import encode_batch
+from training.codec_passes import encode_batch
 from tools import encode, export
 from tests.audio_helpers import random_codec, run_module, write_corpus
 from tests.helpers import TINY, env, events, run_python, run_trainer, write_fairseq

@@ -7,21 +7,20 @@ import pytest
 from benchmarks.bench_padding import MIXES, file_seconds, measure, window_chunks
 from data.audio_features import FRAME_RATE, SAMPLE_RATE
 from data.audio_pipeline import AudioFile, cut_windows
-from models.codes import least_cost_passes, length_sorted_batches
+from data.pass_plan import DEVICE_DEFAULTS, least_cost_passes, length_sorted_batches, w2v_passes
 from tools import extract, tokenize
-from tools.audio_shard import BATCH_SECONDS, COMMIT_SECONDS, w2v_passes
 
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.mark.parametrize("device", sorted(BATCH_SECONDS))
+@pytest.mark.parametrize("device", sorted(DEVICE_DEFAULTS))
 @pytest.mark.parametrize("mix", MIXES)
 def test_passes_pad_at_most_a_tenth_and_stay_large_at_each_device_default(mix, device):
-    windows = window_chunks(file_seconds(mix, 1000, seed=1), COMMIT_SECONDS[device])
-    m = measure(windows, w2v_passes(BATCH_SECONDS[device]))  # measure checks each chunk is in exactly one pass
+    windows = window_chunks(file_seconds(mix, 1000, seed=1), DEVICE_DEFAULTS[device].commit_seconds)
+    m = measure(windows, w2v_passes(DEVICE_DEFAULTS[device].batch_seconds))  # measure checks each chunk is in exactly one pass
     assert m["padding"] <= 0.10, m
-    assert m["largest_pass_padded_seconds"] <= BATCH_SECONDS[device], m
-    assert m["pass_seconds_mean"] >= 0.5 * BATCH_SECONDS[device], m
+    assert m["largest_pass_padded_seconds"] <= DEVICE_DEFAULTS[device].batch_seconds, m
+    assert m["pass_seconds_mean"] >= 0.5 * DEVICE_DEFAULTS[device].batch_seconds, m
 
 
 def cost(lengths: np.ndarray, passes: list[np.ndarray], pass_frames: int) -> int:
@@ -64,7 +63,7 @@ def test_a_resumed_shard_meets_the_windows_and_passes_of_a_run_never_stopped():
     seconds = file_seconds("2-20 s", 400, seed=2)
     files = [AudioFile(i, f"{i}.wav", samples=int(s * SAMPLE_RATE)) for i, s in enumerate(seconds)]
     files[7].skipped, files[7].samples = "unreadable", 0
-    passes = w2v_passes(BATCH_SECONDS["cuda"])
+    passes = w2v_passes(DEVICE_DEFAULTS["cuda"].batch_seconds)
 
     def chunk_passes(window):
         lengths = np.array([f.samples * FRAME_RATE // SAMPLE_RATE for f in window.files], dtype=np.int64)
@@ -84,6 +83,6 @@ def test_commit_seconds_default_follows_the_device_and_a_given_one_is_kept(tool,
     flags = ["src", "train", 1, 0, tmp_path, *(["--checkpoint", tmp_path] if tool is tokenize else [])]
     for device in ("cpu", "cuda", "cuda:1"):
         kind = "cpu" if device == "cpu" else "cuda"
-        assert tool.parse_args([*flags, "--device", device]).pipeline.commit_seconds == COMMIT_SECONDS[kind]
+        assert tool.parse_args([*flags, "--device", device]).pipeline.commit_seconds == DEVICE_DEFAULTS[kind].commit_seconds
     assert tool.parse_args([*flags, "--device", "cuda", "--commit_seconds", 90]).pipeline.commit_seconds == 90
-    assert f"{COMMIT_SECONDS['cuda']:g} on cuda" in " ".join(tool.build_parser().format_help().split())
+    assert f"{DEVICE_DEFAULTS['cuda'].commit_seconds:g} on cuda" in " ".join(tool.build_parser().format_help().split())

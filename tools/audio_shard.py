@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import logging
 import os
 import queue
@@ -19,7 +18,6 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -29,24 +27,13 @@ from data.audio_sources import (AUDIO_COLUMN, AUDIO_EXTENSIONS, KEY_COLUMNS, Sou
                                 source_share)
 from data.audio_manifest import shown_name
 from data.audio_pipeline import AudioFile, FeatureWindows, Window
+from data.pass_plan import PASS_COST, PASS_RULE, by_device, device_defaults
 from data.resumable_shard import ShardWriter
 from data.w2v_attention import KERNELS
 from errors import BadInputError
-from models.codes import least_cost_passes, length_sorted_batches
 from training.device import shard_device
 from training.faults import FaultInjector
 
-# --batch_seconds by device: padded audio per w2v-BERT forward pass at most (benchmarks/README.md, "Extraction")
-BATCH_SECONDS = {"cpu": 60.0, "cuda": 600.0}
-# --commit_seconds by device: w2v-BERT's passes are cut from one window's chunks sorted by length, so a window
-# holds several passes' audio for them to be both full and little padded; a killed run does one window again
-# (benchmarks/README.md, "Padding")
-COMMIT_SECONDS = {"cpu": 600.0, "cuda": 3600.0}
-# the work a w2v-BERT pass takes whatever its size (launches, host work), as a share of a full pass: a pass takes
-# in a longer chunk only while the padding that adds costs less (models/codes.py least_cost_passes)
-PASS_COST = 0.05
-# how w2v_passes groups a window's chunks, for a shard's settings: other passes give a layer other last bits
-PASS_RULE = f"least_cost_passes, a pass costing {PASS_COST:g} of --batch_seconds"
 COMMIT_FILES = 1000  # --commit_files by default
 # the flags that decide w2v-BERT's passes, recorded in a w2v-bert shard's settings
 PASS_FLAGS = ("batch_seconds", "commit_files", "commit_seconds")
@@ -108,7 +95,7 @@ def add_input_args(p: argparse.ArgumentParser) -> None:
                    help="w2v-bert: padded audio per forward pass at most (rows x the longest chunk; a longer chunk "
                         "goes alone); a window's chunks, sorted by length, are cut into the passes that cost least, "
                         f"a pass costing its padding and {PASS_COST:g} of a full pass; default: "
-                        + ", ".join(f"{s:g} on {d}" for d, s in BATCH_SECONDS.items()))
+                        + by_device("batch_seconds"))
     p.add_argument("--commit_files", type=int,
                    help="files per commit (their output fsynced, progress recorded): what a killed run does again "
                         "at most, with --commit_seconds; w2v-bert sorts the chunks of these files into its passes; "
@@ -116,7 +103,7 @@ def add_input_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--commit_seconds", type=float,
                    help="audio per commit at most: a commit comes after this much audio or --commit_files files; "
                         "w2v-bert's passes are full and little padded when it is several times --batch_seconds; "
-                        "default: " + ", ".join(f"{s:g} on {d}" for d, s in COMMIT_SECONDS.items()))
+                        "default: " + by_device("commit_seconds"))
     p.add_argument("--audio_ext",
                    help="WebDataset shards: the extension of a sample's audio member (default: its first member "
                         f"of {', '.join('.' + e for e in AUDIO_EXTENSIONS)})")
@@ -156,7 +143,7 @@ class PipelineSettings:
 
     device: str  # --device as given (auto, cpu, cuda, cuda:1 ...)
     num_workers: int
-    batch_seconds: float | None  # None: BATCH_SECONDS by the device
+    batch_seconds: float | None  # None: the device's default (data/pass_plan.py DEVICE_DEFAULTS)
     commit_files: int
     commit_seconds: float
     compile: bool  # w2v-bert: the truncated encoder under torch.compile
@@ -165,7 +152,7 @@ class PipelineSettings:
     pass_flags_given: frozenset[str]  # the PASS_FLAGS named on the command line
 
     def batch_seconds_on(self, device: torch.device) -> float:
-        return self.batch_seconds or BATCH_SECONDS.get(device.type, BATCH_SECONDS["cpu"])
+        return self.batch_seconds or device_defaults(device.type).batch_seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +190,7 @@ def default_pipeline(device: str) -> PipelineSettings:
     """The input pipeline with every flag at its default, for --device `device` (auto, cpu, cuda, cuda:1 ...):
     what tools.extract and tools.tokenize run without flags, and rvq_tokenizer.py always."""
     return PipelineSettings(device=device, num_workers=default_workers(), batch_seconds=None,
-                            commit_files=COMMIT_FILES, commit_seconds=COMMIT_SECONDS[device_kind(device)],
+                            commit_files=COMMIT_FILES, commit_seconds=device_defaults(device_kind(device)).commit_seconds,
                             compile=False, compile_given=False, attention=None, pass_flags_given=frozenset())
 
 
@@ -336,26 +323,6 @@ def shard_attention(encoder: W2vBertLayer, pipeline: PipelineSettings, recorded:
     encoder.use_attention(kernel)
     log.info("w2v-bert attention: %s (%s)", kernel, how)
     return kernel
-
-
-def w2v_attention(before_pass_rules: bool) -> str:
-    """W2vBertLayer's attention for a shard: transformers' own for one begun before pass rules were recorded."""
-    return "stock" if before_pass_rules else "fast"
-
-
-def w2v_passes(seconds: float, *, before_pass_rules: bool = False) -> Callable[[np.ndarray], list[np.ndarray]]:
-    """w2v-BERT's forward passes over a window's chunks: sorted by length, at most `seconds` of padded audio each,
-    cut where padding and passes cost least, a pass costing PASS_COST of a full one (least_cost_passes); or, for a
-    shard begun before pass rules were recorded, filled in that order (length_sorted_batches)."""
-    frames = max(1, int(seconds * FRAME_RATE))
-    if before_pass_rules:
-        return functools.partial(length_sorted_batches, batch_frames=frames)
-    return functools.partial(least_cost_passes, batch_frames=frames, pass_frames=int(PASS_COST * frames))
-
-
-def shard_passes(settings: dict) -> Callable[[np.ndarray], list[np.ndarray]]:
-    """w2v_passes for a shard of these settings (pass_settings)."""
-    return w2v_passes(settings["batch_seconds"], before_pass_rules="passes" not in settings)
 
 
 def progress_bar(desc: str, share: AudioShare, done: int) -> tqdm:

@@ -75,11 +75,12 @@ from data.stores import FeatureStore, absent_folder, find_split, missing_split
 from data.writer_lock import WriterLock
 from errors import EXIT_OK, BadInputError
 from models.codec import CodecConfig
-from models.codes import TAIL_PADDING, code_frames, decode_utterance, encode_in_batches, km_lines, uncoded
+from models.codes import TAIL_PADDING, code_frames, decode_utterance, km_lines, uncoded
 from models.metrics import EvalSums
 from tools.cli import bad_input_exits_2, run
 from tools.trained_codec import (CodesRequest, CodesSpec, add_codes_args, begin_code_shard, codec_digest,
                                  codes_request, codes_spec, describe_codes, load_codec)
+from training.codec_passes import encode_in_batches
 from training.device import select_device
 from training.faults import FaultInjector
 from training.flag_help import FlagHelpFormatter

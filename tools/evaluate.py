@@ -4,7 +4,7 @@
     python -m tools.evaluate --checkpoint RUN --data_dir FEATS --split valid --alignments valid.phn \\
         --baseline kmeans --json eval.json
 
-Every utterance of the split is encoded as tools.encode encodes it (models/codes.py encode_in_batches: the same
+Every utterance of the split is encoded as tools.encode encodes it (training/codec_passes.py encode_in_batches: the same
 beam, the same length-sorted batches, the same codes bit for bit) and decoded as `tools.encode decode` does, then
 scored as the trainer's final eval scores (training/evaluate.py add_whole_utterance, models/metrics.py EvalSums):
 rel_mse, cosine, bits per frame, and per level the share of its codes used and their perplexity. An utterance
@@ -53,7 +53,7 @@ from data.dump_writer import cache_folder, write_temporary
 from data.feature_settings import dump_feature_settings
 from data.stores import FeatureStore, find_split, missing_split
 from errors import EXIT_OK, BadInputError
-from models.codes import code_frames, encode_in_batches
+from models.codes import code_frames
 from models.kmeans import KMEANS_ITERS, fit_kmeans, nearest_centroids
 from models.metrics import EvalSums
 from models.unit_quality import phone_information, unit_quality
@@ -62,6 +62,7 @@ from tools.encode import SplitShare, check_features, open_share
 from tools.trained_codec import (CodesRequest, CodesSpec, add_codes_args, codes_request, codes_spec, describe_codes,
                                  load_codec)
 from training.codebooks import refit_utterances
+from training.codec_passes import encode_in_batches
 from training.device import select_device
 from training.evaluate import add_whole_utterance
 from training.flag_help import FlagHelpFormatter

@@ -64,14 +64,16 @@ from data.audio_features import (FEATURES, FRAME_RATE, FRONT_END, FRONT_ENDS, SA
 from data.audio_pipeline import FeatureWindows, Window  # noqa: E402
 from data.dump_writer import DUMP_DTYPES  # noqa: E402
 from data.feature_settings import RECORDED_BEFORE, model_fingerprint  # noqa: E402
+from data.pass_plan import shard_passes, w2v_attention  # noqa: E402
 from data.resumable_shard import (FEATURE_DUMP, ShardWriter, check_split_shards, claim_shard,  # noqa: E402
                                   shard_settings)
 from errors import EXIT_FAILURE, EXIT_OK  # noqa: E402
 from tools.audio_shard import (AudioInput, AudioShare, PipelineSettings, ShardOutput, add_input_args,  # noqa: E402
                                audio_share, begun_before_pass_rules, input_settings, log_input_wait, model_device,
-                               pass_settings, progress_bar, shard_attention, shard_compile, shard_passes, w2v_attention,
-                               list_skip, write_windows, written_lengths)
+                               pass_settings, progress_bar, shard_attention, shard_compile, list_skip,
+                               write_windows, written_lengths)
 from tools.cli import bad_input_exits_2, run  # noqa: E402
+from data.transfers import dtype_name  # noqa: E402
 from training.device import compute_dtype  # noqa: E402
 from training.faults import FaultInjector  # noqa: E402
 from training.flag_help import FlagHelpFormatter  # noqa: E402
@@ -176,7 +178,7 @@ def feature_maker(request: FeatureRequest, pipeline: PipelineSettings, device: t
                            compile=pipeline.compile)
     settings.update(dim=encoder.dim, checkpoint=str(request.checkpoint.resolve()),
                     model=model_fingerprint(request.checkpoint), layer=request.layer,
-                    max_chunk_seconds=request.max_chunk_seconds, precision=str(encoder.dtype).replace("torch.", ""))
+                    max_chunk_seconds=request.max_chunk_seconds, precision=dtype_name(encoder.dtype))
     log.info("w2v-bert layer %d of %s on %s (%s), %d-d%s", request.layer, request.checkpoint, encoder.device,
              encoder.dtype, encoder.dim, ", under torch.compile" if encoder.compiled else "")
     return fbank, encoder, settings

@@ -62,23 +62,26 @@ from data.audio_pipeline import AudioFile, FeatureWindows, Window  # noqa: E402
 from data.audio_sources import Utterances  # noqa: E402
 from data.codes_parquet import write_codes_parquet  # noqa: E402
 from data.feature_settings import RECORDED_BEFORE, describe, front_end, model_fingerprint, settings_differ  # noqa: E402
+from data.pass_plan import shard_passes, w2v_attention  # noqa: E402
 from data.resumable_shard import CODES, ShardWriter, shard_settings  # noqa: E402
 from data.transfers import host_copy  # noqa: E402
 from errors import EXIT_FAILURE, EXIT_OK, BadInputError  # noqa: E402
 from models.codec import RVQCodec  # noqa: E402
-from models.codes import TAIL_PADDING, code_frames, encode_in_batches, km_lines  # noqa: E402
+from models.codes import TAIL_PADDING, code_frames, km_lines  # noqa: E402
+from training.codec_passes import encode_in_batches  # noqa: E402
 from tools.audio_shard import (AudioInput, AudioShare, PipelineSettings, ShardOutput, add_input_args,  # noqa: E402
                                audio_share, begun_before_pass_rules, input_settings, log_input_wait, model_device,
-                               pass_settings, progress_bar, shard_attention, shard_compile, shard_passes, w2v_attention,
-                               list_skip, write_windows, written_lengths)
+                               pass_settings, progress_bar, shard_attention, shard_compile, list_skip,
+                               write_windows, written_lengths)
 from tools.cli import bad_input_exits_2, run  # noqa: E402
 from tools.trained_codec import (CodesRequest, CodesSpec, add_codes_args, begin_code_shard,  # noqa: E402
                                  codes_request, codes_spec, describe_codes, load_codec)
+from training.device import precision_names  # noqa: E402
 from training.faults import FaultInjector  # noqa: E402
 from training.flag_help import FlagHelpFormatter  # noqa: E402
 
 log = logging.getLogger("tokenize")
-PRECISION_NAMES = {"fp32": "float32", "bf16": "bfloat16"}  # --precision -> the name tools.extract records
+PRECISION_NAMES = precision_names("fp32", "bf16")  # --precision -> the name tools.extract records
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,6 +25,7 @@ import torch
 
 from data.codes_parquet import complete_codes_parquet, require_pyarrow
 from data.dump_writer import output_folder
+from data.pass_plan import by_device, device_defaults
 from data.resumable_shard import CODES, ShardWriter, check_split_shards, claim_shard, recorded_settings
 from data.writer_lock import WriterLock
 from errors import BadInputError, TransientFault
@@ -36,9 +37,6 @@ from training.run_folder import CHECKPOINTS, RunFolder
 
 log = logging.getLogger("codec")
 
-# --batch_frames by device: on a CPU the fastest pass measured (benchmarks/bench_encode.py), its intermediates
-# within the caches; on a GPU longer passes spread the kernel launches over more frames
-BATCH_FRAMES = {"cpu": 2048, "cuda": 32768}
 CODEC_LOCK = ".codes.codec.lock"  # in a code output folder: held while a writer checks the codec and starts its shard
 # A codec is trusted when its schedule ended with a final eval, after at least this many steps, with a rel_mse
 # below this: a shorter run (a --max_minutes budget spent on the k-means init) gives codes of little meaning
@@ -228,7 +226,7 @@ def add_codes_args(p: argparse.ArgumentParser, km: bool = True) -> None:
     p.add_argument("--batch_frames", type=int,
                    help="feature frames per codec forward pass, counted padded (rows x the longest utterance in the "
                         "batch; a longer utterance goes alone); default: "
-                        + ", ".join(f"{n} on {device}" for device, n in BATCH_FRAMES.items()))
+                        + by_device("codec_batch_frames"))
     if not km:
         return
     p.add_argument("--km", type=int, nargs="?", const=1, metavar="LEVEL",
@@ -246,7 +244,7 @@ class CodesRequest:
 
     num_quantizers: int | None
     beam_size: int | None
-    batch_frames: int | None  # None: BATCH_FRAMES by the device
+    batch_frames: int | None  # None: the device's default (data/pass_plan.py DEVICE_DEFAULTS)
     km: int | None  # the level also written as NAME.km
     parquet: bool
 
@@ -294,7 +292,7 @@ def codes_spec(request: CodesRequest, model: RVQCodec, state: dict, ckpt_path: P
                 "codec_digest": recorded_digest(state), "levels": q,
                 "codebook_size": config.codebook_size, "downsample": config.downsample, "dtype": dtype.name,
                 "feature_dim": config.feature_dim, "beam_size": beam, "km_level": request.km}
-    batch_frames = request.batch_frames or BATCH_FRAMES.get(device.type, BATCH_FRAMES["cpu"])
+    batch_frames = request.batch_frames or device_defaults(device.type).codec_batch_frames
     return CodesSpec(model, q, beam, dtype, request.km, batch_frames, settings)
 
 

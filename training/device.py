@@ -10,9 +10,19 @@ import os
 
 import torch
 
+from data.transfers import dtype_name
+
 from errors import BadInputError
 
+# --precision's names: the compute dtype each stands for (fp32: none, autocast off); notes record it by its dtype's
+# name (precision_names)
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def precision_names(*flags: str) -> dict[str, str]:
+    """--precision name -> the name a note records (data/transfers.py dtype_name: fp32 -> float32, bf16 ->
+    bfloat16), for `flags` (default: every name)."""
+    return {flag: dtype_name(PRECISIONS[flag]) for flag in (flags or PRECISIONS)}
 
 
 def select_device(flag: str, local_rank: int = 0, *, bind_local_rank: bool = False) -> torch.device:

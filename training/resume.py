@@ -1,10 +1,14 @@
-"""Resume agreement: rank 0 chooses the checkpoint, every rank loads that one.
+"""Which checkpoint a run continues from, and every rank's agreement on it.
+
+`find_resume` is the choice: --resume auto (the newest readable checkpoint in --output_dir, a truncated one moved
+aside), none, or a path; the checkpoint must have trained this run's codec on this run's data (`check_codec`,
+`check_data`; other data only with --finetune), and a run may not start behind checkpoints already in its folder.
+training/checkpoint.py reads and writes the files; this module decides.
 
 Ranks that each picked their own newest file (two nodes with different
 `--output_dir`s, or one not on a shared filesystem) would start at different
 steps and deadlock in mismatched collectives. So rank 0 alone chooses, as a
-single process does (`find_resume`: the newest readable checkpoint, a truncated
-one moved aside, or the `--resume` path), and broadcasts the path and step over
+single process does, and broadcasts the path and step over
 the control plane; rank 0 alone renames files, and checks that the checkpoint
 trained on this run's data (or that --finetune moves it to other data: sent along
 as `new_data`), before it sends its choice. Every
@@ -17,17 +21,112 @@ no file is to blame). When rank 0 has none, every rank starts from step 0.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 
+from data.setting_changes import changes
+from data.training_data import data_differences
 from errors import BadInputError, TransientFault
 from models.codec import CodecConfig
-from training.checkpoint import RESUME_KEYS, Resume, check_codec, find_resume, list_checkpoints, load_checkpoint
+from training.checkpoint import (NAME, RESUME_KEYS, WRONG_PATH, Malformed, list_checkpoints, load_checkpoint,
+                                 load_latest, unreadable_reason)
 from training.distributed import DistContext, agree, raise_together, rank0_decides
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Resume:
+    path: Path
+    state: dict
+    new_data: bool = False  # --finetune on other data than the checkpoint's: the feature statistics are redone
+
+
+def find_resume(resume: str, folder: Path, codec: CodecConfig, data: dict | None = None,
+                finetune: bool = False) -> Resume | None:
+    """The checkpoint to continue from (--resume auto, none, or a path), trained with this run's codec on this
+    run's data (`data`: its identity, data/training_data.py; other data only with `finetune`).
+    On several ranks, rank 0 alone calls it (it moves unreadable checkpoints aside) and the others load its
+    choice (training/resume.py). A run that would start behind checkpoints already in `folder` (--resume none
+    there, or an older --resume path) is refused: its own checkpoints would be the oldest, pruned first."""
+    found = None
+    if resume == "auto":
+        found = load_latest(folder, set_aside=True, needs=RESUME_KEYS)
+    elif resume != "none":
+        try:
+            found = Path(resume), load_checkpoint(Path(resume), RESUME_KEYS)
+        except (Malformed, *WRONG_PATH) as e:  # missing, truncated or not a checkpoint: the flag is wrong
+            raise BadInputError(f"--resume {resume}: cannot read it: {unreadable_reason(Path(resume), e)}") from e
+    start = found[1]["step"] if found is not None else 0
+    ahead = [p for p in list_checkpoints(folder) if int(NAME.match(p.name).group(1)) > start]
+    if ahead:
+        raise BadInputError(
+            f"{folder} holds checkpoints of another run, up to {ahead[0].name}, ahead of step {start} where this "
+            f"run starts (--resume {resume}): they would outlive this run's own under --keep_checkpoints, and "
+            "--resume auto would later pick them. Use another --output_dir, move them away, or --resume auto to "
+            "continue that run")
+    if found is None:
+        return None
+    path, state = found
+    new_data = check_data(path, state, data, finetune, resume)
+    check_codec(path, state, codec, resume)
+    return Resume(path, state, new_data)
+
+
+def check_data(path: Path, state: dict, data: dict | None, finetune: bool, resume: str = "auto") -> bool:
+    """Whether the run goes on with other data than the checkpoint trained on: only under --finetune; without it
+    a BadInputError names what differs. A checkpoint from before the record (no "data") is not checked."""
+    trained = state.get("data")
+    if data is None or trained is None:
+        if data is not None:
+            log.warning("checkpoint %s predates the record of its training data: --data_dir is not checked", path)
+        return False
+    differ = data_differences(trained, data)
+    if not differ:
+        if finetune:
+            log.info("--finetune: these are the data checkpoint %s trained on; it resumes as it is", path)
+        return False
+    if finetune and trained.get("dim") == data.get("dim"):
+        log.warning("--finetune: checkpoint %s (step %d) goes on with other data (%s); the feature statistics are "
+                    "these data's", path, state["step"], "; ".join(differ))
+        return True
+    split = trained.get("store", {}).get("split")
+    again = ("no --data_dir (the demo corpus)" if trained.get("features", {}).get("feature") == "demo"
+             else f"--data_dir {trained.get('data_dir')}")
+    again += f" --train_split {split}" if split != data["store"]["split"] else ""
+    fresh = "another --output_dir" if resume == "auto" else "no --resume"
+    tune = ("to fine-tune it on these data, add --finetune" if trained.get("dim") == data.get("dim")
+            else f"a codec of {trained.get('dim')}-d features fine-tunes on no other width")
+    raise BadInputError(f"checkpoint {path} (step {state['step']}) was trained on other data than this run's "
+                        f"({'; '.join(differ)}). To continue it, give {again}; {tune}; to train afresh on them, "
+                        f"give {fresh}")
+
+
+def check_codec(path: Path, state: dict, codec: CodecConfig, resume: str = "auto") -> None:
+    """A checkpoint resumes only into the codec it trained; a field it predates counts at its default. The
+    refusal names the fields that differ and the flags that give the checkpoint's codec back."""
+    from training.config import command_line  # the config imports the data, which import nothing of training/
+
+    saved = {f.name: f.default for f in dataclasses.fields(CodecConfig) if f.default is not dataclasses.MISSING}
+    saved.update(state["codec"])
+    now = codec.to_dict()
+    differ = [key for key in now if saved.get(key) != now[key]]
+    if not differ:
+        return
+    flags = {f.name for f in dataclasses.fields(CodecConfig) if f.metadata.get("flag", True)} - {"feature_dim"}
+    given = command_line({key: saved[key] for key in differ if key in flags})  # the flags not at their default
+    left_out = [f"--{key}" for key in differ if key in flags and f"--{key}" not in given]
+    fix = " and ".join(([f"with {' '.join(given)}"] if given else [])
+                       + ([f"without {', '.join(left_out)}"] if left_out else []))
+    fresh = "give another --output_dir" if resume == "auto" else "give no --resume"
+    raise BadInputError(f"checkpoint {path} was trained with a codec that differs from this run's flags: "
+                        + ", ".join(changes(saved, now, differ,
+                                            word=lambda key, was, ours: f"{key} {was} (this run: {ours})"))
+                        + (f". To continue it, run {fix}" if fix else "")
+                        + f"; to train this codec from scratch, {fresh}")
 
 
 @dataclass

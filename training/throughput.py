@@ -29,6 +29,8 @@ import time
 
 import torch
 
+from data.transfers import dtype_name
+
 # Dense (no sparsity) peak FLOP/s, keyed by the exact torch.cuda.get_device_name(): (16-bit tensor, fp32).
 # Sources: NVIDIA data sheets (H100 and H200 product pages' spec tables, the A100 data sheet, the
 # L40S, L40, L4 and A10 data sheets; the Ada and Ampere GeForce whitepapers for the RTX cards, fp16
@@ -80,7 +82,7 @@ def measured_gemm_flops(device: torch.device, dtype: torch.dtype = torch.float32
 
 def peak_flops(device: torch.device, amp_dtype: torch.dtype | None) -> tuple[float, str]:
     """(peak FLOP/s of one device at the precision the model computes in, where the figure comes from)."""
-    precision = "fp32" if amp_dtype is None else str(amp_dtype).replace("torch.", "")
+    precision = "fp32" if amp_dtype is None else dtype_name(amp_dtype)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         if name in PEAK_FLOPS:
