@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from data.resumable_shard import FEATURE_DUMP
 from errors import BadInputError
 
 AUDIO_SUFFIXES = (".wav", ".flac", ".ogg")
@@ -79,15 +80,15 @@ def share_manifest(data_dir: Path, split: str, utterances: int, start: int,
     shard; None when the split has no such manifests or they do not describe its `utterances` utterances. The
     files are read line by line: nothing held grows with the split."""
     shards = {}
-    for path in sorted(data_dir.glob(f"{split}_*_*.len")):
-        parts = path.stem[len(split) + 1 :].split("_")
+    for path in sorted(data_dir.glob(f"{split}_*_*{FEATURE_DUMP.lengths}")):
+        parts = path.name[len(split) + 1 : -len(FEATURE_DUMP.lengths)].split("_")
         if len(parts) == 2 and all(p.isdigit() for p in parts):
             shards[(int(parts[1]), int(parts[0]))] = path
     if not shards or len({n for n, _ in shards}) != 1:
         return None
     tsvs, roots, total = [], set(), 0
     for key in sorted(shards):
-        tsv = shards[key].with_suffix(".tsv")
+        tsv = shards[key].with_name(shards[key].name[: -len(FEATURE_DUMP.lengths)] + FEATURE_DUMP.keys)
         if not tsv.is_file():
             return None
         with open(tsv, encoding="utf-8", errors="surrogateescape") as f:

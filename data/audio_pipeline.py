@@ -79,9 +79,14 @@ class AudioFile:
     skipped: str | None = None
 
     @property
+    def shown_key(self) -> str:
+        """Its name as a line or a message can hold it (escaped where needed: data/audio_manifest.py)."""
+        return shown_name(self.key)
+
+    @property
     def skip_line(self) -> str:
-        """Its line in a `.skipped` list: the name (escaped where a line cannot hold it), a tab, the reason."""
-        return f"{shown_name(self.key)}\t{self.skipped}\n"
+        """Its line in a shard's skipped list: its shown name, a tab, the reason."""
+        return f"{self.shown_key}\t{self.skipped}\n"
 
 
 @dataclass

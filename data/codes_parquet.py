@@ -31,11 +31,10 @@ import numpy as np
 
 from data.audio_sources import INSTALL
 from data.dump_writer import publish
-from data.resumable_shard import CODES, finished_meta
+from data.resumable_shard import CODES, ShardLayout, finished_meta
 from data.writer_lock import WriterLock
 from errors import BadInputError
 
-PARQUET = ".codes.parquet"
 ROW_GROUP_UTTERANCES = 1024
 ROW_GROUP_FRAMES = 1 << 22  # 4M code frames: 64 MB of int16 codes at 8 levels, a row group's bound in memory
 log = logging.getLogger("parquet")
@@ -53,16 +52,17 @@ def require_pyarrow() -> None:
         raise BadInputError(f"--parquet writes codes with pyarrow, which is not installed: {INSTALL}") from None
 
 
-def write_codes_parquet(folder: Path, name: str, *, group_utterances: int = ROW_GROUP_UTTERANCES,
-                        group_frames: int = ROW_GROUP_FRAMES) -> Path:
-    """Write NAME.codes.parquet from finished code shard NAME in `folder` (the caller holds the shard's lock);
-    returns its path. A shard whose files disagree (rows, lengths, keys) is a BadInputError naming them."""
+def write_codes_parquet(folder: Path, name: str, layout: ShardLayout = CODES, *,
+                        group_utterances: int = ROW_GROUP_UTTERANCES, group_frames: int = ROW_GROUP_FRAMES) -> Path:
+    """Write NAME.codes.parquet from finished code shard NAME in `folder` (the caller holds the shard's lock: it is
+    data/resumable_shard.py ShardWriter.write_parquet); returns its path. A shard whose files disagree (rows,
+    lengths, keys) is a BadInputError naming them."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    array_path, len_path = folder / (name + CODES.array), folder / (name + ".codes.len")
-    tsv_path, final = folder / (name + ".codes.tsv"), folder / (name + PARQUET)
-    meta = finished_meta(folder, name, CODES)
+    array_path, len_path = folder / (name + layout.array), folder / (name + layout.lengths)
+    tsv_path, final = folder / (name + layout.keys), folder / (name + layout.parquet)
+    meta = finished_meta(folder, name, layout)
     if meta is None or not len_path.is_file():
         raise BadInputError(f"{array_path} or {len_path.name} is missing: the shard is not finished")
     codes = np.load(array_path, mmap_mode="r")
@@ -75,8 +75,8 @@ def write_codes_parquet(folder: Path, name: str, *, group_utterances: int = ROW_
     with open(tsv_path, encoding="utf-8") if tsv_path.is_file() else contextlib.nullcontext() as tsv:
         root = tsv.readline().rstrip("\n") if tsv else None
         described = {k: meta[k] for k in DESCRIBED if k in meta}
-        described.update(shard=name, root=root, key="the .codes.tsv's first field (a file under root, or the source's "
-                         "key)" if tsv else "the utterance's index in the split (tools.encode's numbering)")
+        described.update(shard=name, root=root, key=f"the {layout.keys}'s first field (a file under root, or the "
+                         "source's key)" if tsv else "the utterance's index in the split (tools.encode's numbering)")
         schema = schema.with_metadata({"rvq_codes": json.dumps(described)})
         tmp = final.with_name(final.name + ".tmp")
         try:
@@ -106,19 +106,19 @@ def write_codes_parquet(folder: Path, name: str, *, group_utterances: int = ROW_
             tmp.unlink(missing_ok=True)
             raise
     log.info("wrote %d code frames of %s, %d levels, a row per utterance keyed by %s, to %s", row, name,
-             len(levels), "its .codes.tsv line" if root is not None else "its index", final)
+             len(levels), f"its {layout.keys} line" if root is not None else "its index", final)
     return final
 
 
-def complete_codes_parquet(folder: Path, name: str) -> Path | None:
+def complete_codes_parquet(folder: Path, name: str, layout: ShardLayout = CODES) -> Path | None:
     """For a shard found finished: write NAME.codes.parquet when it is missing (a run killed while writing it),
     under the shard's lock; returns its path, or None when it was there."""
-    final = folder / (name + PARQUET)
-    with WriterLock(CODES.lock_path(folder, name), f"shard {folder / (name + CODES.array)}"):
-        if final.is_file() or finished_meta(folder, name, CODES) is None:  # there, or removed since by --overwrite
+    final = folder / (name + layout.parquet)
+    with WriterLock(layout.lock_path(folder, name), f"shard {folder / (name + layout.array)}"):
+        if final.is_file() or finished_meta(folder, name, layout) is None:  # there, or removed since by --overwrite
             return None
         log.info("%s is missing: writing it from the finished shard (--parquet)", final)
-        return write_codes_parquet(folder, name)
+        return write_codes_parquet(folder, name, layout)
 
 
 def _utterances(len_path: Path, tsv, first: int, tsv_path: Path) -> Iterator[tuple[str, int]]:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from data.resumable_shard import FEATURE_DUMP
+
 log = logging.getLogger(__name__)
 
 DEMO_VERSION = 1
@@ -75,8 +77,8 @@ def _write_split(folder: Path, split: str, count: int, seed: int, phones, tilts)
     rng = np.random.default_rng(seed)
     lengths = rng.integers(MIN_FRAMES, MAX_FRAMES + 1, size=count)
     feats = np.concatenate([_utterance(rng, phones, tilts, int(n)) for n in lengths])
-    np.save(folder / f"{split}_0_1.npy", feats)
-    (folder / f"{split}_0_1.len").write_text("".join(f"{n}\n" for n in lengths))
+    np.save(folder / f"{split}_0_1{FEATURE_DUMP.array}", feats)
+    (folder / f"{split}_0_1{FEATURE_DUMP.lengths}").write_text("".join(f"{n}\n" for n in lengths))
 
 
 def ensure_demo_corpus(folder: Path | None = None, seed: int = 1234) -> Path:
@@ -86,7 +88,7 @@ def ensure_demo_corpus(folder: Path | None = None, seed: int = 1234) -> Path:
     folder and renames it into place; the content is identical, the first wins.
     """
     folder = Path(folder) if folder else default_demo_dir()
-    if (folder / "valid_0_1.len").exists():
+    if (folder / f"valid_0_1{FEATURE_DUMP.lengths}").exists():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp", dir=folder.parent))
@@ -100,7 +102,7 @@ def ensure_demo_corpus(folder: Path | None = None, seed: int = 1234) -> Path:
         try:
             os.rename(tmp, folder)
         except OSError:
-            if not (folder / "valid_0_1.len").exists():
+            if not (folder / f"valid_0_1{FEATURE_DUMP.lengths}").exists():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

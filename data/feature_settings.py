@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from data.dump_writer import DUMP_DTYPES
+from data.resumable_shard import FEATURE_DUMP
 from data.setting_changes import changes
 
 FEATURE_KEYS = ("feature", "dim", "frame_rate_hz", "sample_rate", "front_end", "checkpoint", "model", "layer",
@@ -67,10 +68,11 @@ def dump_feature_settings(data_dir: str | Path | None, split: str) -> dict:
     note (features from another tool); "mixed" when the shards' notes disagree."""
     if data_dir is None:
         return {"feature": "demo", "note": "the trainer's synthetic demo corpus (160-d, like the Seamless fbank)"}
-    folder, pattern = Path(data_dir), re.compile(rf"^{re.escape(split)}_\d+_\d+\.json$")
+    meta, array = FEATURE_DUMP.meta, FEATURE_DUMP.array
+    folder, pattern = Path(data_dir), re.compile(rf"^{re.escape(split)}_\d+_\d+{re.escape(meta)}$")
     found = {}
-    for path in sorted(folder.glob(f"{split}_*_*.json")) if folder.is_dir() else []:
-        if pattern.match(path.name) and path.with_suffix(".npy").is_file():
+    for path in sorted(folder.glob(f"{split}_*_*{meta}")) if folder.is_dir() else []:
+        if pattern.match(path.name) and path.with_name(path.name[: -len(meta)] + array).is_file():
             try:
                 note = json.loads(path.read_text())
             except (OSError, ValueError):

@@ -1,5 +1,10 @@
-"""A shard written as it is computed and resumed after a crash from what was durably written: the one
-commit-and-resume mechanism of tools.extract (a feature dump), tools.encode and tools.tokenize (codes).
+"""A shard written as it is computed and resumed after a crash from what was durably written: the one home of a
+shard of tools.extract (a feature dump), tools.encode and tools.tokenize (codes), from its start to its end.
+`ShardLayout` names every file of a shard (FEATURE_DUMP, CODES); `ShardWriter.begin` takes the shard's lock and
+checks it against the folder (one count of shards a split, one codec a code folder, the settings it was begun
+with), `write_windows` writes a window of audio files at a time, `commit` makes it durable, `finish` (and
+`finish_utterances`, the end of an audio shard) publishes it, and `write_parquet` adds a code shard's parquet
+view (data/codes_parquet.py).
 
 While shard NAME is written, these lie in the output folder (a code shard's names; a feature dump's drop
 the `.codes`):
@@ -26,12 +31,15 @@ committed stays, and the same command resumes from it once there is room.
 from __future__ import annotations
 
 import errno
+import fcntl
 import functools
 import glob
 import json
 import logging
 import os
+import queue
 import re
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,12 +57,19 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, over quota, p
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """The files of one kind of shard, by extension after NAME."""
+    """The files of one kind of shard, NAME + an extension each: every stream a tool writes is named here, and
+    nowhere else."""
 
     array: str  # the rows: ".npy", ".codes.npy"
     meta: str  # JSON: the settings and counts
-    texts: tuple[str, ...]  # every other file a finished shard may have
-    scratch: tuple[str, ...] = ()  # streams kept while writing only
+    lengths: str  # a count a line per utterance: its frames, or its code frames
+    keys: str  # the utterances' manifest: the source's root, then key<TAB>samples a line
+    skipped: str  # key<TAB>reason a line, for each utterance left out
+    km: str | None = None  # fairseq's label lines of one level (--km)
+    parquet: str | None = None  # a row per utterance (--parquet: data/codes_parquet.py)
+    frames: str | None = None  # feature frames per utterance, kept while writing only
+    # held while a writer checks the folder's other shards and starts its own (one codec a folder); None: no such check
+    folder_lock: str | None = None
 
     @property
     def stem(self) -> str:
@@ -69,14 +84,24 @@ class ShardLayout:
         return folder / f".{name}{self.stem}.lock"
 
     @property
+    def texts(self) -> tuple[str, ...]:
+        """Every file a finished shard may have beside its array and metadata."""
+        return tuple(ext for ext in (self.lengths, self.keys, self.skipped, self.km, self.parquet) if ext)
+
+    @property
+    def scratch(self) -> tuple[str, ...]:
+        """The streams kept while writing only."""
+        return (self.frames,) if self.frames else ()
+
+    @property
     def finished(self) -> tuple[str, ...]:
         return (self.array, self.meta, *self.texts)
 
 
-FEATURE_DUMP = ShardLayout(".npy", ".json", (".len", ".tsv", ".skipped"))  # tools.extract (decode: .npy, .len)
-CODES = ShardLayout(".codes.npy", ".codes.json", (".codes.len", ".codes.tsv", ".codes.skipped", ".km",
-                                                  ".codes.parquet"),  # --parquet: data/codes_parquet.py
-                    scratch=(".codes.frames",))  # tools.encode, tools.tokenize
+FEATURE_DUMP = ShardLayout(".npy", ".json", ".len", ".tsv", ".skipped")  # tools.extract (decode: .npy, .len)
+CODES = ShardLayout(".codes.npy", ".codes.json", ".codes.len", ".codes.tsv", ".codes.skipped", km=".km",
+                    parquet=".codes.parquet", frames=".codes.frames",
+                    folder_lock=".codes.codec.lock")  # tools.encode, tools.tokenize
 
 
 def finished_meta(folder: Path, name: str, layout: ShardLayout) -> dict | None:
@@ -216,6 +241,30 @@ def claim_shard(folder: Path, name: str, layout: ShardLayout, settings: dict, *,
     return None
 
 
+def check_one_codec(folder: Path, name: str, settings: dict, *, overwrite: bool) -> None:
+    """BadInputError when a code shard in `folder`, finished or in progress, came from another codec than
+    `settings` name (its digest; its checkpoint file and step for a shard from before digests): one output holds
+    the codes of one codec. Shard NAME's own files count unless `overwrite` is to delete them. Each shard was held
+    to this when it began, so the first record read decides (a folder of many shards is not read whole)."""
+    mine = (settings["checkpoint"], settings["step"], settings["codec_digest"])
+    for path in sorted(folder.glob(f"*{CODES.progress}")) + sorted(folder.glob(f"*{CODES.meta}")):
+        if overwrite and path.name in (name + CODES.meta, name + CODES.progress):
+            continue
+        record = recorded_settings(path)
+        if not isinstance(record, dict) or "checkpoint" not in record:
+            continue
+        theirs = (record.get("checkpoint"), record.get("step"), record.get("codec_digest"))
+        if (theirs[2] == mine[2]) if theirs[2] else (theirs[:2] == mine[:2]):
+            return
+        both = [f"{file} (step {step}{f', weights {digest}' if theirs[:2] == mine[:2] else ''})"
+                for file, step, digest in (theirs, mine)]
+        raise BadInputError(
+            f"{path} holds codes of the codec {both[0]}; this command's codec is {both[1]}: one output holds the "
+            "codes of one codec. Write into another folder"
+            + (f", or give --checkpoint {theirs[0]}" if Path(theirs[0]).is_file() else "")
+            + (" (the shard's own codes go with --overwrite)" if path.name.startswith(name + ".") else ""))
+
+
 def _resumable_when_full(method: Callable) -> Callable:
     """A ShardWriter method whose disk-full OSError (DISK_FULL) becomes a TransientFault saying so in one line."""
     @functools.wraps(method)
@@ -237,12 +286,60 @@ def _size(size: float) -> str:
 
 
 class ShardWriter:
-    """Rows appended to NAME{array}.partial and lines to the text streams; `commit` makes what was written durable.
+    """One shard of a tool's output, from its start to its end: `begin` takes its lock and checks it against what
+    the folder holds, `write` and `append` add rows and lines (`write_windows`, a window of audio files at a time),
+    `commit` makes what was written durable, `finish` publishes it, and `write_parquet` adds its parquet view.
 
     `done` (inputs), `rows` and `commits` are what is committed: after opening, what an earlier run with the
     same `settings` committed (0 when it starts anew); `dropped_bytes` what that run wrote past its last
     commit. `streams`: extension -> the text a new stream begins with (a manifest's root line, or ''). `rows`
-    (the shard's rows) or `inputs` (its inputs), when known, size the space a full disk is told to free."""
+    (the shard's rows) or `inputs` (its inputs), when known, size the space a full disk is told to free. `close`
+    stops writing (what was committed stays) and lets go of the lock `begin` took."""
+
+    lock: WriterLock | None = None
+
+    @classmethod
+    def begin(cls, folder: Path, name: str, layout: ShardLayout, settings: dict, *, overwrite: bool,
+              log: logging.Logger, redo: str, parquet: bool = False, **writer_args) -> ShardWriter | None:
+        """Start (or resume) shard NAME in `folder` with `settings` (which name its `split` and `nshard`): its writer,
+        holding the shard's lock, or None when the shard is finished already (then, with `parquet`, its parquet is
+        written if missing). The folder holds the split in one count of shards, cut from one listing of the source
+        (check_split_shards), and for a layout with a `folder_lock` the codes of one codec (check_one_codec): those
+        checks and the shard's start are made under the folder's lock, and the shard's settings are on disk once it
+        has started, so two writers started at one instant with two codecs, or two shard counts, cannot both pass.
+        `redo`: what --overwrite does, in words; `writer_args`: ShardWriter's."""
+        output_folder(folder, "the output folder")
+        fd = None
+        if layout.folder_lock is not None:
+            try:  # not a WriterLock: a writer refused here must leave the folder's files as they were, this one too
+                fd = os.open(folder / layout.folder_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                raise BadInputError(f"cannot write into {folder} ({e.strerror}): give a folder this process can "
+                                    "write") from e
+        try:
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # held for the checks and a shard's start: seconds at most
+            check_split_shards(folder, settings["split"], settings["nshard"], layout, settings.get("source_listing"),
+                               name)
+            if layout.folder_lock is not None:
+                check_one_codec(folder, name, settings, overwrite=overwrite)
+            lock = claim_shard(folder, name, layout, settings, overwrite=overwrite, log=log, redo=redo)
+            if lock is not None:
+                try:
+                    writer = cls(folder, name, layout, settings, **writer_args)
+                except BaseException:
+                    lock.release()
+                    raise
+                writer.lock = lock
+                return writer
+        finally:
+            if fd is not None:
+                os.close(fd)  # closing the descriptor lets go of the folder's lock
+        if parquet:  # after the folder's lock: a large shard's parquet takes a while
+            from data.codes_parquet import complete_codes_parquet  # pyarrow, optional, only where asked for
+
+            complete_codes_parquet(folder, name, layout)
+        return None
 
     @_resumable_when_full
     def __init__(self, folder: Path, name: str, layout: ShardLayout, settings: dict, *, width: int,
@@ -354,7 +451,7 @@ class ShardWriter:
         self.file.write(npy_header(self.rows, self.width, dtype=self.dtype.name))
         self.file.flush()
         os.fsync(self.file.fileno())
-        self.close()
+        self._close_files()
         pairs = [(write_temporary(self.folder / (self.name + ext), text), self.folder / (self.name + ext))
                  for ext, text in texts.items()]
         pairs += [(path, self.folder / (self.name + ext)) for ext, path in self.stream_paths.items()
@@ -369,11 +466,19 @@ class ShardWriter:
 
     def discard(self) -> None:
         """Remove every file of the shard: nothing is kept (an extraction that kept no file)."""
-        self.close()
+        self._close_files()
         remove_shard(self.folder, self.name, self.layout)
 
     def close(self) -> None:
-        """Stop writing; what was committed stays for the next run to resume."""
+        """Stop writing, and let go of the shard's lock; what was committed stays for the next run to resume."""
+        try:
+            self._close_files()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+                self.lock = None
+
+    def _close_files(self) -> None:
         for f in (getattr(self, "file", None), *getattr(self, "streams", {}).values()):
             if f is not None and not f.closed:
                 try:
@@ -381,6 +486,90 @@ class ShardWriter:
                 except OSError as e:  # a full disk: what the buffer held was never committed, and is not needed
                     if e.errno not in DISK_FULL:
                         raise
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def write_windows(self, pipeline, write: Callable[[object, object], None], before_commit: Callable[[int], None],
+                      bar, prepare: Callable[[object], object] = lambda window: None) -> None:
+        """Every window of `pipeline` (data/audio_pipeline.py FeatureWindows) from the first file not committed:
+        `prepared = prepare(window)` on this thread (work for the device: tools.tokenize's codec), then on a writer
+        thread, window after window in order, `window.ready()` (its features back on the host), `write(window,
+        prepared)` and the commit, while this thread goes on with the next window: on a GPU the device then never
+        waits for the disk. At most one window waits for the writer beside the one it writes. The writer's error (a
+        full disk's TransientFault) is raised here, at the next hand-over or at the end, and nothing after the window
+        that failed is written; an error here (a failed window, a stop) lets the writer write and commit the windows
+        it was handed, then is raised. `before_commit(n)` runs between writing window n (counted from the shard's
+        first) and committing it (where RVQ_FAULT's kill and hang fire); `bar` shows the input wait."""
+        windows = pipeline.windows(self.done)
+        handed: queue.Queue = queue.Queue(maxsize=1)
+        failed: list[BaseException] = []
+
+        def write_in_order() -> None:
+            while (item := handed.get()) is not None:
+                if failed:
+                    continue  # a window after one that failed would be committed with it
+                window, prepared = item
+                try:
+                    window.ready()
+                    write(window, prepared)
+                    before_commit(self.commits + 1)
+                    self.commit(window.end)
+                    bar.set_postfix_str(f"input wait {pipeline.input_wait:.0f} s", refresh=False)
+                except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+                    failed.append(e)
+
+        thread = threading.Thread(target=write_in_order, name="shard writer", daemon=True)
+        thread.start()
+        try:
+            for window in windows:
+                prepared = prepare(window)
+                while not failed:
+                    try:
+                        handed.put((window, prepared), timeout=0.5)
+                        break
+                    except queue.Full:
+                        continue
+                if failed:
+                    break
+        finally:
+            try:
+                windows.close()
+            finally:
+                handed.put(None)
+                thread.join()
+        if failed:
+            raise failed[0]
+
+    def skip(self, log: logging.Logger, item) -> None:
+        """A file skipped (data/audio_pipeline.py AudioFile): its line in the shard's skipped list, and a warning
+        now, not at the shard's end (hours off in a large shard, and never reached by a run that is stopped)."""
+        self.append(self.layout.skipped, item.skip_line)
+        log.warning("skipped %s: %s", item.shown_key, item.skipped)
+
+    def finish_utterances(self, log: logging.Logger, lengths: str, meta: Callable[[list[int], int], dict], *,
+                          files: str, indent: int | None = None) -> tuple[Path, list[int], int] | None:
+        """End a shard of audio files: (its array, each utterance's length as stream `lengths` holds them, the count
+        of files skipped), its metadata `meta(lengths, skipped)` written and everything published. None, with the
+        partial shard discarded and the reason logged, when every file was skipped; `files` names them in that
+        message ("all 7 file(s) of shard 0/1")."""
+        written = [int(n) for n in self.text(lengths).split()]
+        skipped = self.text(self.layout.skipped).count("\n")
+        if not written:
+            self.discard()
+            log.error("nothing written: %s were skipped (each named in a warning as it was skipped)", files)
+            return None
+        array = self.finish({self.layout.meta: json.dumps(meta(written, skipped), indent=indent) + "\n"})
+        return array, written, skipped
+
+    def write_parquet(self) -> Path:
+        """The finished shard's parquet view beside it (data/codes_parquet.py), while this writer holds its lock."""
+        from data.codes_parquet import write_codes_parquet  # pyarrow, optional, only where asked for
+
+        return write_codes_parquet(self.folder, self.name, self.layout)
 
     def out_of_space(self, e: OSError) -> str:
         """One line for a full disk (or quota, or file-size limit): the folder, what is free there, what the shard

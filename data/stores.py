@@ -138,14 +138,15 @@ def _manifest_lines(tsv: Path) -> tuple[str, ...] | None:
 
 def audio_file(shard: Path, number: int) -> str | None:
     """The audio file utterance `number` of a dump shard was extracted from, when the shard's .tsv is there."""
-    lines = _manifest_lines(shard.with_suffix(".tsv"))
+    lines = _manifest_lines(shard.with_name(shard.name[: -len(FEATURE_DUMP.array)] + FEATURE_DUMP.keys))
     if not lines or number + 1 >= len(lines):
         return None
     return str(Path(lines[0].strip()) / lines[number + 1].split("\t")[0])
 
 
 def _load_array(path: Path) -> np.ndarray:
-    if path.suffix == ".npy":
+    """An utterance's [T, D] array: a .pt tensor, or else a numpy array (UTTERANCE_SUFFIXES)."""
+    if path.suffix != ".pt":
         return np.load(path, mmap_mode="r")
     import torch
 
@@ -159,7 +160,7 @@ def _load_array(path: Path) -> np.ndarray:
 
 
 def _fairseq_shards(folder: Path, split: str) -> list[Path]:
-    pattern = re.compile(rf"^{re.escape(split)}_(\d+)_(\d+)\.npy$")
+    pattern = re.compile(rf"^{re.escape(split)}_(\d+)_(\d+){re.escape(FEATURE_DUMP.array)}$")
     found = {}
     for path in folder.iterdir():
         m = pattern.match(path.name)
@@ -173,7 +174,7 @@ def _fairseq_shards(folder: Path, split: str) -> list[Path]:
     (nshard,) = nshards
     missing = [s for s in range(nshard) if (s, nshard) not in found]
     if missing:
-        names = ", ".join(f"{split}_{s}_{nshard}.npy" for s in missing)
+        names = ", ".join(f"{split}_{s}_{nshard}{FEATURE_DUMP.array}" for s in missing)
         raise BadInputError(f"{folder}: split '{split}' is missing shard(s) {names}")
     paths = [found[(s, nshard)] for s in range(nshard)]
     _check_one_source(folder, split, paths)
@@ -200,7 +201,7 @@ def _check_one_source(folder: Path, split: str, paths: list[Path]) -> None:
 def _open_fairseq(folder: Path, split: str, shard_paths: list[Path]) -> FeatureStore:
     shards, counts_per_shard, dims = [], [], {}
     for npy in shard_paths:
-        len_path = npy.with_suffix(".len")
+        len_path = npy.with_name(npy.name[: -len(FEATURE_DUMP.array)] + FEATURE_DUMP.lengths)
         if not len_path.exists():
             raise BadInputError(f"{npy} has no {len_path.name} beside it (one frame count per line)")
         counts = _read_len(len_path)
@@ -235,7 +236,7 @@ def warn_mixed_precision(split: str, shard_paths: list[Path]) -> dict[str, list[
     .json beside each shard where there is one; returns {precision: [shard names]}."""
     by_precision: dict[str, list[str]] = {}
     for npy in shard_paths:
-        meta = npy.with_suffix(".json")
+        meta = npy.with_name(npy.name[: -len(FEATURE_DUMP.array)] + FEATURE_DUMP.meta)
         try:
             precision = json.loads(meta.read_text()).get("precision")
         except (OSError, ValueError, AttributeError):
@@ -350,14 +351,14 @@ def _one_dim(dims: dict) -> int:
 
 
 TRAIN_SPLIT, VALID_SPLIT = "train", "valid"  # the defaults of --train_split and --valid_split
-_DUMP_LEN = re.compile(r"^(.+)_(\d+)_(\d+)\.len$")
+_DUMP_LEN = re.compile(rf"^(.+)_(\d+)_(\d+){re.escape(FEATURE_DUMP.lengths)}$")
 
 
 def dump_splits(folder: Path) -> list[str]:
     """The splits of a fairseq dump in `folder`: names with a `{split}_{shard}_{nshard}.npy` and its `.len`
     beside it (the .len tells a dump's shard from an utterance file that happens to be named like one)."""
     names = set(os.listdir(folder))
-    return sorted({m.group(1) for name in names if (m := _DUMP_LEN.match(name)) and f"{name[:-4]}.npy" in names})
+    return sorted({m.group(1) for name in names if (m := _DUMP_LEN.match(name)) and name[: -len(FEATURE_DUMP.lengths)] + FEATURE_DUMP.array in names})
 
 
 def split_names(folder: Path) -> list[str]:

@@ -1,7 +1,9 @@
-"""Small audio corpora made on the spot (tones, chirps, noise), a tiny random w2v-BERT, and the CLI runner for the
-pipeline steps."""
+"""Small audio corpora made on the spot (speech from espeak-ng, tones, chirps, noise), a tiny random w2v-BERT, and the
+CLI runner for the pipeline steps."""
 from __future__ import annotations
 
+import io
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -20,6 +22,28 @@ def voice_like(seconds: float, rate: int, seed: int) -> np.ndarray:
     envelope = 0.5 + 0.5 * np.sin(2 * np.pi * (3 + 2 * rng.random()) * t) ** 2
     x = 0.25 * envelope * voiced + 0.02 * rng.standard_normal(len(t))
     return (x / max(1.0, np.abs(x).max() * 1.05)).astype(np.float32)
+
+
+SENTENCES = ("The quick brown fox jumps over the lazy dog.", "Seven silver swans swam south in the spring.",
+             "Please call Stella and ask her to bring these things.", "A rainbow is a division of white light.",
+             "She sells sea shells by the sea shore.", "We will tokenize ten thousand hours of speech.")
+
+
+def spoken(seconds: float, rate: int, seed: int) -> np.ndarray:
+    """Real speech: one of SENTENCES said by espeak-ng (`apt-get install espeak-ng`), resampled to `rate` and cut
+    (or padded with silence) to `seconds`, in [-1, 1]."""
+    import soundfile as sf
+    import soxr
+
+    if shutil.which("espeak-ng") is None:
+        raise RuntimeError("the audio tests speak with espeak-ng: apt-get install espeak-ng")
+    wav = subprocess.run(["espeak-ng", "--stdout", "-s", str(140 + 10 * (seed % 5)), "-p", str(30 + 7 * (seed % 6)),
+                          SENTENCES[seed % len(SENTENCES)]], capture_output=True, check=True, timeout=30).stdout
+    x, native = sf.read(io.BytesIO(wav), dtype="float32")
+    x = soxr.resample(x, native, rate) if native != rate else x
+    n = int(seconds * rate)
+    x = np.pad(x[:n], (0, max(0, n - len(x))))
+    return (0.9 * x / max(1e-3, np.abs(x).max())).astype(np.float32)
 
 
 def chirp(seconds: float, rate: int, f_start=200.0, f_end=3000.0) -> np.ndarray:

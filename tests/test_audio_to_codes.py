@@ -16,10 +16,11 @@ import pytest
 import soundfile as sf
 import torch
 
+from data import pass_plan
 from data.dump_writer import publish, shard_range
 from tests.audio_helpers import CORPUS, random_codec, tiny_w2v_bert, write_corpus
 from tests.helpers import REPO, TINY, _state, env, run_trainer, tree
-from tools import audio_shard, encode, export, extract, report, tokenize
+from tools import encode, export, extract, report, tokenize
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -365,8 +366,8 @@ def test_a_w2v_shard_begun_before_pass_rules_goes_on_with_its_own_and_resumes_to
     attention, filled = [], []
     layer = extract.W2vBertLayer
     monkeypatch.setattr(extract, "W2vBertLayer", lambda *a, **k: attention.append(k["attention"]) or layer(*a, **k))
-    fill = audio_shard.length_sorted_batches
-    monkeypatch.setattr(audio_shard, "length_sorted_batches", lambda *a, **k: filled.append(1) or fill(*a, **k))
+    fill = pass_plan.length_sorted_batches
+    monkeypatch.setattr(pass_plan, "length_sorted_batches", lambda *a, **k: filled.append(1) or fill(*a, **k))
     assert extract.main(args) == 0
     assert attention == ["stock"] and filled, (attention, len(filled))
     assert "begun before pass rules were recorded" in caplog.text
@@ -466,3 +467,53 @@ def test_a_w2v_shard_goes_on_with_the_attention_kernel_it_was_begun_with(corpus,
     caplog.clear()  # a new shard: the kernel asked for, or a clear refusal of one that cannot run here
     assert extract.main([*args[:4], tmp_path / "new", *args[5:], "--attention", "triton"]) == 2
     assert "--attention triton cannot run here" in caplog.text and not (tmp_path / "new").exists()
+
+
+BEGUN_BEFORE = REPO / "tests" / "data" / "shards_cf27e23"  # its README says how they were made
+
+
+def resumable_copy(begun: Path, out: Path, root: Path) -> None:
+    """A begun shard of BEGUN_BEFORE in `out`, its folder `@ROOT@` made `root`: in its settings, and in the root
+    line its manifest stream opens with (whose committed size changes with it)."""
+    shutil.copytree(begun, out)
+    grown = len(str(root)) - len("@ROOT@")
+    for progress in out.glob("*.progress"):
+        record = json.loads(progress.read_text().replace("@ROOT@", str(root)))
+        for ext in record["sizes"]:
+            if ext.endswith(".tsv"):
+                record["sizes"][ext] += grown
+        progress.write_text(json.dumps(record) + "\n")
+    for tsv in out.glob("*.tsv.partial"):
+        tsv.write_text(tsv.read_text().replace("@ROOT@", str(root)))
+
+
+def test_shards_begun_before_the_shard_module_resume_to_the_bytes_of_an_unbroken_run(tmp_path, caplog):
+    """A feature dump and a code shard that tools of cf27e23 began and were killed in: today's tools resume them
+    from their commit, dropping what was written after it, and finish them as an unbroken run of today's tools
+    does: the same text files, and the same rows after the committed ones (those, computed on the machine that
+    made the fixture, within float rounding of this one's)."""
+    audio = tmp_path / "audio"
+    write_corpus(audio, CORPUS[:6])
+    assert extract.main([audio, "train", 1, 0, tmp_path / "feats", *COMMIT]) == 0  # unbroken, today's
+    codec = random_codec(tmp_path / "codec.pt", tmp_path / "feats", feature_dim=160)
+    tokenize_args = ["--checkpoint", codec, *COMMIT, "--km", 1]
+    assert tokenize.main([audio, "train", 1, 0, tmp_path / "codes", *tokenize_args]) == 0
+    for kind, tool, extra, array, texts in (
+            ("feats", extract, [], ".npy", (".len", ".tsv", ".skipped", ".json")),
+            ("codes", tokenize, tokenize_args, ".codes.npy", (".codes.len", ".codes.tsv", ".codes.skipped", ".km"))):
+        begun = tmp_path / f"begun_{kind}"
+        resumable_copy(BEGUN_BEFORE / kind, begun, tmp_path)
+        committed = json.loads(next(begun.glob("*.progress")).read_text())
+        assert committed["done"] == 2 and committed["commits"] == 1
+        if kind == "codes":
+            assert committed["settings"]["codec_digest"] == json.loads(
+                (tmp_path / "codes" / f"{SHARD}.codes.json").read_text())["codec_digest"]  # the same random codec
+        caplog.clear()
+        assert tool.main([audio, "train", 1, 0, begun, *extra]) == 0, caplog.text[-2000:]
+        assert "resuming at file 2 of 6" in caplog.text and "after the last commit dropped" in caplog.text
+        assert files_of(begun, SHARD, texts) == files_of(tmp_path / kind, SHARD, texts)
+        resumed, unbroken = (np.load(folder / (SHARD + array)) for folder in (begun, tmp_path / kind))
+        rows = committed["rows"]
+        assert resumed.shape == unbroken.shape and 0 < rows < len(unbroken)
+        assert np.array_equal(resumed[rows:], unbroken[rows:])
+        assert np.allclose(resumed[:rows], unbroken[:rows], atol=1e-5)

@@ -14,7 +14,7 @@ import soundfile as sf
 import torch
 
 import rvq_tokenizer
-from tests.audio_helpers import chirp, random_codec, tiny_w2v_bert, voice_like
+from tests.audio_helpers import chirp, random_codec, spoken, tiny_w2v_bert, voice_like
 from tests.helpers import QUICK, REPO, TINY, trainer_in_process, tree
 from tools import encode, export, extract, tokenize
 
@@ -29,9 +29,11 @@ MIXED = [(f"{'sub/' if k % 5 == 4 else ''}u{k:02d}.{('wav', 'flac', 'ogg')[k % 3
 
 
 def write_mixed(folder: Path) -> list[Path]:
-    """The MIXED files under `folder`, in the order tools.extract lists the folder."""
+    """The MIXED files under `folder`, in the order tools.extract lists the folder: espeak-ng's speech in every
+    other file, chirps and voice-like tones in the rest."""
     for k, (rel, seconds, rate, channels) in enumerate(MIXED):
-        x = chirp(seconds, rate) if k % 4 == 3 else voice_like(seconds, rate, seed=k)
+        x = (spoken(seconds, rate, seed=k) if k % 2 == 0 else chirp(seconds, rate) if k % 4 == 3
+             else voice_like(seconds, rate, seed=k))
         if channels == 2:
             x = np.stack([x, 0.6 * x[::-1]], axis=1)
         (folder / rel).parent.mkdir(parents=True, exist_ok=True)

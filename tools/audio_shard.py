@@ -1,5 +1,6 @@
 """What tools.extract and tools.tokenize share: the audio files a process takes, the flags of their input
-pipeline, and their loop, which writes and commits each window of files.
+pipeline, and what a w2v-bert shard records of its passes, compile and attention kernel (the shard itself, and
+its loop over windows of files: data/resumable_shard.py ShardWriter).
 
 `SOURCE SPLIT NSHARD RANK`: rank RANK of NSHARD takes its contiguous share of the files, as in fairseq's
 simple_kmeans. Under torchrun (RANK and WORLD_SIZE in the environment), process r of W takes shard
@@ -13,9 +14,6 @@ import argparse
 import dataclasses
 import logging
 import os
-import queue
-import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,14 +23,11 @@ from data.attention_choice import choose_kernel, cpu_kernel, pass_shapes, unavai
 from data.audio_features import FRAME_RATE, W2vBertLayer
 from data.audio_sources import (AUDIO_COLUMN, AUDIO_EXTENSIONS, KEY_COLUMNS, SourceFlags, Utterances, listing,
                                 source_share)
-from data.audio_manifest import shown_name
-from data.audio_pipeline import AudioFile, FeatureWindows, Window
+from data.audio_pipeline import FeatureWindows
 from data.pass_plan import PASS_COST, PASS_RULE, by_device, device_defaults
-from data.resumable_shard import ShardWriter
 from data.w2v_attention import KERNELS
-from errors import BadInputError
+from errors import EXIT_OK, BadInputError
 from training.device import shard_device
-from training.faults import FaultInjector
 
 COMMIT_FILES = 1000  # --commit_files by default
 # the flags that decide w2v-BERT's passes, recorded in a w2v-bert shard's settings
@@ -164,9 +159,10 @@ class ShardOutput:
 
 
 def input_settings(p: argparse.ArgumentParser,
-                   args: argparse.Namespace) -> tuple[AudioInput, PipelineSettings, ShardOutput]:
-    """The flags of add_input_args as settings, their defaults filled in; argparse's exit 2 for values out of
-    range."""
+                   argv) -> tuple[argparse.Namespace, AudioInput, PipelineSettings, ShardOutput]:
+    """`argv` (None: the command line) parsed by `p`, and its flags of add_input_args as settings, their defaults
+    filled in; argparse's exit 2 for values out of range."""
+    args = p.parse_args(None if argv is None else [str(a) for a in argv])
     if args.nshard < 1 or not 0 <= args.rank < args.nshard:
         p.error(f"need nshard >= 1 and 0 <= rank < nshard, got nshard {args.nshard}, rank {args.rank}")
     if args.num_workers is not None and args.num_workers < 0:
@@ -183,7 +179,7 @@ def input_settings(p: argparse.ArgumentParser,
         pass_flags_given=frozenset(name for name in PASS_FLAGS if name in given))
     share = AudioInput(args.source, args.split, args.nshard, args.rank,
                        SourceFlags(args.audio_ext, args.audio_column, args.key_column))
-    return share, pipeline, ShardOutput(args.out_dir, args.overwrite)
+    return args, share, pipeline, ShardOutput(args.out_dir, args.overwrite)
 
 
 def default_pipeline(device: str) -> PipelineSettings:
@@ -333,81 +329,12 @@ def progress_bar(desc: str, share: AudioShare, done: int) -> tqdm:
                            + "s [{elapsed}<{remaining}{postfix}]")
 
 
-def write_windows(pipeline: FeatureWindows, writer: ShardWriter, write: Callable[[Window, object], None],
-                  faults: FaultInjector, bar: tqdm, prepare: Callable[[Window], object] = lambda window: None) -> None:
-    """Every window from the writer's first file not committed: `prepared = prepare(window)` on this thread (work
-    for the device: tools.tokenize's codec), then on a writer thread, window after window in order,
-    `window.ready()` (its features back on the host), `write(window, prepared)` and the commit, while this thread
-    goes on with the next window: on a GPU the device then never waits for the disk. At most one window waits for
-    the writer beside the one it writes. The writer's error (a full disk's TransientFault) is raised here, at the
-    next hand-over or at the end, and nothing after the window that failed is written; an error here (a failed
-    window, a stop) lets the writer write and commit the windows it was handed, then is raised. RVQ_FAULT's kill
-    (and hang) fire between writing window N (counted from the shard's first) and committing it."""
-    windows = pipeline.windows(writer.done)
-    handed: queue.Queue = queue.Queue(maxsize=1)
-    failed: list[BaseException] = []
-
-    def write_in_order() -> None:
-        while (item := handed.get()) is not None:
-            if failed:
-                continue  # a window after one that failed would be committed with it
-            window, prepared = item
-            try:
-                window.ready()
-                write(window, prepared)
-                faults.before_commit(writer.commits + 1)
-                writer.commit(window.end)
-                bar.set_postfix_str(f"input wait {pipeline.input_wait:.0f} s", refresh=False)
-            except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
-                failed.append(e)
-
-    thread = threading.Thread(target=write_in_order, name="shard writer", daemon=True)
-    thread.start()
-    try:
-        for window in windows:
-            prepared = prepare(window)
-            while not failed:
-                try:
-                    handed.put((window, prepared), timeout=0.5)
-                    break
-                except queue.Full:
-                    continue
-            if failed:
-                break
-    finally:
-        try:
-            windows.close()
-        finally:
-            handed.put(None)
-            thread.join()
-    if failed:
-        raise failed[0]
-
-
-def list_skip(log: logging.Logger, writer: ShardWriter, skipped: str, item: AudioFile) -> None:
-    """A file skipped: its line in the shard's `skipped` list, and a warning now, not at the shard's end (hours
-    off in a large shard, and never reached by a run that is stopped)."""
-    writer.append(skipped, item.skip_line)
-    log.warning("skipped %s: %s", shown_name(item.key), item.skipped)
-
-
-def written_lengths(log: logging.Logger, writer: ShardWriter, share: AudioShare, lengths: str,
-                    skipped: str) -> tuple[list[int], list[list[str]]] | None:
-    """What the shard holds once every window is written: the length of each utterance (the `lengths` file, one
-    a line) and the (file, reason) of each skipped one (`skipped`, each warned about as it was skipped: list_skip).
-    None, with the partial shard discarded and the reason logged, when every file was skipped."""
-    written = [int(n) for n in writer.text(lengths).split()]
-    skips = [line.split("\t", 1) for line in writer.text(skipped).split("\n") if line]
-    if not written:
-        writer.discard()
-        log.error("nothing written: all %d file(s) of shard %d/%d were skipped (each named in a warning as it was "
-                  "skipped)", len(share.keys), share.rank, share.nshard)
-        return None
-    return written, skips
-
-
-def log_input_wait(log: logging.Logger, pipeline: FeatureWindows, seconds: float, model: str) -> None:
-    """The model's input wait, as the trainer logs its data wait."""
+def shard_written(log: logging.Logger, pipeline: FeatureWindows, seconds: float, model: str, wrote: str) -> int:
+    """The end of a shard of audio in the log: the speed and the model's input wait (as the trainer logs its data
+    wait), what was written (`wrote`), and that the shard is finished; EXIT_OK."""
     log.info("read %.1f s of audio in %.2f s: %.1f audio seconds per second; %s waited %.2f s (%.0f%%) for decoded "
              "audio (--num_workers %d)", pipeline.audio_seconds, seconds, pipeline.audio_seconds / max(seconds, 1e-9),
              model, pipeline.input_wait, 100 * pipeline.input_wait / max(seconds, 1e-9), pipeline.num_workers)
+    log.info("%s", wrote)
+    log.info("finished successfully")
+    return EXIT_OK

@@ -66,7 +66,6 @@ from tqdm import tqdm
 
 from data.audio_features import FEATURES
 from data.audio_manifest import manifest_lines, share_manifest, shown_name
-from data.codes_parquet import write_codes_parquet
 from data.dump_writer import NpyRowWriter, len_text, output_folder, publish, shard_range, write_temporary
 from data.feature_settings import (PLAUSIBLE_SHIFT, STATS_FRAMES, dump_feature_settings, feature_shift,
                                    front_ends_differ, settings_differ, stored_differently)
@@ -78,8 +77,8 @@ from models.codec import CodecConfig
 from models.codes import TAIL_PADDING, code_frames, decode_utterance, km_lines, uncoded
 from models.metrics import EvalSums
 from tools.cli import bad_input_exits_2, run
-from tools.trained_codec import (CodesRequest, CodesSpec, add_codes_args, begin_code_shard, codec_digest,
-                                 codes_request, codes_spec, describe_codes, load_codec)
+from tools.trained_codec import (CodesRequest, CodesSpec, add_codes_args, codec_digest, codes_request, codes_spec,
+                                 describe_codes, load_codec)
 from training.codec_passes import encode_in_batches
 from training.device import select_device
 from training.faults import FaultInjector
@@ -218,42 +217,36 @@ def encode_store(cfg: EncodeSettings) -> int:
     settings = {**spec.settings, "features": features, "split": data.split, "rank": data.rank,
                 "nshard": data.nshard, "first_utterance": start, "utterances": end - start,
                 "frames": store.total_frames, "code_frames": int(code_lengths.sum())}
-    begun = begin_code_shard(cfg.output_dir, name, settings, overwrite=cfg.overwrite, log=log,
-                             redo="encode the shard again", width=spec.levels, dtype=spec.dtype,
-                             rows=int(code_lengths.sum()),
-                             streams={".codes.skipped": "", **({".km": ""} if spec.km else {})},
-                             parquet=cfg.codes.parquet)
-    if begun is None:
+    writer = ShardWriter.begin(cfg.output_dir, name, CODES, settings, overwrite=cfg.overwrite, log=log,
+                               redo="encode the shard again", width=spec.levels, dtype=spec.dtype,
+                               rows=int(code_lengths.sum()),
+                               streams={CODES.skipped: "", **({CODES.km: ""} if spec.km else {})},
+                               parquet=cfg.codes.parquet)
+    if writer is None:
         return EXIT_OK
-    lock, writer = begun
-    try:
-        try:
-            log.info("%s: utterances %d-%d of %d in %s -> %s/%s.codes.npy, %s", name, start, end - 1, total,
-                     data.folder, cfg.output_dir, name, describe_codes(spec))
-            if writer.done:
-                log.info("resuming at utterance %d of %d (%d code frames committed; %d bytes written after the last "
-                         "commit dropped)", writer.done, end - start, writer.rows, writer.dropped_bytes)
-            encode_chunks(spec, store, writer, name=name, first_utterance=start, faults=FaultInjector(data.rank),
-                          commit_frames=cfg.commit_frames)
-            skipped = writer.text(".codes.skipped").count("\n")
-            meta = {**settings, "feature_check": feature_check, "store": store.description,
-                    "data_dir": str(data.folder.absolute()), "padding": TAIL_PADDING,
-                    "feature_frames": store.lengths.tolist(), "skipped": skipped}
-            texts = {".codes.len": (f"{n}\n" for n in code_lengths), ".codes.json": json.dumps(meta) + "\n"}
-            manifest = share_manifest(data.folder, data.split, total, start, end)
-            if manifest is not None:
-                texts[".codes.tsv"] = manifest_lines(*manifest)
-            array = writer.finish(texts)
-            if cfg.codes.parquet:
-                write_codes_parquet(cfg.output_dir, name)
-        finally:
-            writer.close()
-    finally:
-        lock.release()
+    with writer:
+        log.info("%s: utterances %d-%d of %d in %s -> %s/%s%s, %s", name, start, end - 1, total, data.folder,
+                 cfg.output_dir, name, CODES.array, describe_codes(spec))
+        if writer.done:
+            log.info("resuming at utterance %d of %d (%d code frames committed; %d bytes written after the last "
+                     "commit dropped)", writer.done, end - start, writer.rows, writer.dropped_bytes)
+        encode_chunks(spec, store, writer, name=name, first_utterance=start, faults=FaultInjector(data.rank),
+                      commit_frames=cfg.commit_frames)
+        skipped = writer.text(CODES.skipped).count("\n")
+        meta = {**settings, "feature_check": feature_check, "store": store.description,
+                "data_dir": str(data.folder.absolute()), "padding": TAIL_PADDING,
+                "feature_frames": store.lengths.tolist(), "skipped": skipped}
+        texts = {CODES.lengths: (f"{n}\n" for n in code_lengths), CODES.meta: json.dumps(meta) + "\n"}
+        manifest = share_manifest(data.folder, data.split, total, start, end)
+        if manifest is not None:
+            texts[CODES.keys] = manifest_lines(*manifest)
+        array = writer.finish(texts)
+        if cfg.codes.parquet:
+            writer.write_parquet()
     config = model.config
     log.info("wrote %d utterances, %d code frames (%d levels, %.0f bits/frame of features) to %s%s", end - start,
              code_lengths.sum(), spec.levels, spec.levels * math.log2(config.codebook_size) / config.downsample, array,
-             f"; {skipped} with NaN or Inf features have codes -1, listed in {name}.codes.skipped" if skipped else "")
+             f"; {skipped} with NaN or Inf features have codes -1, listed in {name}{CODES.skipped}" if skipped else "")
     log.info("finished successfully")
     return EXIT_OK
 
@@ -274,12 +267,13 @@ def encode_chunks(spec: CodesSpec, store: FeatureStore, writer: ShardWriter, *, 
             writer.write(codes)
             lengths = code_frames(chunk.lengths, spec.model.config.downsample)
             for i in first + uncoded(codes, lengths):
-                log.warning("%s has NaN or Inf values: its codes are -1 (no code), listed in %s.codes.skipped; "
-                            "`python -m tools.check` lists every such utterance of a dump", store.name(i), name)
-                writer.append(".codes.skipped", f"{first_utterance + i}\tNaN or Inf features, codes -1: "
-                                                f"{shown_name(store.name(i))}\n")
+                log.warning("%s has NaN or Inf values: its codes are -1 (no code), listed in %s%s; "
+                            "`python -m tools.check` lists every such utterance of a dump", store.name(i), name,
+                            CODES.skipped)
+                writer.append(CODES.skipped, f"{first_utterance + i}\tNaN or Inf features, codes -1: "
+                                             f"{shown_name(store.name(i))}\n")
             if spec.km:
-                writer.append(".km", km_lines(codes, lengths, spec.km))
+                writer.append(CODES.km, km_lines(codes, lengths, spec.km))
             faults.before_commit(number)
             writer.commit(end)
             frames += chunk.total_frames
@@ -291,7 +285,7 @@ def encode_chunks(spec: CodesSpec, store: FeatureStore, writer: ShardWriter, *, 
 def decode_codes(cfg: DecodeSettings) -> int:
     model, state, ckpt_path = load_codec(cfg.checkpoint, select_device(cfg.device))
     name, codes_dir, output_dir = cfg.codes.name, cfg.codes.folder, cfg.output_dir
-    array, lens = codes_dir / f"{name}.codes.npy", codes_dir / f"{name}.codes.len"
+    array, lens = codes_dir / (name + CODES.array), codes_dir / (name + CODES.lengths)
     if not array.is_file() or not lens.is_file():
         raise missing_codes(cfg.codes, array, lens)
     codes = np.load(array, mmap_mode="r")
@@ -301,7 +295,7 @@ def decode_codes(cfg: DecodeSettings) -> int:
     if not 1 <= codes.shape[1] <= model.config.num_quantizers:
         raise BadInputError(f"{array.name} has {codes.shape[1]} levels; the codec in {ckpt_path} has "
                             f"{model.config.num_quantizers}")
-    meta_path = codes_dir / f"{name}.codes.json"
+    meta_path = codes_dir / (name + CODES.meta)
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     if meta.get("codec_digest") not in (None, codec_digest(state["model"])):  # another codec's codes: noise
         raise BadInputError(f"{array} holds codes of the codec {meta.get('checkpoint')} (step {meta.get('step')}); "
@@ -313,10 +307,10 @@ def decode_codes(cfg: DecodeSettings) -> int:
     output_folder(output_dir, "--output_dir")
     source = encoded_features(meta, frames, model.config.feature_dim)
     sums = EvalSums(model.config.feature_dim, codes.shape[1], model.config.codebook_size, "cpu")
-    with WriterLock(FEATURE_DUMP.lock_path(output_dir, name), f"shard {output_dir / name}.npy"):
+    with WriterLock(FEATURE_DUMP.lock_path(output_dir, name), f"shard {output_dir / (name + FEATURE_DUMP.array)}"):
         if not cfg.overwrite:
             refuse_to_shadow(output_dir, name)
-        writer = NpyRowWriter(output_dir / f"{name}.npy", model.config.feature_dim)
+        writer = NpyRowWriter(output_dir / (name + FEATURE_DUMP.array), model.config.feature_dim)
         lengths, row = [], 0
         try:
             for i, n in enumerate(tqdm(counts, desc=f"decode {name}", unit="utt", dynamic_ncols=True,
@@ -331,7 +325,7 @@ def decode_codes(cfg: DecodeSettings) -> int:
                     if np.isfinite(x).all():  # one with NaN or Inf features has codes of -1: nothing to score
                         sums.add(torch.from_numpy(x), torch.from_numpy(out),
                                  torch.from_numpy(np.asarray(utterance_codes, dtype=np.int64)))
-            len_path = output_dir / f"{name}.len"
+            len_path = output_dir / (name + FEATURE_DUMP.lengths)
             publish([(write_temporary(len_path, len_text(lengths)), len_path)], (writer.finish(), writer.path))
         except BaseException:
             writer.discard()
@@ -378,7 +372,7 @@ def missing_codes(codes: SplitShare, array: Path, lens: Path) -> BadInputError:
 def refuse_to_shadow(folder: Path, name: str) -> None:
     """Decoding into a folder that holds NAME's features (an extraction's, say) would replace them with their
     lossy reconstruction: exit 2."""
-    there = [folder / (name + ext) for ext in (".npy", ".len") if (folder / (name + ext)).exists()]
+    there = [folder / (name + ext) for ext in (FEATURE_DUMP.array, FEATURE_DUMP.lengths) if (folder / (name + ext)).exists()]
     if there:
         raise BadInputError(f"{there[0]} exists: decoding into {folder} would replace those features with their "
                             "reconstruction; give another --output_dir, or pass --overwrite to replace them")

@@ -52,7 +52,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
-import json  # noqa: E402
 import logging  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -65,15 +64,13 @@ from data.audio_pipeline import FeatureWindows, Window  # noqa: E402
 from data.dump_writer import DUMP_DTYPES  # noqa: E402
 from data.feature_settings import RECORDED_BEFORE, model_fingerprint  # noqa: E402
 from data.pass_plan import shard_passes, w2v_attention  # noqa: E402
-from data.resumable_shard import (FEATURE_DUMP, ShardWriter, check_split_shards, claim_shard,  # noqa: E402
-                                  shard_settings)
+from data.resumable_shard import FEATURE_DUMP, ShardWriter, shard_settings  # noqa: E402
+from data.transfers import dtype_name  # noqa: E402
 from errors import EXIT_FAILURE, EXIT_OK  # noqa: E402
 from tools.audio_shard import (AudioInput, AudioShare, PipelineSettings, ShardOutput, add_input_args,  # noqa: E402
-                               audio_share, begun_before_pass_rules, input_settings, log_input_wait, model_device,
-                               pass_settings, progress_bar, shard_attention, shard_compile, list_skip,
-                               write_windows, written_lengths)
+                               audio_share, begun_before_pass_rules, input_settings, model_device,
+                               pass_settings, progress_bar, shard_attention, shard_compile, shard_written)
 from tools.cli import bad_input_exits_2, run  # noqa: E402
-from data.transfers import dtype_name  # noqa: E402
 from training.device import compute_dtype  # noqa: E402
 from training.faults import FaultInjector  # noqa: E402
 from training.flag_help import FlagHelpFormatter  # noqa: E402
@@ -138,8 +135,7 @@ class ExtractSettings:
 
 def parse_args(argv=None) -> ExtractSettings:
     p = build_parser()
-    args = p.parse_args(None if argv is None else [str(a) for a in argv])
-    audio, pipeline, output = input_settings(p, args)
+    args, audio, pipeline, output = input_settings(p, argv)
     if args.feature == "w2v-bert" and (args.checkpoint is None or args.layer is None):
         p.error("--feature w2v-bert needs --checkpoint DIR (a local Wav2Vec2BertModel) and --layer L")
     if args.max_chunk_seconds < MIN_CHUNK_SECONDS:
@@ -199,27 +195,21 @@ def extract(cfg: ExtractSettings) -> int:
     if encoder is not None:
         attention = shard_attention(encoder, cfg.pipeline, recorded, before_pass_rules, log)
         settings.update(pass_settings(cfg.pipeline, encoder.device, before_pass_rules, attention))
-    check_split_shards(out_dir, split, share.nshard, source_listing=settings["source_listing"], name=name)
-    lock = claim_shard(out_dir, name, FEATURE_DUMP, settings, overwrite=cfg.output.overwrite, log=log,
-                       redo="extract the shard again")
-    if lock is None:
+    dump = FEATURE_DUMP
+    writer = ShardWriter.begin(out_dir, name, dump, settings, overwrite=cfg.output.overwrite, log=log,
+                               redo="extract the shard again", width=settings["dim"], dtype=cfg.features.dtype,
+                               streams={dump.lengths: "", dump.keys: f"{share.root}\n", dump.skipped: ""},
+                               inputs=len(share.keys))
+    if writer is None:
         return EXIT_OK
-    try:
-        writer = ShardWriter(out_dir, name, FEATURE_DUMP, settings, width=settings["dim"], dtype=cfg.features.dtype,
-                             streams={".len": "", ".tsv": f"{share.root}\n", ".skipped": ""},
-                             inputs=len(share.keys))
-        try:
-            return extract_into(cfg, share, name, fbank, encoder, device, settings, writer)
-        finally:
-            writer.close()
-    finally:
-        lock.release()
+    with writer:
+        return extract_into(cfg, share, name, fbank, encoder, device, settings, writer)
 
 
 def extract_into(cfg: ExtractSettings, share: AudioShare, name: str, fbank: SeamlessFbank,
                  encoder: W2vBertLayer | None, device: torch.device, settings: dict, writer: ShardWriter) -> int:
-    log.info("%s: %s from %s -> %s/%s.npy (%s, %d-d)", name, share.describe(), cfg.audio.source, cfg.output.out_dir,
-             name, cfg.features.feature, settings["dim"])
+    log.info("%s: %s from %s -> %s/%s%s (%s, %d-d)", name, share.describe(), cfg.audio.source, cfg.output.out_dir,
+             name, FEATURE_DUMP.array, cfg.features.feature, settings["dim"])
     if writer.done:
         log.info("resuming at %s %d of %d (%d frames committed; %d bytes written after the last commit dropped)",
                  share.utterances.noun, writer.done, len(share.keys), writer.rows, writer.dropped_bytes)
@@ -237,28 +227,26 @@ def extract_into(cfg: ExtractSettings, share: AudioShare, name: str, fbank: Seam
         def write(window: Window, _) -> None:
             for item in window.files:
                 if item.features is None:
-                    list_skip(log, writer, ".skipped", item)
+                    writer.skip(log, item)
                 else:
                     writer.write(item.features)
-                    writer.append(".len", f"{len(item.features)}\n")
-                    writer.append(".tsv", f"{item.key}\t{item.samples}\n")
+                    writer.append(FEATURE_DUMP.lengths, f"{len(item.features)}\n")
+                    writer.append(FEATURE_DUMP.keys, f"{item.key}\t{item.samples}\n")
 
-        write_windows(pipeline, writer, write, FaultInjector(share.rank), bar)
+        writer.write_windows(pipeline, write, FaultInjector(share.rank).before_commit, bar)
     seconds = time.perf_counter() - began
-    written = written_lengths(log, writer, share, ".len", ".skipped")
-    if written is None:
+    finished = writer.finish_utterances(
+        log, FEATURE_DUMP.lengths, lambda lengths, skipped: {
+            **settings, "source": str(cfg.audio.source), "utterances": len(lengths), "frames": sum(lengths),
+            "skipped": skipped}, files=f"all {len(share.keys)} file(s) of shard {share.rank}/{share.nshard}", indent=1)
+    if finished is None:
         return EXIT_FAILURE
-    lengths, skipped = written
-    meta = {**settings, "source": str(cfg.audio.source), "utterances": len(lengths), "frames": sum(lengths),
-            "skipped": len(skipped)}
-    array = writer.finish({FEATURE_DUMP.meta: json.dumps(meta, indent=1) + "\n"})
-    log_input_wait(log, pipeline, seconds, "the model" if encoder else "the writer")
+    array, lengths, skipped = finished
     frames = sum(lengths)
-    log.info("wrote %d utterances, %d frames (%.1f min at %d Hz) to %s; skipped %d file(s)%s", len(lengths), frames,
-             frames / FRAME_RATE / 60, FRAME_RATE, array, len(skipped),
-             f", listed in {name}.skipped" if skipped else "")
-    log.info("finished successfully")
-    return EXIT_OK
+    return shard_written(log, pipeline, seconds, "the model" if encoder else "the writer",
+                         f"wrote {len(lengths)} utterances, {frames} frames ({frames / FRAME_RATE / 60:.1f} min at "
+                         f"{FRAME_RATE} Hz) to {array}; skipped {skipped} file(s)"
+                         + (f", listed in {name}{FEATURE_DUMP.skipped}" if skipped else ""))
 
 
 @bad_input_exits_2(log)

@@ -46,7 +46,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
-import json  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
@@ -60,7 +59,6 @@ import torch  # noqa: E402
 from data.audio_features import FEATURES, FRONT_ENDS, SeamlessFbank, W2vBertLayer  # noqa: E402
 from data.audio_pipeline import AudioFile, FeatureWindows, Window  # noqa: E402
 from data.audio_sources import Utterances  # noqa: E402
-from data.codes_parquet import write_codes_parquet  # noqa: E402
 from data.feature_settings import RECORDED_BEFORE, describe, front_end, model_fingerprint, settings_differ  # noqa: E402
 from data.pass_plan import shard_passes, w2v_attention  # noqa: E402
 from data.resumable_shard import CODES, ShardWriter, shard_settings  # noqa: E402
@@ -68,14 +66,13 @@ from data.transfers import host_copy  # noqa: E402
 from errors import EXIT_FAILURE, EXIT_OK, BadInputError  # noqa: E402
 from models.codec import RVQCodec  # noqa: E402
 from models.codes import TAIL_PADDING, code_frames, km_lines  # noqa: E402
-from training.codec_passes import encode_in_batches  # noqa: E402
 from tools.audio_shard import (AudioInput, AudioShare, PipelineSettings, ShardOutput, add_input_args,  # noqa: E402
-                               audio_share, begun_before_pass_rules, input_settings, log_input_wait, model_device,
-                               pass_settings, progress_bar, shard_attention, shard_compile, list_skip,
-                               write_windows, written_lengths)
+                               audio_share, begun_before_pass_rules, input_settings, model_device,
+                               pass_settings, progress_bar, shard_attention, shard_compile, shard_written)
 from tools.cli import bad_input_exits_2, run  # noqa: E402
-from tools.trained_codec import (CodesRequest, CodesSpec, add_codes_args, begin_code_shard,  # noqa: E402
-                                 codes_request, codes_spec, describe_codes, load_codec)
+from tools.trained_codec import (CodesRequest, CodesSpec, add_codes_args, codes_request, codes_spec,  # noqa: E402
+                                 describe_codes, load_codec)
+from training.codec_passes import encode_in_batches  # noqa: E402
 from training.device import precision_names  # noqa: E402
 from training.faults import FaultInjector  # noqa: E402
 from training.flag_help import FlagHelpFormatter  # noqa: E402
@@ -133,8 +130,7 @@ class TokenizeSettings:
 
 def parse_args(argv=None) -> TokenizeSettings:
     p = build_parser()
-    args = p.parse_args(None if argv is None else [str(a) for a in argv])
-    audio, pipeline, output = input_settings(p, args)
+    args, audio, pipeline, output = input_settings(p, argv)
     codes = codes_request(p, args)
     features = FeatureFlags(args.feature, args.layer, args.precision, args.w2v_bert)
     return TokenizeSettings(audio, pipeline, output, args.checkpoint, codes, features)
@@ -271,28 +267,22 @@ def tokenize(cfg: TokenizeSettings) -> int:
     codec = audio_codec(model, state, ckpt_path, cfg.codes, cfg.features, cfg.pipeline, device, recorded)
     spec = codec.spec
     settings = {**codec.codes, "split": cfg.audio.split, **share.settings, **codec.passes}
-    streams = {".codes.len": "", ".codes.tsv": f"{share.root}\n", ".codes.skipped": "", ".codes.frames": ""}
-    begun = begin_code_shard(out_dir, name, settings, overwrite=overwrite, log=log,
-                             redo="tokenize the shard again", width=spec.levels, dtype=spec.dtype,
-                             streams={**streams, **({".km": ""} if spec.km else {})}, inputs=len(share.keys),
-                             parquet=cfg.codes.parquet)
-    if begun is None:
+    streams = {CODES.lengths: "", CODES.keys: f"{share.root}\n", CODES.skipped: "", CODES.frames: ""}
+    writer = ShardWriter.begin(out_dir, name, CODES, settings, overwrite=overwrite, log=log,
+                               redo="tokenize the shard again", width=spec.levels, dtype=spec.dtype,
+                               streams={**streams, **({CODES.km: ""} if spec.km else {})}, inputs=len(share.keys),
+                               parquet=cfg.codes.parquet)
+    if writer is None:
         return EXIT_OK
-    lock, writer = begun
-    try:
-        try:
-            return tokenize_into(cfg, share, name, codec, settings, writer)
-        finally:
-            writer.close()
-    finally:
-        lock.release()
+    with writer:
+        return tokenize_into(cfg, share, name, codec, settings, writer)
 
 
 def tokenize_into(cfg: TokenizeSettings, share: AudioShare, name: str, codec: AudioCodec, settings: dict,
                   writer: ShardWriter) -> int:
     spec = codec.spec
-    log.info("%s: %s from %s -> %s/%s.codes.npy: %s features, %s", name, share.describe(), cfg.audio.source,
-             cfg.output.out_dir, name, settings["features"]["feature"], describe_codes(spec))
+    log.info("%s: %s from %s -> %s/%s%s: %s features, %s", name, share.describe(), cfg.audio.source,
+             cfg.output.out_dir, name, CODES.array, settings["features"]["feature"], describe_codes(spec))
     if writer.done:
         log.info("resuming at %s %d of %d (%d code frames committed; %d bytes written after the last commit "
                  "dropped)", share.utterances.noun, writer.done, len(share.keys), writer.rows, writer.dropped_bytes)
@@ -319,40 +309,38 @@ def tokenize_into(cfg: TokenizeSettings, share: AudioShare, name: str, codec: Au
         def write(window: Window, encoded: tuple[np.ndarray, Callable[[], np.ndarray]] | None) -> None:
             for item in window.files:
                 if item.skipped is not None:
-                    list_skip(log, writer, ".codes.skipped", item)
+                    writer.skip(log, item)
             if encoded is None:
                 return
             lengths, codes_back = encoded
             codes = codes_back()
             writer.write(codes)
             code_lengths = code_frames(lengths, downsample)
-            writer.append(".codes.len", "".join(f"{n}\n" for n in code_lengths))
-            writer.append(".codes.tsv", "".join(f"{item.key}\t{item.samples}\n" for item in window.files
-                                                if item.skipped is None))
-            writer.append(".codes.frames", "".join(f"{n}\n" for n in lengths))
+            writer.append(CODES.lengths, "".join(f"{n}\n" for n in code_lengths))
+            writer.append(CODES.keys, "".join(f"{item.key}\t{item.samples}\n" for item in window.files
+                                              if item.skipped is None))
+            writer.append(CODES.frames, "".join(f"{n}\n" for n in lengths))
             if spec.km:
-                writer.append(".km", km_lines(codes, code_lengths, spec.km))
+                writer.append(CODES.km, km_lines(codes, code_lengths, spec.km))
 
-        write_windows(pipeline, writer, write, FaultInjector(share.rank), bar, prepare=encode)
+        writer.write_windows(pipeline, write, FaultInjector(share.rank).before_commit, bar, prepare=encode)
     seconds = time.perf_counter() - began
-    written = written_lengths(log, writer, share, ".codes.frames", ".codes.skipped")
-    if written is None:
+    finished = writer.finish_utterances(
+        log, CODES.frames, lambda frames, skipped: {
+            **settings, "source": str(cfg.audio.source), "utterances": len(frames), "frames": sum(frames),
+            "code_frames": writer.rows, "skipped": skipped, "padding": TAIL_PADDING, "feature_frames": frames},
+        files=f"all {len(share.keys)} file(s) of shard {share.rank}/{share.nshard}")
+    if finished is None:
         return EXIT_FAILURE
-    frames, skipped = written
-    meta = {**settings, "source": str(cfg.audio.source), "utterances": len(frames), "frames": sum(frames),
-            "code_frames": writer.rows, "skipped": len(skipped),
-            "padding": TAIL_PADDING, "feature_frames": frames}
-    array = writer.finish({CODES.meta: json.dumps(meta) + "\n"})
+    array, frames, skipped = finished
     if cfg.codes.parquet:
-        write_codes_parquet(cfg.output.out_dir, name)
-    log_input_wait(log, pipeline, seconds, "the models")
+        writer.write_parquet()
     config = spec.model.config
-    log.info("wrote %d utterances, %d code frames (%d levels, %.0f bits/frame of features) to %s; skipped %d "
-             "file(s)%s", len(frames), writer.rows, spec.levels,
-             spec.levels * math.log2(config.codebook_size) / config.downsample, array, len(skipped),
-             f", listed in {name}.codes.skipped" if skipped else "")
-    log.info("finished successfully")
-    return EXIT_OK
+    bits = spec.levels * math.log2(config.codebook_size) / config.downsample
+    listed = f", listed in {name}{CODES.skipped}" if skipped else ""
+    wrote = (f"wrote {len(frames)} utterances, {writer.rows} code frames ({spec.levels} levels, {bits:.0f} bits/frame "
+             f"of features) to {array}; skipped {skipped} file(s){listed}")
+    return shard_written(log, pipeline, seconds, "the models", wrote)
 
 
 @bad_input_exits_2(log)

@@ -1,10 +1,10 @@
 """A trained codec from a checkpoint file or a run's --output_dir, for the tools that use one (encode, tokenize,
-export), described in the log when loaded; and what the two that write codes with it share: their flags, the
-settings a code shard records, and the rules that one output folder holds the codes of one codec, and each split
-in one count of shards.
+export), described in the log when loaded; and what the two that write codes with it share: their flags and the
+settings a code shard records (the rules a code shard's folder keeps, one codec and one count of shards a split:
+data/resumable_shard.py ShardWriter.begin).
 
 A codec's identity is the digest of its weights (`codec_digest`), recorded with its checkpoint file and step by
-every code shard from its start (begin_code_shard): the same weights give the same codes, wherever the file lies.
+every code shard from its start: the same weights give the same codes, wherever the file lies.
 `--checkpoint RUN` takes the newest checkpoint of a run that has ended; a run still training (its --output_dir
 lock held) is refused, since its newest checkpoint changes under the shards of one output; a checkpoint file of
 it is taken as given.
@@ -12,21 +12,17 @@ it is taken as given.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import hashlib
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from data.codes_parquet import complete_codes_parquet, require_pyarrow
-from data.dump_writer import output_folder
+from data.codes_parquet import require_pyarrow
 from data.pass_plan import by_device, device_defaults
-from data.resumable_shard import CODES, ShardWriter, check_split_shards, claim_shard, recorded_settings
 from data.writer_lock import WriterLock
 from errors import BadInputError, TransientFault
 from models.codec import CodecConfig, RVQCodec
@@ -37,7 +33,6 @@ from training.run_folder import CHECKPOINTS, RunFolder
 
 log = logging.getLogger("codec")
 
-CODEC_LOCK = ".codes.codec.lock"  # in a code output folder: held while a writer checks the codec and starts its shard
 # A codec is trusted when its schedule ended with a final eval, after at least this many steps, with a rel_mse
 # below this: a shorter run (a --max_minutes budget spent on the k-means init) gives codes of little meaning
 TRUSTED_STEPS = 100
@@ -158,62 +153,6 @@ def codec_digest(weights: dict) -> str:
 def recorded_digest(state: dict) -> str:
     """The codec_digest of a checkpoint's weights, or the one an export recorded (load_exported)."""
     return codec_digest(state["model"]) if "model" in state else state["codec_digest"]
-
-
-def check_one_codec(folder: Path, name: str, settings: dict, *, overwrite: bool) -> None:
-    """BadInputError when a code shard in `folder`, finished or in progress, came from another codec than
-    `settings` name (its digest; its checkpoint file and step for a shard from before digests): one output holds
-    the codes of one codec. Shard NAME's own files count unless `overwrite` is to delete them. Each shard was held
-    to this when it began, so the first record read decides (a folder of many shards is not read whole)."""
-    mine = (settings["checkpoint"], settings["step"], settings["codec_digest"])
-    for path in sorted(folder.glob(f"*{CODES.progress}")) + sorted(folder.glob(f"*{CODES.meta}")):
-        if overwrite and path.name in (name + CODES.meta, name + CODES.progress):
-            continue
-        record = recorded_settings(path)
-        if not isinstance(record, dict) or "checkpoint" not in record:
-            continue
-        theirs = (record.get("checkpoint"), record.get("step"), record.get("codec_digest"))
-        if (theirs[2] == mine[2]) if theirs[2] else (theirs[:2] == mine[:2]):
-            return
-        both = [f"{file} (step {step}{f', weights {digest}' if theirs[:2] == mine[:2] else ''})"
-                for file, step, digest in (theirs, mine)]
-        raise BadInputError(
-            f"{path} holds codes of the codec {both[0]}; this command's codec is {both[1]}: one output holds the "
-            "codes of one codec. Write into another folder"
-            + (f", or give --checkpoint {theirs[0]}" if Path(theirs[0]).is_file() else "")
-            + (" (the shard's own codes go with --overwrite)" if path.name.startswith(name + ".") else ""))
-
-
-def begin_code_shard(folder: Path, name: str, settings: dict, *, overwrite: bool, log: logging.Logger, redo: str,
-                     parquet: bool = False, **writer_args) -> tuple[WriterLock, ShardWriter] | None:
-    """Start (or resume) code shard NAME in `folder` with the codec `settings` name: its writer lock and its
-    ShardWriter (data/resumable_shard.py claim_shard, then ShardWriter(**writer_args)), or None when it is finished
-    already (then, with `parquet`, its NAME.codes.parquet is written if missing: data/codes_parquet.py). The folder
-    holds the codes of one codec (check_one_codec), and the split (settings' `split`) in one count of shards, its
-    `nshard` (data/resumable_shard.py check_split_shards): the checks and the shard's start are made under a lock on
-    the folder, and the shard's settings are on disk once it has started, so two writers started at one instant
-    with two codecs, or two shard counts, cannot both pass."""
-    output_folder(folder, "the output folder")
-    try:  # not a WriterLock: a writer refused here must leave the folder's files as they were, this one included
-        fd = os.open(folder / CODEC_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        raise BadInputError(f"cannot write into {folder} ({e.strerror}): give a folder this process can write") from e
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # held for the checks and a shard's start: seconds at most
-        check_split_shards(folder, settings["split"], settings["nshard"], CODES, settings.get("source_listing"), name)
-        check_one_codec(folder, name, settings, overwrite=overwrite)
-        lock = claim_shard(folder, name, CODES, settings, overwrite=overwrite, log=log, redo=redo)
-        if lock is not None:
-            try:
-                return lock, ShardWriter(folder, name, CODES, settings, **writer_args)
-            except BaseException:
-                lock.release()
-                raise
-    finally:
-        os.close(fd)  # closing the descriptor lets go of the folder's lock
-    if parquet:  # after the folder's lock: a large shard's parquet takes a while
-        complete_codes_parquet(folder, name)
-    return None
 
 
 def add_codes_args(p: argparse.ArgumentParser, km: bool = True) -> None:
