@@ -253,20 +253,25 @@ class W2vBertLayer:
         """[T_i, 160] fbank chunks (arrays, or tensors on the host or on the device) -> the layer's [rows, longest,
         dim] output on the device, in the model's dtype, from one forward pass (each row zero-padded to the longest,
         its padding masked). Nothing here waits for the device: inputs built on the host reach a GPU from pinned
-        memory (data/transfers.py to_device), inputs already there are padded there."""
+        memory (data/transfers.py to_device), inputs already there are padded there. A pass with no padding has no
+        mask where our attention runs (an all-ones mask computes the same, after transformers reads it back from
+        the device to find out)."""
         longest = max(len(c) for c in chunks)
         where = chunks[0].device if isinstance(chunks[0], torch.Tensor) else torch.device("cpu")
         pinned = where.type == "cpu" and self.device.type == "cuda"
         x = torch.zeros(len(chunks), longest, chunks[0].shape[1], device=where, pin_memory=pinned)
-        mask = torch.zeros(len(chunks), longest, dtype=torch.long, device=where, pin_memory=pinned)
+        padded = self.compiled or not self.attentions or any(len(c) < longest for c in chunks)
+        mask = torch.zeros(len(chunks), longest, dtype=torch.long, device=where, pin_memory=pinned) if padded else None
         for row, chunk in enumerate(chunks):
             x[row, : len(chunk)] = torch.as_tensor(chunk)
-            mask[row, : len(chunk)] = 1
+            if mask is not None:
+                mask[row, : len(chunk)] = 1
         graphs = compiled_graphs() if self.compiled else 0
         began = time.perf_counter()
         with torch.inference_mode():
             out = self.model(input_features=to_device(x, self.device).to(self.dtype),
-                             attention_mask=to_device(mask, self.device), output_hidden_states=True)
+                             attention_mask=None if mask is None else to_device(mask, self.device),
+                             output_hidden_states=True)
         if self.compiled and compiled_graphs() > graphs:
             self.graphs += compiled_graphs() - graphs
             log.info("w2v-bert: compiled graph %d, for a pass of %d x %d frames (%.1f s)", self.graphs, len(chunks),

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from data.w2v_attention_triton import triton_relative_key_attention
+from data.w2v_attention_triton import key_tensors, triton_relative_key_attention
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class RelativeKeySelfAttention(nn.Module):
         self.position_embeddings_type = RELATIVE_KEY
         self.kernel = kernel
         self._stock = (stock,)  # a tuple: not a submodule, so the state dict keeps one name per weight
+        self._scaled = None  # (the weights' identity, embedding * scaling): _scaled_embedding
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 relative_position_embeddings: torch.Tensor | None = None, output_attentions: bool = False,
@@ -87,8 +89,9 @@ class RelativeKeySelfAttention(nn.Module):
         if kernel == "flex":
             out = flex_relative_key_attention(q, k, v, embedding, valid, self.scaling, self.left, self.right)
         elif kernel == "triton":
-            out = triton_relative_key_attention(q, k, v, distance_table(q, embedding, self.scaling), valid,
-                                                self.scaling, self.left, self.right)
+            table = torch.matmul(q, self._scaled_embedding(embedding).t())  # distance_table's, the product made once
+            out = triton_relative_key_attention(q, k, v, table, pass_keys(attention_mask, valid), self.scaling,
+                                                self.left, self.right)
         elif kernel == "fold":
             out = folded_relative_key_attention(q, k, v, embedding, valid, self.scaling, self.left, self.right)
         else:
@@ -96,6 +99,17 @@ class RelativeKeySelfAttention(nn.Module):
                                                   self.scaling, self.left, self.right, dropout=dropout)
         out = self.linear_out(out.transpose(1, 2).reshape(batch, length, -1))
         return out, None
+
+    def _scaled_embedding(self, embedding: torch.Tensor) -> torch.Tensor:
+        """`embedding * scaling` (distance_table's), made once for these weights in this dtype: one op a layer less in
+        every pass. Made afresh under autograd or a compiler, which should see the product."""
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return embedding * self.scaling
+        weight = self.distance_embedding.weight
+        key = (weight.data_ptr(), weight._version, embedding.dtype, embedding.device)
+        if self._scaled is None or self._scaled[0] != key:
+            self._scaled = (key, embedding * self.scaling)
+        return self._scaled[1]
 
     def _kernel(self, q: torch.Tensor, dropout: float) -> str:
         if dropout > 0:  # only SDPA's mask path applies attention dropout
@@ -107,6 +121,27 @@ class RelativeKeySelfAttention(nn.Module):
         if q.is_cuda:
             return "flex" if compiled_flex_attention() is not None else "gather"
         return "fold" if _cpu_attention_with_lse() is not None else "gather"
+
+
+# the Triton kernel's key tensors of the last pass's mask: (a weak reference to the encoder's mask, the tensors),
+# replaced as a whole, so that threads running passes of their own never read another pass's
+_PASS_KEYS: tuple = (lambda: None, None)
+
+
+def pass_keys(mask: torch.Tensor | None, valid: torch.Tensor | None):
+    """The Triton kernel's key tensors (data/w2v_attention_triton.py key_tensors) of `valid`, the keys of the
+    encoder's `mask`: made once a pass, as every layer of a pass gets the same mask object. None for no padding."""
+    if valid is None:
+        return None
+    if mask is None or torch.compiler.is_compiling():
+        return key_tensors(valid)
+    global _PASS_KEYS
+    ref, keys = _PASS_KEYS
+    if ref() is mask:
+        return keys
+    keys = key_tensors(valid)
+    _PASS_KEYS = (weakref.ref(mask), keys)
+    return keys
 
 
 def distance_table(q: torch.Tensor, embedding: torch.Tensor, scaling: float) -> torch.Tensor:

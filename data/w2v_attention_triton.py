@@ -42,11 +42,23 @@ def triton_available(device: torch.device) -> bool:
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def key_tensors(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's form of [B, T] bool valid keys: int8 [B, T] with a unit last stride, and one past each row's last
+    valid key (int32 [B]: the tiles after it hold only padding). The same for every layer of a pass: made once
+    (data/w2v_attention.py pass_keys)."""
+    valid_keys = valid.to(torch.int8)
+    if valid_keys.stride(-1) != 1:
+        valid_keys = valid_keys.contiguous()
+    positions = torch.arange(1, valid.shape[1] + 1, device=valid.device, dtype=torch.int32)
+    return valid_keys, (valid_keys.to(torch.int32) * positions).amax(dim=1).to(torch.int32)
+
+
 def triton_relative_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
-                                  valid: torch.Tensor | None, scaling: float, left: int, right: int) -> torch.Tensor:
+                                  valid: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None, scaling: float,
+                                  left: int, right: int) -> torch.Tensor:
     """[B, H, T, D] q, k, v (any strides with a unit last one, as `linear(x).view(...).transpose(1, 2)` gives),
-    the [B, H, T, left + right + 1] bias table, the [B, T] bool valid keys or None -> [B, H, T, D], a view of
-    [B, T, H, D] memory (so that `.transpose(1, 2).reshape(B, T, H * D)` copies nothing)."""
+    the [B, H, T, left + right + 1] bias table, the [B, T] bool valid keys (or their key_tensors) or None ->
+    [B, H, T, D], a view of [B, T, H, D] memory (so that `.transpose(1, 2).reshape(B, T, H * D)` copies nothing)."""
     batch, heads, length, head = q.shape
     out = torch.empty(batch, length, heads, head, dtype=q.dtype, device=q.device)
     if length == 0 or batch == 0:
@@ -58,13 +70,8 @@ def triton_relative_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         valid_keys = key_end = table  # not read (HAS_VALID is off); any tensor serves as the pointer
         valid_stride = 0
     else:
-        valid_keys = valid.to(torch.int8)
-        if valid_keys.stride(-1) != 1:
-            valid_keys = valid_keys.contiguous()
+        valid_keys, key_end = valid if isinstance(valid, tuple) else key_tensors(valid)
         valid_stride = valid_keys.stride(0)
-        # one past each row's last valid key: the tiles after it hold only padding
-        positions = torch.arange(1, length + 1, device=q.device, dtype=torch.int32)
-        key_end = (valid_keys.to(torch.int32) * positions).amax(dim=1).to(torch.int32)
     grid = (triton.cdiv(length, block_m), batch * heads)
     _relative_key_attention[grid](
         q, k, v, table, valid_keys, key_end, out,

@@ -1,0 +1,38 @@
+"""The host's work in a w2v-BERT pass of the tools, counted as benchmarks/host_ops_w2v.py counts it: our attention
+dispatches fewer ops a layer than transformers' own module on the same layer, makes its padding's tensors once a
+pass, and asks the device for nothing; a pass without padding asks nothing at all."""
+import pytest
+import torch
+
+from benchmarks.host_ops_w2v import CONFIG, measure
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    from transformers import Wav2Vec2BertConfig, Wav2Vec2BertModel
+
+    folder = tmp_path_factory.mktemp("w2v")
+    torch.manual_seed(0)
+    Wav2Vec2BertModel(Wav2Vec2BertConfig(**CONFIG)).eval().save_pretrained(folder)
+    return {(r["kernel"], r["pass"]): r for r in measure(folder)}
+
+
+@pytest.mark.parametrize("padding", ["unpadded", "padded"])
+def test_the_gpu_kernel_dispatches_fewer_ops_a_layer_than_transformers(rows, padding):
+    triton, stock = rows["triton", padding], rows["stock", padding]
+    assert triton["ops_per_layer"] <= stock["ops_per_layer"] - 5, (triton, stock)
+    # the padding's tensors are made once a pass, not once a layer: a few ops of the pass itself
+    assert triton["ops_of_the_pass_itself"] <= stock["ops_of_the_pass_itself"] + 8
+
+
+def test_no_host_sync_comes_from_our_code_and_an_unpadded_pass_has_none(rows):
+    for (kernel, padding), row in rows.items():
+        if kernel == "fold":  # the CPU's kernel: a read of a CPU tensor waits for nothing
+            continue
+        assert not [line for line in row["syncs_by_line"] if line.startswith(("data/", "tools/"))], row
+        if padding == "unpadded":
+            assert row["syncs_per_pass"] == 0, row
+        else:  # transformers reads a padded pass's mask back once, to see whether it can drop it
+            assert row["syncs_per_pass"] <= 1, row
