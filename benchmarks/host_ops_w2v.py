@@ -5,7 +5,10 @@ are a kernel launch, and each sync drains the GPU's queue before the host can la
 
 A small random model with w2v-BERT 2.0's positions (relative_key, left 64, right 8), run at 2 and at 4 layers: the
 difference is 2 layers' ops, the rest is the pass's own (the feature projection, the mask, the copy in). Each
-kernel runs a pass of 3 chunks of 120 frames (no padding) and one of 120, 100 and 60 (padded). The Triton kernel's
+kernel runs a pass of 3 chunks of 120 frames (no padding) and one of 120, 100 and 60 (padded). Then a window as
+tools.extract feeds it on a GPU (W2vBertLayer.encode over fbanks already on the device, here the CPU's tensors), in
+one padded pass of 2 files and one of 8: the ops of the pass beyond its layers, whose difference is what each row
+adds (the gather of its input and the scatter of its output). The Triton kernel's
 launch is stubbed out where Triton cannot run (a CPU): what is counted is the host's work around it, the same as
 on a GPU.
 
@@ -69,6 +72,40 @@ def pass_counts(encoder, lengths) -> tuple[int, dict]:
     return sum(counter.ops_by_owner.values()), dict(counter.by_caller)
 
 
+WINDOW_ROWS = (2, 8)  # files of a window in its one pass
+
+
+def window_counts(encoder, rows: int) -> int:
+    """Ops dispatched by encode of a window of `rows` files of fbank tensors (every other one shorter: the pass is
+    padded) in one pass, after one untimed run of the same."""
+    torch.manual_seed(0)
+    fbanks = [torch.randn(120 if i % 2 else 100, 160) for i in range(rows)]
+
+    def one_pass(lengths):
+        return [np.arange(len(lengths))]
+
+    encoder.encode(fbanks, one_pass)
+    with count_host_syncs(count_ops=True) as counter:
+        encoder.encode(fbanks, one_pass)
+    return sum(counter.ops_by_owner.values())
+
+
+def measure_window(folder: Path) -> dict:
+    """The ops of encode's one pass over a window of WINDOW_ROWS files, beyond its layers (at 2 layers, less 2
+    layers' ops of the same pass through hidden alone), and what each row adds."""
+    from data.audio_features import W2vBertLayer
+
+    encoders = {layers: W2vBertLayer(folder, layers, device=torch.device("cpu"), dtype=torch.float32,
+                                     max_chunk_seconds=5.0) for layers in (2, 4)}
+    with triton_launch_stubbed():
+        for encoder in encoders.values():
+            encoder.use_attention("triton")
+        ops = {rows: window_counts(encoders[2], rows) - (window_counts(encoders[4], rows) - window_counts(encoders[2], rows))
+               for rows in WINDOW_ROWS}
+    low, high = WINDOW_ROWS
+    return {"kernel": "triton", "ops_beyond_the_layers": ops, "ops_per_row": (ops[high] - ops[low]) / (high - low)}
+
+
 def measure(folder: Path) -> list[dict]:
     """A row per kernel and pass: the pass's ops, each layer's, the pass's own, its syncs (by line)."""
     from data.audio_features import W2vBertLayer
@@ -103,7 +140,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         Wav2Vec2BertModel(Wav2Vec2BertConfig(**CONFIG)).eval().save_pretrained(folder)
         rows = measure(Path(folder))
-    result = {"machine": machine(), "config": CONFIG, "passes": PASSES, "rows": rows,
+        window = measure_window(Path(folder))
+    result = {"machine": machine(), "config": CONFIG, "passes": PASSES, "rows": rows, "window": window,
               "command": "python benchmarks/host_ops_w2v.py"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
@@ -113,6 +151,9 @@ def main(argv=None) -> int:
         where = "; ".join(f"{line.split('/')[-1]} x{n}" for line, n in r["syncs_by_line"].items()) or "none"
         print(f"| {r['kernel']} | {r['pass']} | {r['ops_per_layer']:.0f} | {r['ops_of_the_pass_itself']:.0f} | "
               f"{r['syncs_per_pass']} ({where}) |")
+    print(f"\nencode, one padded pass of a window (triton): ops beyond the layers "
+          + ", ".join(f"{n} at {rows} rows" for rows, n in window["ops_beyond_the_layers"].items())
+          + f"; {window['ops_per_row']:.1f} ops a row")
     return 0
 
 

@@ -243,29 +243,35 @@ class W2vBertLayer:
 
     def chunks(self, fbank: np.ndarray | torch.Tensor) -> list[np.ndarray] | list[torch.Tensor]:
         """Equal chunks of at most max_chunk frames (equal, so that no last chunk is left with little context): views
-        of an array, or of a tensor where it lies (torch.tensor_split cuts as np.array_split does)."""
-        parts = math.ceil(len(fbank) / self.max_chunk)
-        if isinstance(fbank, torch.Tensor):
-            return list(torch.tensor_split(fbank, parts))
-        return np.array_split(fbank, parts)
+        of an array, or of a tensor where it lies, of chunk_sizes' lengths."""
+        ends = np.cumsum(chunk_sizes(len(fbank), self.max_chunk))
+        return [fbank[end - size : end] for size, end in zip(chunk_sizes(len(fbank), self.max_chunk), ends)]
 
     def hidden(self, chunks: list[np.ndarray] | list[torch.Tensor]) -> torch.Tensor:
         """[T_i, 160] fbank chunks (arrays, or tensors on the host or on the device) -> the layer's [rows, longest,
         dim] output on the device, in the model's dtype, from one forward pass (each row zero-padded to the longest,
-        its padding masked). Nothing here waits for the device: inputs built on the host reach a GPU from pinned
-        memory (data/transfers.py to_device), inputs already there are padded there. A pass with no padding has no
-        mask where our attention runs (an all-ones mask computes the same, after transformers reads it back from
-        the device to find out)."""
-        longest = max(len(c) for c in chunks)
-        where = chunks[0].device if isinstance(chunks[0], torch.Tensor) else torch.device("cpu")
-        pinned = where.type == "cpu" and self.device.type == "cuda"
-        x = torch.zeros(len(chunks), longest, chunks[0].shape[1], device=where, pin_memory=pinned)
-        padded = self.compiled or not self.attentions or any(len(c) < longest for c in chunks)
-        mask = torch.zeros(len(chunks), longest, dtype=torch.long, device=where, pin_memory=pinned) if padded else None
-        for row, chunk in enumerate(chunks):
-            x[row, : len(chunk)] = torch.as_tensor(chunk)
-            if mask is not None:
-                mask[row, : len(chunk)] = 1
+        its padding masked)."""
+        lengths = np.array([len(c) for c in chunks], dtype=np.int64)
+        packed = packed_rows(chunks)
+        return self._pass(packed, np.cumsum([0, *lengths[:-1]]), lengths)
+
+    def _pass(self, packed: np.ndarray | torch.Tensor, firsts: np.ndarray, lengths: np.ndarray) -> torch.Tensor:
+        """One forward pass over the chunks packed[firsts[i] : firsts[i] + lengths[i]] of `packed` (packed_rows: the
+        chunks' rows one after another, then a row of zeros), as hidden returns it. The padded input is one gather
+        of `packed`, its index made on the host, so a pass dispatches the same few ops whatever its rows: nothing
+        waits for the device, and an index made on the host reaches a GPU from pinned memory (data/transfers.py
+        to_device). A pass with no padding has no mask where our attention runs (an all-ones mask computes the
+        same, after transformers reads it back from the device to find out)."""
+        longest = int(lengths.max())
+        valid = np.arange(longest) < lengths[:, None]
+        index = np.where(valid, firsts[:, None] + np.arange(longest), len(packed) - 1).reshape(-1)
+        if isinstance(packed, torch.Tensor):
+            x = packed.index_select(0, to_device(index, packed.device))
+        else:
+            x = torch.from_numpy(packed[index])
+        x = x.view(len(lengths), longest, packed.shape[1])
+        padded = self.compiled or not self.attentions or not valid.all()
+        mask = torch.from_numpy(valid.astype(np.int64)) if padded else None
         graphs = compiled_graphs() if self.compiled else 0
         began = time.perf_counter()
         with torch.inference_mode():
@@ -274,7 +280,7 @@ class W2vBertLayer:
                              output_hidden_states=True)
         if self.compiled and compiled_graphs() > graphs:
             self.graphs += compiled_graphs() - graphs
-            log.info("w2v-bert: compiled graph %d, for a pass of %d x %d frames (%.1f s)", self.graphs, len(chunks),
+            log.info("w2v-bert: compiled graph %d, for a pass of %d x %d frames (%.1f s)", self.graphs, len(lengths),
                      longest, time.perf_counter() - began)
         return out.hidden_states[self.layer]
 
@@ -289,25 +295,32 @@ class W2vBertLayer:
         rows after file i - 1's. Every chunk of `fbanks` (arrays from the decoding workers, or tensors the device
         computed) is grouped into forward passes by `passes` (chunk lengths in frames -> the positions of each
         pass: the tools give data/pass_plan.py's least-cost cut of the sorted chunks under --batch_seconds), and
-        each pass's output is cast into its rows as soon as it is computed: no copy to the host, no wait for the
-        device, one pass's output alive at a time. on_batch(files) after each pass: the share of the files it did
-        (a chunk of a file in k chunks counts 1/k), for a caller's progress bar."""
-        pieces = []  # (the chunk's first row in the output, the chunk, the chunks of its file)
+        each pass's output is cast into its rows as soon as it is computed, in one gather and one scatter whatever
+        its rows: no copy to the host, no wait for the device, one pass's output alive at a time. on_batch(files)
+        after each pass: the share of the files it did (a chunk of a file in k chunks counts 1/k), for a caller's
+        progress bar."""
+        firsts, lengths, shares = [], [], []  # each chunk's first row in the files' rows, its length, its share
         rows = 0
         for fbank in fbanks:
-            parts = self.chunks(fbank)
-            for part in parts:
-                pieces.append((rows, part, len(parts)))
-                rows += len(part)
+            sizes = chunk_sizes(len(fbank), self.max_chunk)
+            firsts += (rows + np.cumsum([0, *sizes[:-1]])).tolist()
+            lengths += sizes
+            shares += [1 / len(sizes)] * len(sizes)
+            rows += len(fbank)
+        firsts, lengths = np.array(firsts, dtype=np.int64), np.array(lengths, dtype=np.int64)
         with torch.inference_mode():
+            packed = packed_rows(fbanks)
             out = torch.empty(rows, self.dim, dtype=dtype, device=self.device)
-            for batch in passes(np.array([len(piece) for _, piece, _ in pieces], dtype=np.int64)):
-                hidden = self.hidden([pieces[k][1] for k in batch])
-                for row, k in enumerate(batch):
-                    first, piece, _ = pieces[k]
-                    out[first : first + len(piece)] = hidden[row, : len(piece)]
+            for batch in passes(lengths):
+                hidden = self._pass(packed, firsts[batch], lengths[batch])
+                longest = hidden.shape[1]
+                valid = np.arange(longest) < lengths[batch][:, None]
+                source = (np.arange(len(batch))[:, None] * longest + np.arange(longest))[valid]
+                target = (firsts[batch][:, None] + np.arange(longest))[valid]
+                out.index_copy_(0, to_device(target, self.device),
+                                hidden.reshape(-1, self.dim).index_select(0, to_device(source, self.device)).to(dtype))
                 if on_batch is not None:
-                    on_batch(sum(1 / pieces[k][2] for k in batch))
+                    on_batch(sum(shares[k] for k in batch))
         return out
 
     def __call__(self, fbanks: list[np.ndarray], passes: Callable[[np.ndarray], list[np.ndarray]],
@@ -315,6 +328,21 @@ class W2vBertLayer:
         """encode's layer outputs as one float32 [frames, dim] array per file, on the host."""
         out = self.encode(fbanks, passes, on_batch).cpu().numpy()
         return np.split(out, np.cumsum([len(f) for f in fbanks])[:-1])
+
+
+def chunk_sizes(frames: int, max_chunk: int) -> list[int]:
+    """The lengths of a file's chunks (W2vBertLayer.chunks): as few as hold at most max_chunk frames each, as equal
+    as can be, the longer first (as np.array_split cuts)."""
+    parts = math.ceil(frames / max_chunk)
+    return [frames // parts + 1] * (frames % parts) + [frames // parts] * (parts - frames % parts)
+
+
+def packed_rows(chunks: list[np.ndarray] | list[torch.Tensor]) -> np.ndarray | torch.Tensor:
+    """The rows of `chunks` ([T_i, 160] arrays, or tensors where they lie) one after another, then a row of zeros
+    (what a pass's padding gathers): one array, or one tensor on the chunks' device."""
+    if isinstance(chunks[0], torch.Tensor):
+        return torch.cat([*chunks, chunks[0].new_zeros(1, chunks[0].shape[1])])
+    return np.concatenate([*chunks, np.zeros((1, chunks[0].shape[1]), dtype=chunks[0].dtype)])
 
 
 def compiled_graphs() -> int:

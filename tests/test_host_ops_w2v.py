@@ -1,22 +1,34 @@
 """The host's work in a w2v-BERT pass of the tools, counted as benchmarks/host_ops_w2v.py counts it: our attention
 dispatches fewer ops a layer than transformers' own module on the same layer, makes its padding's tensors once a
-pass, and asks the device for nothing; a pass without padding asks nothing at all."""
+pass, and asks the device for nothing; a pass without padding asks nothing at all; a window's pass gathers its input
+and scatters its output in the same few ops whatever its rows."""
 import pytest
 import torch
 
-from benchmarks.host_ops_w2v import CONFIG, measure
+from benchmarks.host_ops_w2v import CONFIG, measure, measure_window
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
-def rows(tmp_path_factory):
+def model_folder(tmp_path_factory):
     from transformers import Wav2Vec2BertConfig, Wav2Vec2BertModel
 
     folder = tmp_path_factory.mktemp("w2v")
     torch.manual_seed(0)
     Wav2Vec2BertModel(Wav2Vec2BertConfig(**CONFIG)).eval().save_pretrained(folder)
-    return {(r["kernel"], r["pass"]): r for r in measure(folder)}
+    return folder
+
+
+@pytest.fixture(scope="module")
+def rows(model_folder):
+    return {(r["kernel"], r["pass"]): r for r in measure(model_folder)}
+
+
+def test_a_windows_pass_dispatches_the_same_ops_whatever_its_rows(model_folder):
+    window = measure_window(model_folder)
+    assert window["ops_per_row"] == 0, window  # a copy in and a copy out a row before: 11.5 ops a row
+    assert max(window["ops_beyond_the_layers"].values()) <= 70, window
 
 
 @pytest.mark.parametrize("padding", ["unpadded", "padded"])
