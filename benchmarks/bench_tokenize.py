@@ -11,7 +11,10 @@ HEAD unpacked with `git archive HEAD | tar -x -C /tmp/before`, so that before an
   that records the features of a short extraction by the same tree (the speed does not depend on the weights);
 - model: the w2v-BERT forward passes the extraction made, replayed on the same module with the same inputs,
   already on the device (no decoding, no front-end, no copy back, no writing): the ceiling. The pipeline's
-  share of it (model time / pipeline time over the same passes) is the figure to watch.
+  share of it (model time / pipeline time over the same passes) is the figure to watch;
+- loop: what a user writes in 20 lines, the user's alternative: transformers' own Wav2Vec2BertModel (its attention
+  module, SDPA), truncated to layer L, in a plain loop over fixed batches of LOOP_ROWS inputs of LOOP_SECONDS
+  already on the device, no padding, no I/O (it does not depend on the tree or the mix: one run a round).
 
 Steady state: the clock starts at the shard's first commit (data/resumable_shard.py ShardWriter.commit, the end
 of the first window: the model's load, the first window's decoding and passes and any compile are before it)
@@ -187,6 +190,8 @@ def child(spec_path: str) -> int:
     """Run spec['mode'] (extract or tokenize) from spec['repo'] with the commits timed and the w2v-BERT passes
     recorded; with spec['model'], replay the steady-state passes on the same module; write spec['result']."""
     spec = json.loads(Path(spec_path).read_text())
+    if spec["mode"] == "loop":
+        return stock_loop(spec)
     repo = spec["repo"]
     sys.path.insert(0, repo)
     os.chdir(repo)
@@ -273,6 +278,62 @@ def child(spec_path: str) -> int:
                                  spec.get("profile", 0))
     Path(spec["result"]).write_text(json.dumps(result))
     return 0
+
+
+LOOP_ROWS, LOOP_SECONDS = 64, 10.0  # the stock loop's fixed batches: about the tools' 600-s passes on a GPU
+LOOP_WARMUP = 3  # passes before the clock starts
+
+
+def stock_loop(spec: dict) -> int:
+    """The user's alternative (module doc, `loop`): transformers' model as loaded, truncated to spec['layer'], run
+    on fixed [LOOP_ROWS, LOOP_SECONDS] batches already on the device until spec['work_seconds'] (default 10 s) of
+    timed passes; writes the seconds and the passes."""
+    import torch
+    from transformers import Wav2Vec2BertModel
+
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    device = torch.device(spec["device"])
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[spec["precision"]]
+    model = Wav2Vec2BertModel.from_pretrained(spec["checkpoint"], local_files_only=True)
+    model.encoder.layers = model.encoder.layers[: spec["layer"]]
+    model = model.to(device, dtype).eval()
+    torch.manual_seed(0)
+    rows = spec.get("rows", LOOP_ROWS)
+    x = torch.randn(rows, int(LOOP_SECONDS * FRAME_RATE), 160, device=device, dtype=dtype)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    work = spec.get("work_seconds") or 10.0
+    with torch.inference_mode():
+        for _ in range(LOOP_WARMUP):
+            model(input_features=x, output_hidden_states=True).hidden_states[spec["layer"]]
+        sync()
+        began, passes = time.perf_counter(), 0
+        while passes == 0 or time.perf_counter() - began < work:
+            model(input_features=x, output_hidden_states=True).hidden_states[spec["layer"]]
+            passes += 1
+            if passes % 8 == 0 or device.type != "cuda":
+                sync()
+        sync()
+        seconds = time.perf_counter() - began
+    Path(spec["result"]).write_text(json.dumps({"rc": 0, "seconds": seconds, "passes": passes, "rows": rows,
+                                                "frames": int(LOOP_SECONDS * FRAME_RATE)}))
+    return 0
+
+
+def loop_figures(result: dict, cfg: dict, layers: int, peak: float | None) -> dict:
+    """The stock loop's audio s/s, GFLOP/s and MFU (its inputs are all audio: no padding)."""
+    audio = result["passes"] * result["rows"] * LOOP_SECONDS
+    flops = result["passes"] * result["rows"] * encoder_flops(cfg, layers, [result["frames"]])
+    out = {"audio_s_per_s": audio / result["seconds"], "gflop_per_s": flops / result["seconds"] / 1e9,
+           "seconds": result["seconds"], "passes": result["passes"], "rows": result["rows"],
+           "input_seconds": LOOP_SECONDS}
+    if peak:
+        out["mfu"] = flops / result["seconds"] / (peak * 1e12)
+    return out
 
 
 def steady_window(end: int | None, first_done: int, last_done: int) -> bool:
@@ -398,8 +459,9 @@ def run_child(spec: dict, timeout: float) -> dict:
     """One child process from spec['repo']; its result, or {'error': ...}."""
     with tempfile.TemporaryDirectory(prefix="bench_tokenize_", dir=spec.get("scratch_root")) as scratch:
         spec = {**spec, "scratch": scratch, "result": str(Path(scratch) / "result.json")}
-        spec["argv"] = [str(a) for a in spec["argv"]] + ["--overwrite"]
-        spec["argv"][4] = str(Path(scratch) / "out")
+        if "argv" in spec:
+            spec["argv"] = [str(a) for a in spec["argv"]] + ["--overwrite"]
+            spec["argv"][4] = str(Path(scratch) / "out")
         Path(spec["result"] + ".spec").write_text(json.dumps(spec))
         paths = [spec["repo"], *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1"}
@@ -472,12 +534,13 @@ def run_benchmark(*, device: str = "cpu", model: str = "small", layer: int | Non
                   batch_seconds: float | None = None, num_workers: int | None = None, threads: int | None = None,
                   peak: float | None = None, scratch_root: str | None = None, timeout: float = 1800,
                   tool_flags: dict[str, list[str]] | None = None, label_modes: dict[str, list[str]] | None = None,
-                  profile: int = 0, out: Path | None = None, say=print) -> dict:
+                  profile: int = 0, loop_rows: int = LOOP_ROWS, out: Path | None = None, say=print) -> dict:
     """Every (repo, mix, mode) run `repeats` times, taking turns; each keeps its fastest steady state. Returns
     the figures, also written to `out` after every run (a run cut short keeps what it measured). tool_flags: more
     flags for the tools of a repo's label (e.g. two labels of one tree with --compile on and off); label_modes:
     a label's own modes instead of `modes` (e.g. an earlier tree's extraction alone); profile: that many passes
-    of the model alone profiled after it is timed (`profile_summary`)."""
+    of the model alone profiled after it is timed (`profile_summary`); `loop` among the modes: the stock loop once a
+    round (its fastest kept), over batches of `loop_rows`."""
     import torch
 
     from benchmarks.demo_run import machine
@@ -524,6 +587,17 @@ def run_benchmark(*, device: str = "cpu", model: str = "small", layer: int | Non
                          "--precision", precision, *common]
         best: dict[tuple, dict] = {}
         for r in range(repeats):
+            if "loop" in modes:
+                result = run_child({"mode": "loop", "repo": str(HERE), "device": device, "threads": threads,
+                                    "precision": precision, "checkpoint": str(tmp / "w2v"), "layer": layer,
+                                    "work_seconds": work_seconds, "rows": loop_rows,
+                                    "scratch_root": scratch_root}, timeout)
+                row = result if "error" in result else loop_figures(result, cfg, layer, peak)
+                say(f"  round {r + 1}: the stock loop: " + (row["error"][-1500:] if "error" in row else
+                                                            f"{row['audio_s_per_s']:,.1f} audio s/s"))
+                if "stock_loop" not in info or "error" in info["stock_loop"] or (
+                        "error" not in row and row["audio_s_per_s"] > info["stock_loop"]["audio_s_per_s"]):
+                    info["stock_loop"] = rounded(row)
             for mix in mixes:
                 for label, repo in repos.items():
                     wanted = (label_modes or {}).get(label, modes)
@@ -601,6 +675,12 @@ def table(info: dict) -> str:
                          f"{' | '.join(speed(model))} | "
                          f"{format(model['pipeline_share'], '.0%') if model else '-'} | "
                          f"{format(padding, '.1%') if padding is not None else '-'} |")
+    loop = info.get("stock_loop")
+    if loop:
+        what = (f"transformers' module in a plain loop over fixed batches of {loop.get('rows')} x "
+                f"{loop.get('input_seconds', LOOP_SECONDS):g} s on the device")
+        lines += ["", f"| the user's alternative | audio s/s | {unit} |", "|---|---:|---:|",
+                  f"| {what} | {' | '.join(speed(loop))} |"]
     if info.get("ratios"):
         lines += ["", "| tree | extract audio s/s against 5-s files |", "|---|---|"]
         lines += [f"| {label} | {', '.join(f'{k}: {v:.2f}x' for k, v in r.items())} |"
@@ -633,7 +713,9 @@ def main(argv=None) -> int:
                    help="random weights: small (4 layers of 256) or w2v-bert-2.0 (24 layers of 1024)")
     p.add_argument("--layer", type=int, help="default: 4 for small, 17 for w2v-bert-2.0")
     p.add_argument("--mixes", default="5s,30s,2-20s", help=f"comma-separated, of {', '.join(MIXES)}")
-    p.add_argument("--modes", default="extract,model", help="comma-separated, of extract, model, tokenize")
+    p.add_argument("--modes", default="extract,model",
+                   help="comma-separated, of extract, model, tokenize, loop (the stock loop, once a round)")
+    p.add_argument("--loop_rows", type=int, default=LOOP_ROWS, help="the stock loop's inputs per batch")
     p.add_argument("--audio_minutes", type=float, default=10.0, help="audio listed per mix")
     p.add_argument("--base_minutes", type=float, default=10.0,
                    help="distinct audio per mix; the manifest lists it again up to --audio_minutes")
@@ -682,7 +764,7 @@ def main(argv=None) -> int:
                          work_seconds=args.work_seconds, commit_seconds=args.commit_seconds,
                          batch_seconds=args.batch_seconds, num_workers=args.num_workers, threads=args.threads,
                          peak=args.peak_tflops, scratch_root=args.scratch, timeout=args.timeout,
-                         profile=args.profile, out=args.out)
+                         profile=args.profile, loop_rows=args.loop_rows, out=args.out)
     print(f"\n{info['machine']}; {info['device']}, {info['model']} w2v-BERT to layer {info['layer']}, "
           f"{info['precision']}, torch threads {info['threads']}, --num_workers {info['num_workers']}; "
           f"{info['gflop_per_audio_s']} GFLOP per audio second\n")

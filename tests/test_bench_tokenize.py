@@ -32,6 +32,26 @@ def test_the_steady_state_counts_the_flops_and_the_passes_of_the_audio_it_counts
     assert prof["top"][0]["name"] == "aten::addmm"
 
 
+@pytest.mark.slow  # a process that loads the model
+@pytest.mark.timeout(120)
+def test_the_stock_loop_counts_its_batches_audio_and_flops(tmp_path):
+    """The user's alternative: transformers' own model over fixed 10-s batches; its FLOPs per audio second are the
+    model's at 10 s, and its audio is its batches' (rows x 10 s a pass)."""
+    from benchmarks.bench_tokenize import flops_per_audio_second, run_benchmark
+
+    info = run_benchmark(device="cpu", model="small", mixes=("5s",), modes=("loop",), audio_minutes=0.1,
+                         base_minutes=0.1, repeats=1, work_seconds=1.0, loop_rows=2, timeout=100,
+                         scratch_root=str(tmp_path), say=lambda line: None)
+    loop = info["stock_loop"]
+    assert "error" not in loop, loop
+    assert loop["rows"] == 2 and loop["passes"] >= 1 and loop["seconds"] >= 1.0
+    assert loop["audio_s_per_s"] == pytest.approx(loop["passes"] * 2 * 10 / loop["seconds"], rel=1e-3)
+    cfg = {**info["config"], "output_hidden_size": info["config"]["hidden_size"]}
+    assert loop["gflop_per_s"] / loop["audio_s_per_s"] == pytest.approx(
+        flops_per_audio_second(cfg, info["layer"], 10) / 1e9, rel=1e-3)
+    assert info["runs"] == {}  # no tool ran
+
+
 def test_kernels_are_sorted_into_kinds_by_name():
     from benchmarks.bench_tokenize import kernel_kind
 
