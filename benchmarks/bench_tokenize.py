@@ -224,6 +224,14 @@ def child(spec_path: str) -> int:
             computing.end = None
 
     windows_class._compute = tagged_compute
+    pipelines, snapshots = [], []  # the tool's FeatureWindows; its stages' seconds at each commit
+    windows_init = windows_class.__init__
+
+    def kept_init(self, *args, **kwargs):
+        windows_init(self, *args, **kwargs)
+        pipelines.append(self)
+
+    windows_class.__init__ = kept_init
 
     def stop_here(*_):
         raise EnoughWork
@@ -234,6 +242,7 @@ def child(spec_path: str) -> int:
     def timed_commit(self, done):
         commit(self, done)  # what it commits was computed and copied back: no device sync needed
         commits.append((time.perf_counter(), done))
+        snapshots.append(dict(getattr(pipelines[-1], "stages", {})) if pipelines else {})
         work = spec.get("work_seconds")
         if work and len(commits) > 1 and commits[-1][0] - commits[0][0] >= work:
             if threading.current_thread() is main_thread:
@@ -272,6 +281,10 @@ def child(spec_path: str) -> int:
     result = {"rc": code, "stopped": stopped, "seconds_total": time.perf_counter() - began,
               "commits": [(t - began, done) for t, done in commits],
               "passes": [(end, *pass_shape(a, kw)) for end, a, kw in passes], "warnings": warnings}
+    if len(commits) > 1:  # the tool's own account of the steady state (tools/audio_shard.py time_account)
+        steady = commits[-1][0] - commits[0][0]
+        result["stages"] = {name: (seconds - snapshots[0].get(name, 0.0)) / steady
+                            for name, seconds in snapshots[-1].items()} if steady > 0 else {}
     if spec.get("model") and modules and code == 0 and len(commits) > 1:
         result["model"] = replay(modules[0], [(a, kw) for end, a, kw in passes
                                               if steady_window(end, commits[0][1], commits[-1][1])], device,
@@ -501,6 +514,7 @@ def figures(result: dict, corpus: dict, cfg: dict, layers: int, max_chunk: int, 
            "steady_s": seconds, "startup_s": t0, "commits": len(commits), "stopped_early": result["stopped"],
            "passes": len(result["passes"]), "padding": padded / real - 1 if real else None,
            "warnings": result.get("warnings", []),
+           "stages": result.get("stages", {}),  # each stage's share of the steady state (FeatureWindows.stages)
            "gflop_per_audio_s": flops / audio / 1e9 if audio else None}
     if peak:
         out["mfu"] = flops / seconds / (peak * 1e12)
@@ -688,6 +702,20 @@ def table(info: dict) -> str:
     return "\n".join(lines)
 
 
+def stages_table(info: dict) -> str:
+    """Per run of a tool, where its steady state went: the shares of the model's thread and of the writer's
+    (data/audio_pipeline.py STAGES, WRITER_STAGES)."""
+    lines = []
+    for label, mixes in info["runs"].items():
+        for mix, modes in mixes.items():
+            for mode in ("extract", "tokenize"):
+                stages = (modes.get(mode) or {}).get("stages")
+                if stages:
+                    lines.append(f"- {label} {mix} {mode}: " + ", ".join(
+                        f"{name} {share:.0%}" for name, share in stages.items() if share >= 0.005))
+    return "\n".join(lines)
+
+
 def profile_table(info: dict) -> str:
     """The model alone's profiles (--profile): per tree and mix, the busy share and the time by kind."""
     lines = []
@@ -769,6 +797,9 @@ def main(argv=None) -> int:
           f"{info['precision']}, torch threads {info['threads']}, --num_workers {info['num_workers']}; "
           f"{info['gflop_per_audio_s']} GFLOP per audio second\n")
     print(table(info))
+    stages = stages_table(info)
+    if stages:
+        print("\nwhere the tools' steady state went (the model's thread, then the writer's):\n" + stages)
     profiles = profile_table(info)
     if profiles:
         print("\n" + profiles)

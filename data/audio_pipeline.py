@@ -13,7 +13,8 @@ passes of a run never stopped (padding changes a layer's last bits: the same byt
 
 Features come out as a dump of `dtype` stores them (float16 rounds them); a file that cannot be read, or whose
 features are not finite in that dtype, is skipped with the reason. The time the model (the caller's thread)
-waits for decoded audio is measured: `input_wait`.
+waits for decoded audio is measured (`input_wait`), and so is the rest of its time and its writer's (`stages`), so
+that a run's log says where its time went.
 
 On a GPU the host stays off the device's critical path. The workers only decode and resample: the fbank of a
 window's files is computed on the device, in batches of files sorted by length (TorchFbank.batch, at most
@@ -64,6 +65,11 @@ WORKER_PREFETCH = 4  # files decoded ahead per worker; the window thread bounds 
 # the kinds of device that compute the fbank of the model's input (module doc)
 FBANK_ON_DEVICE = tuple(kind for kind, defaults in DEVICE_DEFAULTS.items() if defaults.fbank_on_device)
 DEVICE_FBANK_SECONDS = 600.0  # padded audio per batch of the fbank on the device
+# what the model's thread spends its time on (FeatureWindows.stages; a writer adds the last two): on a GPU, the
+# fbank's and the passes' time is the host's, queueing the device's work, and a wait for the device
+STAGES = ("waiting for decoded audio", "fbank", "passes", "codec", "waiting for the writer")
+# what a writer thread (data/resumable_shard.py write_windows) spends its time on
+WRITER_STAGES = ("waiting for the copy back", "writing")
 
 
 @dataclass
@@ -209,6 +215,8 @@ class FeatureWindows:
         self.device_fbank = TorchFbank(self.device) if fbank_on_device else None
         self.on_host = on_host
         self.input_wait = 0.0  # seconds the caller's thread waited for decoded audio
+        # seconds of the caller's thread (STAGES) and of a writer's (WRITER_STAGES) by what they did: the log's account
+        self.stages = dict.fromkeys((*STAGES, *WRITER_STAGES), 0.0)
         self.audio_seconds = 0.0  # of the files read
 
     def windows(self, first: int) -> Iterator[Window]:
@@ -228,6 +236,7 @@ class FeatureWindows:
                 began = time.perf_counter()
                 window = ahead.get()
                 self.input_wait += time.perf_counter() - began
+                self.stages["waiting for decoded audio"] = self.input_wait
                 if window is None:
                     return
                 self._compute(window)
@@ -257,18 +266,22 @@ class FeatureWindows:
         if not readable:
             return
         with torch.inference_mode():
+            began = time.perf_counter()
             if self.device_fbank is not None:
                 fbanks = self._device_fbanks(readable)
             else:
                 fbanks = [torch.from_numpy(f.fbank) for f in readable]
             for item in readable:
                 item.wave = item.fbank = None
+            self.stages["fbank"] += time.perf_counter() - began
+            began = time.perf_counter()
             if self.encoder is None:
                 stored = to_device(torch.cat(fbanks), self.device).to(self.torch_dtype)
             else:
                 stored = self.encoder.encode(fbanks, self.passes, dtype=self.torch_dtype,
                                              on_batch=lambda files: self.progress(self.weight * files))
             finite = stored.isfinite().all(dim=1)
+            self.stages["passes"] += time.perf_counter() - began
         lengths = [len(f) for f in fbanks]
         firsts = np.cumsum([0, *lengths[:-1]])
         if not self.on_host:  # the files to encode are the finite ones: one wait for the device a window

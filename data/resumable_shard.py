@@ -40,6 +40,7 @@ import os
 import queue
 import re
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -508,16 +509,22 @@ class ShardWriter:
         handed: queue.Queue = queue.Queue(maxsize=1)
         failed: list[BaseException] = []
 
+        stages = pipeline.stages  # where each thread's time goes (data/audio_pipeline.py STAGES), for the log
+
         def write_in_order() -> None:
             while (item := handed.get()) is not None:
                 if failed:
                     continue  # a window after one that failed would be committed with it
                 window, prepared = item
                 try:
+                    began = time.perf_counter()
                     window.ready()
+                    wrote = time.perf_counter()
+                    stages["waiting for the copy back"] += wrote - began
                     write(window, prepared)
                     before_commit(self.commits + 1)
                     self.commit(window.end)
+                    stages["writing"] += time.perf_counter() - wrote
                     bar.set_postfix_str(f"input wait {pipeline.input_wait:.0f} s", refresh=False)
                 except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
                     failed.append(e)
@@ -526,13 +533,17 @@ class ShardWriter:
         thread.start()
         try:
             for window in windows:
+                began = time.perf_counter()
                 prepared = prepare(window)
+                handing = time.perf_counter()
+                stages["codec"] += handing - began
                 while not failed:
                     try:
                         handed.put((window, prepared), timeout=0.5)
                         break
                     except queue.Full:
                         continue
+                stages["waiting for the writer"] += time.perf_counter() - handing
                 if failed:
                     break
         finally:

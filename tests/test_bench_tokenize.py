@@ -23,6 +23,12 @@ def test_the_steady_state_counts_the_flops_and_the_passes_of_the_audio_it_counts
     # the model alone replayed the steady windows' passes: 10 s windows of 5-s files, 2 files a window
     windows = row["commits"] - 1
     assert row["model"]["passes"] == windows
+    # the tool's own account of the steady state: each stage a share of it; the model's thread's add up to at most
+    # the whole and the window it computes ahead of the writer's last commit
+    stages = row["stages"]
+    thread = [name for name in stages if name not in ("waiting for the copy back", "writing")]
+    ahead = row["commits"] / (row["commits"] - 1)
+    assert stages["passes"] > 0.05 and 0 < sum(stages[name] for name in thread) <= 1.01 * ahead, stages
     # --profile: one of those passes again under the profiler; the op time adds up to no more than the wall clock
     # (one thread) and most of it is the matmuls'
     prof = row["model"]["profile"]

@@ -71,6 +71,22 @@ def test_fbank_dump_equals_the_seamless_feature_extractor(tmp_path):
     assert store.dim == 160 and list(store.lengths) == [len(f) for f in got]
 
 
+def test_the_log_accounts_for_the_time_of_the_models_thread_and_of_the_writer(tmp_path, caplog):
+    """Where a shard's time went, by stage: the model's thread's shares add up to at most the whole, and the writer
+    wrote."""
+    import re
+
+    audio = tmp_path / "audio"
+    write_corpus(audio)
+    assert extract.main([audio, "train", 1, 0, tmp_path / "feats", "--feature", "fbank", "--commit_files", "3"]) == 0
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("time on the model's thread: "))
+    model, writer = line.split("; on the writer's: ")
+    shares = {name: int(share) for share, name in re.findall(r"(\d+)% ([a-z ]+)", model)}
+    assert set(shares) <= {"waiting for decoded audio", "fbank", "passes", "codec", "waiting for the writer"}, line
+    assert sum(shares.values()) <= 101, line
+    assert "writing" in writer, line
+
+
 def test_float16_dump_holds_the_float32_features_rounded(tmp_path):
     audio = tmp_path / "audio"
     write_corpus(audio)

@@ -23,7 +23,7 @@ from data.attention_choice import choose_kernel, cpu_kernel, pass_shapes, unavai
 from data.audio_features import FRAME_RATE, W2vBertLayer
 from data.audio_sources import (AUDIO_COLUMN, AUDIO_EXTENSIONS, KEY_COLUMNS, SourceFlags, Utterances, listing,
                                 source_share)
-from data.audio_pipeline import FeatureWindows
+from data.audio_pipeline import STAGES, WRITER_STAGES, FeatureWindows
 from data.pass_plan import PASS_COST, PASS_RULE, by_device, device_defaults
 from data.w2v_attention import KERNELS
 from errors import EXIT_OK, BadInputError
@@ -329,12 +329,26 @@ def progress_bar(desc: str, share: AudioShare, done: int) -> tqdm:
                            + "s [{elapsed}<{remaining}{postfix}]")
 
 
+def time_account(stages: dict[str, float], seconds: float) -> str:
+    """Where the `seconds` of a shard went (data/audio_pipeline.py STAGES, WRITER_STAGES: FeatureWindows.stages), as
+    shares of them: `time on the model's thread: 62% passes, ...; on the writer's: 30% writing, ...` (a stage under
+    half a percent left out)."""
+    def shares(names) -> str:
+        parts = [f"{share:.0f}% {name}" for name in names
+                 if (share := 100 * stages.get(name, 0.0) / max(seconds, 1e-9)) >= 0.5]
+        return ", ".join(parts) or "none measurable"
+
+    return (f"time on the model's thread: {shares(STAGES)}, the rest its loop's own; on the "
+            f"writer's: {shares(WRITER_STAGES)}")
+
+
 def shard_written(log: logging.Logger, pipeline: FeatureWindows, seconds: float, model: str, wrote: str) -> int:
     """The end of a shard of audio in the log: the speed and the model's input wait (as the trainer logs its data
     wait), what was written (`wrote`), and that the shard is finished; EXIT_OK."""
     log.info("read %.1f s of audio in %.2f s: %.1f audio seconds per second; %s waited %.2f s (%.0f%%) for decoded "
              "audio (--num_workers %d)", pipeline.audio_seconds, seconds, pipeline.audio_seconds / max(seconds, 1e-9),
              model, pipeline.input_wait, 100 * pipeline.input_wait / max(seconds, 1e-9), pipeline.num_workers)
+    log.info("%s", time_account(pipeline.stages, seconds))
     log.info("%s", wrote)
     log.info("finished successfully")
     return EXIT_OK
