@@ -19,10 +19,15 @@ against those embeddings once, a [B, H, T, left + right + 1] table, and reads it
   a block of queries at a time.
 
 `use_fast_attention(model)` puts the module in place of each encoder layer's `self_attn`, sharing the
-loaded weights (the state dict keeps its names). Other position types keep transformers' module.
+loaded weights (the state dict keeps its names). Other position types keep transformers' module. The encoder then
+hands its layers the [B, T] padding mask as it is (KEY_PADDING): transformers would build a [B, 1, T, T] mask for
+SDPA and first read the padding back from the device to see whether it may drop it (a host sync every padded
+pass, and no CUDA graph can hold one). Our kernels read only the keys' padding, the same values either way;
+transformers' module ("stock") gets the mask transformers' own function builds from it, once a pass.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import weakref
@@ -75,8 +80,9 @@ class RelativeKeySelfAttention(nn.Module):
                 relative_position_embeddings: torch.Tensor | None = None, output_attentions: bool = False,
                 **kwargs) -> tuple[torch.Tensor, None]:
         if self.kernel == "stock":
-            return self._stock[0](hidden_states, attention_mask=attention_mask,
-                                  relative_position_embeddings=relative_position_embeddings, **kwargs)
+            stock = self._stock[0]
+            return stock(hidden_states, attention_mask=stock_mask(stock.config, hidden_states, attention_mask),
+                         relative_position_embeddings=relative_position_embeddings, **kwargs)
         batch, length, _ = hidden_states.shape
         shape = (batch, length, self.num_heads, self.head_size)
         q = self.linear_q(hidden_states).view(shape).transpose(1, 2)
@@ -142,6 +148,58 @@ def pass_keys(mask: torch.Tensor | None, valid: torch.Tensor | None):
     keys = key_tensors(valid)
     _PASS_KEYS = (weakref.ref(mask), keys)
     return keys
+
+
+# how an encoder whose layers are ours hands them its padding mask: the [B, T] mask itself (module doc)
+KEY_PADDING = "rvq_key_padding"
+
+
+def _padding_as_is(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+    """transformers' mask interface for KEY_PADDING: the [B, T] bool padding mask as the encoder gave it (None: no
+    padding)."""
+    return attention_mask
+
+
+def _hand_padding_as_is(model: nn.Module) -> bool:
+    """Make `model`'s encoder hand its layers the [B, T] padding mask (KEY_PADDING), on a config of its own, where this
+    transformers builds masks through its mask interface (the encoder's create_bidirectional_mask); whether it
+    does. Nothing else reads the encoder's config: the layers' modules keep the model's."""
+    try:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+        from transformers.models.wav2vec2_bert import modeling_wav2vec2_bert
+    except ImportError:
+        return False
+    if not hasattr(modeling_wav2vec2_bert, "create_bidirectional_mask") or \
+            not hasattr(ALL_MASK_ATTENTION_FUNCTIONS, "register"):
+        return False
+    if KEY_PADDING not in ALL_MASK_ATTENTION_FUNCTIONS:
+        ALL_MASK_ATTENTION_FUNCTIONS.register(KEY_PADDING, _padding_as_is)
+    encoder = model.encoder
+    encoder.config = copy.copy(encoder.config)
+    encoder.config._attn_implementation = KEY_PADDING
+    return True
+
+
+# transformers' mask of the last pass's [B, T] padding mask, for its module: (a weak reference to the padding
+# mask, the mask built), replaced as a whole (as _PASS_KEYS)
+_STOCK_MASK: tuple = (lambda: None, None)
+
+
+def stock_mask(config, hidden_states: torch.Tensor, mask: torch.Tensor | None):
+    """The mask transformers' attention module takes, from the one its encoder gave: a [B, T] padding mask (KEY_PADDING)
+    goes through transformers' own create_bidirectional_mask with the module's config, once a pass (every layer of
+    a pass gets the same mask object); another mask as it is."""
+    if mask is None or mask.dim() != 2:
+        return mask
+    from transformers.masking_utils import create_bidirectional_mask
+
+    global _STOCK_MASK
+    ref, built = _STOCK_MASK
+    if ref() is mask:
+        return built
+    built = create_bidirectional_mask(config=config, inputs_embeds=hidden_states, attention_mask=mask)
+    _STOCK_MASK = (weakref.ref(mask), built)
+    return built
 
 
 def distance_table(q: torch.Tensor, embedding: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -377,4 +435,6 @@ def use_fast_attention(model: nn.Module, *, kernel: str = "auto") -> int:
                 not isinstance(layer.self_attn, RelativeKeySelfAttention):
             layer.self_attn = RelativeKeySelfAttention(layer.self_attn, kernel=kernel)
             replaced += 1
+    if replaced and all(isinstance(layer.self_attn, RelativeKeySelfAttention) for layer in model.encoder.layers):
+        _hand_padding_as_is(model)
     return replaced

@@ -1,6 +1,7 @@
 """The host's work in a w2v-BERT pass of the tools, counted as benchmarks/host_ops_w2v.py counts it: our attention
 dispatches fewer ops a layer than transformers' own module on the same layer, makes its padding's tensors once a
-pass, and asks the device for nothing; a pass without padding asks nothing at all; a window's pass gathers its input
+pass, and asks the device for nothing, padded or not (transformers' own module reads a padded pass's mask back once);
+a window's pass gathers its input
 and scatters its output in the same few ops whatever its rows."""
 import pytest
 import torch
@@ -39,12 +40,12 @@ def test_the_gpu_kernel_dispatches_fewer_ops_a_layer_than_transformers(rows, pad
     assert triton["ops_of_the_pass_itself"] <= stock["ops_of_the_pass_itself"] + 8
 
 
-def test_no_host_sync_comes_from_our_code_and_an_unpadded_pass_has_none(rows):
+def test_no_host_sync_comes_from_our_code_and_only_transformers_module_asks_one_of_a_padded_pass(rows):
     for (kernel, padding), row in rows.items():
         if kernel == "fold":  # the CPU's kernel: a read of a CPU tensor waits for nothing
             continue
         assert not [line for line in row["syncs_by_line"] if line.startswith(("data/", "tools/"))], row
-        if padding == "unpadded":
+        if padding == "unpadded" or kernel != "stock":  # the encoder hands our layers its padding mask as it is
             assert row["syncs_per_pass"] == 0, row
         else:  # transformers reads a padded pass's mask back once, to see whether it can drop it
             assert row["syncs_per_pass"] <= 1, row

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from data import w2v_attention
-from data.w2v_attention import RelativeKeySelfAttention, key_padding, use_fast_attention
+from data.w2v_attention import KEY_PADDING, RelativeKeySelfAttention, key_padding, use_fast_attention
 from tests.helpers import REPO, env
 
 pytestmark = pytest.mark.timeout(120)
@@ -179,6 +179,13 @@ def test_w2v_bert_layer_fast_and_stock_attention_agree(tmp_path, stock_model, ca
     for got, want in zip(layers["fast"].forward(chunks), layers["stock"].forward(chunks), strict=True):
         assert got.shape == want.shape
         assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+    # the encoder hands our layers the [B, T] padding mask as it is; transformers' module, chosen among ours, gets
+    # the mask transformers builds from it, and computes the bits of the untouched model
+    assert layers["fast"].model.encoder.config._attn_implementation == KEY_PADDING
+    assert layers["stock"].model.encoder.config._attn_implementation != KEY_PADDING
+    layers["fast"].use_attention("stock")
+    for got, want in zip(layers["fast"].forward(chunks), layers["stock"].forward(chunks), strict=True):
+        np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match="'fast' or 'stock'"):
         W2vBertLayer(tmp_path, 2, device=torch.device("cpu"), dtype=torch.float32, max_chunk_seconds=5.0,
                      attention="flash")
