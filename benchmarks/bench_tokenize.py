@@ -257,12 +257,29 @@ def child(spec_path: str) -> int:
         init(self, *args, **kwargs)
 
         def record(module, call_args, call_kwargs):
-            passes.append((getattr(computing, "end", None), call_args, call_kwargs))
+            if not getattr(computing, "graphing", False):  # graph mode: its passes are recorded as replayed
+                passes.append((getattr(computing, "end", None), call_args, call_kwargs))
 
         self.model.register_forward_pre_hook(record, with_kwargs=True)
         modules.append(self.model)
 
     layer_class.__init__ = recording_init
+    try:  # graph mode (this tree's --graphs on): a pass is a replay, the model's calls are warm-ups and captures
+        graphs_class = importlib.import_module("data.w2v_graphs").GraphedPasses
+    except ImportError:
+        graphs_class = None
+    if graphs_class is not None:
+        graphed_call = graphs_class.__call__
+
+        def recorded_call(self, x, mask):
+            passes.append((getattr(computing, "end", None), (), {"input_features": x, "attention_mask": mask}))
+            computing.graphing = True
+            try:
+                return graphed_call(self, x, mask)
+            finally:
+                computing.graphing = False
+
+        graphs_class.__call__ = recorded_call
     import logging
 
     warnings = []  # the tool's warnings (a kernel given up, say), for the result

@@ -48,10 +48,13 @@ if ! "$PYTHON" -c "import soundfile, soxr, vector_quantize_pytorch" 2>/dev/null;
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 # this tree, its tokenize with the nearest codes (--beam_size 1), which gives what the codec's beam search costs,
-# the earlier tree's extraction and model alone (the device time goes to this tree's runs), and this tree under
-# torch.compile (--compile), in that order: the compiled runs, the longest, come last
+# this tree in graph mode (--graphs on, which a CPU refuses), the earlier tree's extraction and model alone (the
+# device time goes to this tree's runs), and this tree under torch.compile (--compile), in that order: the
+# compiled runs, the longest, come last
 repos=(--repo "after=$PWD" --tool_flags "after=--compile off")
 repos+=(--repo "nearest=$PWD" --tool_flags "nearest=--compile off --beam_size 1" --label_modes "nearest=tokenize")
+[[ $cpu_only == 0 ]] && repos+=(--repo "graphs=$PWD" --tool_flags "graphs=--compile off --graphs on"
+                                --label_modes "graphs=extract,tokenize")
 [[ -n $before ]] && repos+=(--repo "before=$(cd "$before" && pwd)" --label_modes "before=extract,model")
 [[ $compiled == 1 ]] && repos+=(--repo "compiled=$PWD" --tool_flags "compiled=--compile on")
 mkdir -p "$OUT"

@@ -33,6 +33,7 @@ import torch
 
 from data.fbank import FRAME_LENGTH, HOP_LENGTH, NUM_MEL_BINS, SAMPLE_RATE, STRIDE, TorchFbank
 from data.transfers import to_device
+from data.w2v_graphs import Capture, GraphedPasses, padded_frames
 from errors import BadInputError
 
 log = logging.getLogger(__name__)
@@ -180,11 +181,13 @@ class W2vBertLayer:
     puts data/w2v_attention.py's relative-position attention (no T x T table, same outputs) in place of
     transformers' one; "stock" keeps transformers' module (for comparison). `compile`: the truncated encoder
     under torch.compile with dynamic shapes (a pass's rows and length are symbolic, so a new pass shape reuses
-    the graph); each graph compiled is counted and logged (`graphs`)."""
+    the graph); each graph compiled is counted and logged (`graphs`). `graphs`: graph mode (data/w2v_graphs.py), each
+    pass's chunks padded to a multiple of GRAPH_FRAMES and replayed from a CUDA graph of its shape (`graph_capture`:
+    another way to capture, for a test)."""
 
     def __init__(self, checkpoint: Path, layer: int, *, device: torch.device, dtype: torch.dtype,
                  max_chunk_seconds: float, flag: str = "--checkpoint", attention: str = "fast",
-                 compile: bool = False):
+                 compile: bool = False, graphs: bool = False, graph_capture: Capture | None = None):
         from transformers import Wav2Vec2BertModel
 
         if attention not in ("fast", "stock"):
@@ -222,6 +225,13 @@ class W2vBertLayer:
         self.compiled, self.graphs = compile, 0
         if compile:
             self.model = torch.compile(self.model, dynamic=True)
+        self.graphed = None  # graph mode: GraphedPasses
+        if graphs:
+            if compile or attention != "fast":
+                raise ValueError("graph mode runs our attention, eager: not with compile or transformers' module")
+            if device.type != "cuda" and graph_capture is None:
+                raise BadInputError(f"--graphs on records a pass as a CUDA graph: it needs a GPU, not {device}")
+            self.graphed = GraphedPasses(self._layer_output, graph_capture)
         self.layer = layer
         self.dim = model.config.hidden_size
         from data.w2v_attention import RelativeKeySelfAttention
@@ -253,7 +263,8 @@ class W2vBertLayer:
         its padding masked)."""
         lengths = np.array([len(c) for c in chunks], dtype=np.int64)
         packed = packed_rows(chunks)
-        return self._pass(packed, np.cumsum([0, *lengths[:-1]]), lengths)
+        hidden = self._pass(packed, np.cumsum([0, *lengths[:-1]]), lengths)
+        return hidden if self.graphed is None else hidden.clone()  # a graph's buffer is its next replay's
 
     def _pass(self, packed: np.ndarray | torch.Tensor, firsts: np.ndarray, lengths: np.ndarray) -> torch.Tensor:
         """One forward pass over the chunks packed[firsts[i] : firsts[i] + lengths[i]] of `packed` (packed_rows: the
@@ -262,7 +273,7 @@ class W2vBertLayer:
         waits for the device, and an index made on the host reaches a GPU from pinned memory (data/transfers.py
         to_device). A pass with no padding has no mask where our attention runs (an all-ones mask computes the
         same, after transformers reads it back from the device to find out)."""
-        longest = int(lengths.max())
+        longest = int(lengths.max()) if self.graphed is None else padded_frames(int(lengths.max()))
         valid = np.arange(longest) < lengths[:, None]
         index = np.where(valid, firsts[:, None] + np.arange(longest), len(packed) - 1).reshape(-1)
         if isinstance(packed, torch.Tensor):
@@ -270,8 +281,10 @@ class W2vBertLayer:
         else:
             x = torch.from_numpy(packed[index])
         x = x.view(len(lengths), longest, packed.shape[1])
-        padded = self.compiled or not self.attentions or not valid.all()
+        padded = self.compiled or self.graphed is not None or not self.attentions or not valid.all()
         mask = torch.from_numpy(valid.astype(np.int64)) if padded else None
+        if self.graphed is not None:  # a graph holds the pass as captured: always a mask
+            return self.graphed(to_device(x, self.device).to(self.dtype), to_device(mask, self.device))
         graphs = compiled_graphs() if self.compiled else 0
         began = time.perf_counter()
         with torch.inference_mode():
@@ -283,6 +296,10 @@ class W2vBertLayer:
             log.info("w2v-bert: compiled graph %d, for a pass of %d x %d frames (%.1f s)", self.graphs, len(lengths),
                      longest, time.perf_counter() - began)
         return out.hidden_states[self.layer]
+
+    def _layer_output(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The layer's output of one pass of padded input `x` and its `mask` (graph mode's pass, as captured)."""
+        return self.model(input_features=x, attention_mask=mask, output_hidden_states=True).hidden_states[self.layer]
 
     def forward(self, chunks: list[np.ndarray]) -> list[np.ndarray]:
         """[T_i, 160] fbank chunks -> their [T_i, dim] float32 layer outputs on the host, in one forward pass."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from data.audio_features import FRAME_RATE
+from data.w2v_graphs import GRAPH_FRAMES, padded_frames
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ def by_device(field: str) -> str:
 PASS_COST = 0.05
 # how w2v_passes groups a window's chunks, for a shard's settings: other passes give a layer other last bits
 PASS_RULE = f"least_cost_passes, a pass costing {PASS_COST:g} of --batch_seconds"
+# the same in graph mode (data/w2v_graphs.py), whose passes are planned on the chunks' padded lengths
+GRAPH_PASS_RULE = f"{PASS_RULE}, each chunk padded to a multiple of {GRAPH_FRAMES} frames"
 
 
 def length_sorted_batches(lengths: np.ndarray, batch_frames: int) -> list[np.ndarray]:
@@ -104,16 +107,22 @@ def w2v_attention(before_pass_rules: bool) -> str:
     return "stock" if before_pass_rules else "fast"
 
 
-def w2v_passes(seconds: float, *, before_pass_rules: bool = False) -> Callable[[np.ndarray], list[np.ndarray]]:
+def w2v_passes(seconds: float, *, before_pass_rules: bool = False,
+               graphs: bool = False) -> Callable[[np.ndarray], list[np.ndarray]]:
     """w2v-BERT's forward passes over a window's chunks: sorted by length, at most `seconds` of padded audio each,
-    cut where padding and passes cost least, a pass costing PASS_COST of a full one (least_cost_passes); or, for a
-    shard begun before pass rules were recorded, filled in that order (length_sorted_batches)."""
+    cut where padding and passes cost least, a pass costing PASS_COST of a full one (least_cost_passes), in graph
+    mode on the lengths each chunk is padded to (data/w2v_graphs.py); or, for a shard begun before pass rules were
+    recorded, filled in that order (length_sorted_batches)."""
     frames = max(1, int(seconds * FRAME_RATE))
     if before_pass_rules:
         return functools.partial(length_sorted_batches, batch_frames=frames)
-    return functools.partial(least_cost_passes, batch_frames=frames, pass_frames=int(PASS_COST * frames))
+    plan = functools.partial(least_cost_passes, batch_frames=frames, pass_frames=int(PASS_COST * frames))
+    if graphs:
+        return lambda lengths: plan(padded_frames(np.asarray(lengths, dtype=np.int64)))
+    return plan
 
 
 def shard_passes(settings: dict) -> Callable[[np.ndarray], list[np.ndarray]]:
     """w2v_passes for a shard of these settings (pass_settings)."""
-    return w2v_passes(settings["batch_seconds"], before_pass_rules="passes" not in settings)
+    return w2v_passes(settings["batch_seconds"], before_pass_rules="passes" not in settings,
+                      graphs=settings.get("graphs") == "on")

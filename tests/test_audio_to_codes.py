@@ -423,6 +423,30 @@ def test_a_w2v_shard_goes_on_under_the_compile_it_was_begun_with(corpus, tmp_pat
     assert extract.main([*args, "--compile", "off"]) == 0
 
 
+def test_graph_mode_needs_a_gpu_and_a_shard_goes_on_in_the_mode_it_was_begun_in(corpus, tmp_path, caplog):
+    """--graphs on pads each chunk to its graph's shape, other last bits: refused on a CPU before anything is written,
+    and, like --compile, kept by a shard (a flag naming the other mode is refused)."""
+    c = corpus
+    args = [c.manifest, "train", 1, 0, tmp_path / "new", *COMMIT, *W2V, "--checkpoint", c.w2v]
+    assert extract.main([*args, "--graphs", "on"]) == 2
+    assert "--graphs on records a pass as a CUDA graph: it needs a GPU" in caplog.text
+    assert not (tmp_path / "new").exists() or not list((tmp_path / "new").iterdir())
+    with pytest.raises(SystemExit) as stop:
+        extract.main([*args, "--graphs", "on", "--compile", "on"])
+    assert stop.value.code == 2
+    graphed, eager = tmp_path / "graphed", tmp_path / "eager"
+    shutil.copytree(c.w2v_feats, graphed)
+    shutil.copytree(c.w2v_feats, eager)
+    record = json.loads((graphed / f"{SHARD}.json").read_text())
+    assert "graphs" not in record.get("settings", record)  # off, the default: nothing noted
+    record.get("settings", record)["graphs"] = "on"
+    (graphed / f"{SHARD}.json").write_text(json.dumps(record) + "\n")
+    for out, flag, begun in ((graphed, "off", "on"), (eager, "on", "off")):
+        caplog.clear()
+        assert extract.main([*args[:4], out, *args[5:], "--graphs", flag]) == 2
+        assert f"the shard was begun with --graphs {begun}" in caplog.text
+
+
 def recorded_attention(folder: Path, meta: str, kernel: str | None) -> None:
     """A finished shard's settings as if it had been begun with attention `kernel` (None: before kernels were
     recorded)."""

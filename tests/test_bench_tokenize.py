@@ -51,10 +51,11 @@ def test_the_stock_loop_counts_its_batches_audio_and_flops(tmp_path):
     loop = info["stock_loop"]
     assert "error" not in loop, loop
     assert loop["rows"] == 2 and loop["passes"] >= 1 and loop["seconds"] >= 1.0
-    assert loop["audio_s_per_s"] == pytest.approx(loop["passes"] * 2 * 10 / loop["seconds"], rel=1e-3)
+    # the figures are kept to 4 significant digits or 1 decimal
+    assert loop["audio_s_per_s"] == pytest.approx(loop["passes"] * 2 * 10 / loop["seconds"], rel=5e-3)
     cfg = {**info["config"], "output_hidden_size": info["config"]["hidden_size"]}
     assert loop["gflop_per_s"] / loop["audio_s_per_s"] == pytest.approx(
-        flops_per_audio_second(cfg, info["layer"], 10) / 1e9, rel=1e-3)
+        flops_per_audio_second(cfg, info["layer"], 10) / 1e9, rel=5e-3)
     assert info["runs"] == {}  # no tool ran
 
 

@@ -24,7 +24,8 @@ from data.audio_features import FRAME_RATE, W2vBertLayer
 from data.audio_sources import (AUDIO_COLUMN, AUDIO_EXTENSIONS, KEY_COLUMNS, SourceFlags, Utterances, listing,
                                 source_share)
 from data.audio_pipeline import STAGES, WRITER_STAGES, FeatureWindows
-from data.pass_plan import PASS_COST, PASS_RULE, by_device, device_defaults
+from data.pass_plan import GRAPH_PASS_RULE, PASS_COST, PASS_RULE, by_device, device_defaults
+from data.w2v_graphs import GRAPH_FRAMES
 from data.w2v_attention import KERNELS
 from errors import EXIT_OK, BadInputError
 from training.device import shard_device
@@ -32,6 +33,8 @@ from training.device import shard_device
 COMMIT_FILES = 1000  # --commit_files by default
 # the flags that decide w2v-BERT's passes, recorded in a w2v-bert shard's settings
 PASS_FLAGS = ("batch_seconds", "commit_files", "commit_seconds")
+# how w2v-BERT computes, flags a w2v-bert shard records when on and goes on with (shard_switches)
+SWITCHES = ("compile", "graphs")
 
 
 @dataclasses.dataclass
@@ -111,6 +114,10 @@ def add_input_args(p: argparse.ArgumentParser) -> None:
                    help="w2v-bert: run the truncated encoder under torch.compile, with dynamic shapes (the graphs "
                         "compiled are logged); not shown to pay yet (benchmarks/README.md, \"Tokenization at steady "
                         "state\"); a shard goes on as it was begun; default: off")
+    p.add_argument("--graphs", choices=("on", "off"),
+                   help="w2v-bert on a GPU: each forward pass replayed from a CUDA graph of its shape, its chunks "
+                        f"padded to a multiple of {GRAPH_FRAMES} frames (data/w2v_graphs.py); not measured on a GPU yet "
+                        "(benchmarks/README.md); a shard goes on as it was begun; default: off")
     p.add_argument("--attention", choices=KERNELS,
                    help="w2v-bert: the relative-position attention's kernel (docs/audio-to-codes.md); a shard goes on "
                         "with the one it was begun with; default: auto, on a GPU the fastest of those that agree "
@@ -142,7 +149,8 @@ class PipelineSettings:
     commit_files: int
     commit_seconds: float
     compile: bool  # w2v-bert: the truncated encoder under torch.compile
-    compile_given: bool  # --compile named on the command line
+    graphs: bool  # w2v-bert: its passes replayed from CUDA graphs (data/w2v_graphs.py)
+    switches_given: frozenset[str]  # the SWITCHES named on the command line
     attention: str | None  # w2v-bert: --attention as given (None: auto)
     pass_flags_given: frozenset[str]  # the PASS_FLAGS named on the command line
 
@@ -171,10 +179,14 @@ def input_settings(p: argparse.ArgumentParser,
         value = getattr(args, name, None)
         if value is not None and not value > 0:
             p.error(f"--{name} must be positive, got {value}")
+    if args.graphs == "on" and (args.compile == "on" or args.attention == "stock"):
+        p.error("--graphs on replays our attention, eager: not with --compile on or --attention stock (transformers' "
+                "module reads its mask back from the device, which no CUDA graph can hold)")
     given = {name: getattr(args, name) for name in ("num_workers", *PASS_FLAGS) if getattr(args, name) is not None}
     pipeline = dataclasses.replace(
         default_pipeline(args.device), **given,
-        compile=args.compile == "on", compile_given=args.compile is not None,
+        compile=args.compile == "on", graphs=args.graphs == "on",
+        switches_given=frozenset(name for name in SWITCHES if getattr(args, name) is not None),
         attention=None if args.attention in (None, "auto") else args.attention,
         pass_flags_given=frozenset(name for name in PASS_FLAGS if name in given))
     share = AudioInput(args.source, args.split, args.nshard, args.rank,
@@ -187,7 +199,8 @@ def default_pipeline(device: str) -> PipelineSettings:
     what tools.extract and tools.tokenize run without flags, and rvq_tokenizer.py always."""
     return PipelineSettings(device=device, num_workers=default_workers(), batch_seconds=None,
                             commit_files=COMMIT_FILES, commit_seconds=device_defaults(device_kind(device)).commit_seconds,
-                            compile=False, compile_given=False, attention=None, pass_flags_given=frozenset())
+                            compile=False, graphs=False, switches_given=frozenset(), attention=None,
+                            pass_flags_given=frozenset())
 
 
 def default_workers() -> int:
@@ -236,6 +249,10 @@ def begun_before_pass_rules(pipeline: PipelineSettings, recorded: dict | None,
     complete; --overwrite starts it over with today's."""
     if not (isinstance(recorded, dict) and "batch_seconds" in recorded and "passes" not in recorded):
         return pipeline, False
+    if pipeline.graphs:
+        raise BadInputError("the shard was begun before pass rules were recorded: it goes on with its own passes and "
+                            "transformers' attention, which no CUDA graph holds: rerun without --graphs on, or "
+                            "--overwrite to start it over")
     pipeline = dataclasses.replace(pipeline, **{name: recorded[name] for name in PASS_FLAGS
                                                 if name not in pipeline.pass_flags_given and name in recorded})
     log.info("the shard was begun before pass rules were recorded: it goes on with its own (passes filled in length "
@@ -245,19 +262,20 @@ def begun_before_pass_rules(pipeline: PipelineSettings, recorded: dict | None,
     return pipeline, True
 
 
-def shard_compile(pipeline: PipelineSettings, recorded: dict | None) -> PipelineSettings:
+def shard_switches(pipeline: PipelineSettings, recorded: dict | None) -> PipelineSettings:
     """The `pipeline` a w2v-bert shard begun with settings `recorded` (None: a new one) goes on with: under
-    torch.compile as it was begun (pass_settings records it), the compiled encoder's last bits being its own.
-    --compile that names the other is refused (BadInputError), as the shard's other settings are; a shard that
-    records none was begun eager."""
+    torch.compile and in graph mode as it was begun (pass_settings records each SWITCHES that is on), their last
+    bits being their own. A flag that names the other is refused (BadInputError), as the shard's other settings
+    are; a shard that records neither was begun eager."""
     if not isinstance(recorded, dict):
         return pipeline
-    begun = recorded.get("compile") == "on"
-    if pipeline.compile_given and pipeline.compile != begun:
-        raise BadInputError(f"the shard was begun with --compile {'on' if begun else 'off'}, whose last bits differ "
-                            f"from --compile {'on' if pipeline.compile else 'off'}'s: rerun with --compile "
-                            f"{'on' if begun else 'off'} (or without it), or --overwrite to start it over")
-    return dataclasses.replace(pipeline, compile=begun)
+    begun = {name: recorded.get(name) == "on" for name in SWITCHES}
+    for name, on in begun.items():
+        if name in pipeline.switches_given and getattr(pipeline, name) != on:
+            was, now = ("on" if on else "off"), ("off" if on else "on")
+            raise BadInputError(f"the shard was begun with --{name} {was}, whose last bits differ from --{name} "
+                                f"{now}'s: rerun with --{name} {was} (or without it), or --overwrite to start it over")
+    return dataclasses.replace(pipeline, **begun)
 
 
 def pass_settings(pipeline: PipelineSettings, device: torch.device, before_pass_rules: bool = False,
@@ -265,12 +283,12 @@ def pass_settings(pipeline: PipelineSettings, device: torch.device, before_pass_
     """What decides w2v-BERT's passes and their bits, for a shard's settings: the passes change a layer's last bits,
     and so do torch.compile (noted when on, so that a shard begun before it was recorded reads as eager) and the
     attention kernel (shard_attention; None for a shard begun before kernels were recorded), so a resumed shard
-    keeps them (shard_compile). A shard begun before pass rules were recorded records none
+    keeps them (shard_switches). A shard begun before pass rules were recorded records none
     (begun_before_pass_rules)."""
     return {"batch_seconds": pipeline.batch_seconds_on(device),
-            **({} if before_pass_rules else {"passes": PASS_RULE}),
+            **({} if before_pass_rules else {"passes": GRAPH_PASS_RULE if pipeline.graphs else PASS_RULE}),
             "commit_files": pipeline.commit_files, "commit_seconds": pipeline.commit_seconds,
-            **({"compile": "on"} if pipeline.compile else {}),
+            **{name: "on" for name in SWITCHES if getattr(pipeline, name)},
             **({} if attention is None else {"attention": attention})}
 
 
@@ -316,6 +334,9 @@ def shard_attention(encoder: W2vBertLayer, pipeline: PipelineSettings, recorded:
         frames = int(pipeline.batch_seconds_on(encoder.device) * FRAME_RATE)
         choice = choose_kernel(encoder, pass_shapes(frames, encoder.max_chunk))
         kernel, how = choice.kernel, ("cached: " if choice.cached else "measured: ") + choice.describe()
+        if pipeline.graphs and kernel == "stock":  # no graph holds transformers' module: the fastest of ours
+            kernel = min((k for k in choice.seconds if k != "stock"), key=choice.seconds.get, default="gather")
+            how += f"; {kernel}, the fastest of ours, in graph mode"
     encoder.use_attention(kernel)
     log.info("w2v-bert attention: %s (%s)", kernel, how)
     return kernel
@@ -349,6 +370,10 @@ def shard_written(log: logging.Logger, pipeline: FeatureWindows, seconds: float,
              "audio (--num_workers %d)", pipeline.audio_seconds, seconds, pipeline.audio_seconds / max(seconds, 1e-9),
              model, pipeline.input_wait, 100 * pipeline.input_wait / max(seconds, 1e-9), pipeline.num_workers)
     log.info("%s", time_account(pipeline.stages, seconds))
+    graphed = getattr(pipeline.encoder, "graphed", None)
+    if graphed is not None:
+        log.info("graph mode: %d pass shapes captured as CUDA graphs, in %.1f s of the start-up and after it",
+                 graphed.captures, graphed.capture_seconds)
     log.info("%s", wrote)
     log.info("finished successfully")
     return EXIT_OK

@@ -69,7 +69,7 @@ from data.transfers import dtype_name  # noqa: E402
 from errors import EXIT_FAILURE, EXIT_OK  # noqa: E402
 from tools.audio_shard import (AudioInput, AudioShare, PipelineSettings, ShardOutput, add_input_args,  # noqa: E402
                                audio_share, begun_before_pass_rules, input_settings, model_device,
-                               pass_settings, progress_bar, shard_attention, shard_compile, shard_written)
+                               pass_settings, progress_bar, shard_attention, shard_switches, shard_written)
 from tools.cli import bad_input_exits_2, run  # noqa: E402
 from training.device import compute_dtype  # noqa: E402
 from training.faults import FaultInjector  # noqa: E402
@@ -171,12 +171,13 @@ def feature_maker(request: FeatureRequest, pipeline: PipelineSettings, device: t
     encoder = W2vBertLayer(request.checkpoint, request.layer, device=device,
                            dtype=compute_dtype(request.precision, device) or torch.float32,
                            max_chunk_seconds=request.max_chunk_seconds, attention=w2v_attention(before_pass_rules),
-                           compile=pipeline.compile)
+                           compile=pipeline.compile, graphs=pipeline.graphs)
     settings.update(dim=encoder.dim, checkpoint=str(request.checkpoint.resolve()),
                     model=model_fingerprint(request.checkpoint), layer=request.layer,
                     max_chunk_seconds=request.max_chunk_seconds, precision=dtype_name(encoder.dtype))
     log.info("w2v-bert layer %d of %s on %s (%s), %d-d%s", request.layer, request.checkpoint, encoder.device,
-             encoder.dtype, encoder.dim, ", under torch.compile" if encoder.compiled else "")
+             encoder.dtype, encoder.dim, ", under torch.compile" if encoder.compiled else
+             ", in graph mode (CUDA graphs)" if encoder.graphed else "")
     return fbank, encoder, settings
 
 
@@ -189,7 +190,7 @@ def extract(cfg: ExtractSettings) -> int:
     before_pass_rules = False
     if cfg.features.feature == "w2v-bert":  # such a shard goes on with its own passes and commits
         pipeline, before_pass_rules = begun_before_pass_rules(cfg.pipeline, recorded, log)
-        cfg = dataclasses.replace(cfg, pipeline=shard_compile(pipeline, recorded))
+        cfg = dataclasses.replace(cfg, pipeline=shard_switches(pipeline, recorded))
     fbank, encoder, features = feature_maker(cfg.features, cfg.pipeline, device, recorded, before_pass_rules)
     settings = {**features, "split": split, **share.settings}
     if encoder is not None:

@@ -68,7 +68,7 @@ from models.codec import RVQCodec  # noqa: E402
 from models.codes import TAIL_PADDING, code_frames, km_lines  # noqa: E402
 from tools.audio_shard import (AudioInput, AudioShare, PipelineSettings, ShardOutput, add_input_args,  # noqa: E402
                                audio_share, begun_before_pass_rules, input_settings, model_device,
-                               pass_settings, progress_bar, shard_attention, shard_compile, shard_written)
+                               pass_settings, progress_bar, shard_attention, shard_switches, shard_written)
 from tools.cli import bad_input_exits_2, run  # noqa: E402
 from tools.trained_codec import (CodesRequest, CodesSpec, add_codes_args, codes_request, codes_spec,  # noqa: E402
                                  describe_codes, load_codec)
@@ -156,10 +156,11 @@ def trained_features(state: dict, ckpt_path: Path, flags: FeatureFlags) -> dict:
 
 
 def feature_maker(trained: dict, flags: FeatureFlags, device: torch.device, ckpt_path: Path,
-                  before_pass_rules: bool, *, compile: bool) -> tuple[SeamlessFbank, W2vBertLayer | None, dict]:
+                  before_pass_rules: bool, *, compile: bool,
+                  graphs: bool = False) -> tuple[SeamlessFbank, W2vBertLayer | None, dict]:
     """(the fbank, the w2v-BERT layer or None, the settings of the features they make), the latter the codec's;
     w2v-BERT from the folder flags.w2v_bert (None: the one the codec records), under torch.compile with `compile`,
-    for a shard begun `before_pass_rules` or not (tools/audio_shard.py)."""
+    in graph mode with `graphs`, for a shard begun `before_pass_rules` or not (tools/audio_shard.py)."""
     computed = codec_front_end(trained)
     if trained["feature"] != "w2v-bert":
         return SeamlessFbank(None, computed), None, trained
@@ -170,14 +171,15 @@ def feature_maker(trained: dict, flags: FeatureFlags, device: torch.device, ckpt
     encoder = W2vBertLayer(folder, trained["layer"], device=device, dtype=getattr(torch, trained["precision"]),
                            max_chunk_seconds=trained["max_chunk_seconds"], flag=flags.named("w2v_bert"),
                            attention=w2v_attention(before_pass_rules),
-                           compile=compile)
+                           compile=compile, graphs=graphs)
     now = {**trained, "dim": encoder.dim, "checkpoint": str(folder.resolve()), "model": model_fingerprint(folder)}
     differ = settings_differ(trained, now)
     if differ:
         raise BadInputError(f"the codec in {ckpt_path} was trained on {describe(trained)}; "
                             f"{flags.named('w2v_bert', folder)} gives {describe(now)} ({differ})")
     log.info("w2v-bert layer %d of %s on %s (%s), %d-d%s", encoder.layer, folder, encoder.device, encoder.dtype,
-             encoder.dim, ", under torch.compile" if encoder.compiled else "")
+             encoder.dim, ", under torch.compile" if encoder.compiled else
+             ", in graph mode (CUDA graphs)" if encoder.graphed else "")
     return SeamlessFbank(folder, computed), encoder, now
 
 
@@ -246,9 +248,9 @@ def audio_codec(model: RVQCodec, state: dict, ckpt_path: Path, request: CodesReq
     before_pass_rules = False
     if trained["feature"] == "w2v-bert":  # such a shard goes on with its own passes and commits
         pipeline, before_pass_rules = begun_before_pass_rules(pipeline, recorded, log)
-        pipeline = shard_compile(pipeline, recorded)
+        pipeline = shard_switches(pipeline, recorded)
     fbank, encoder, features = feature_maker(trained, flags, device, ckpt_path, before_pass_rules,
-                                             compile=pipeline.compile)
+                                             compile=pipeline.compile, graphs=pipeline.graphs)
     codes = {**spec.settings, "features": {k: v for k, v in features.items() if k != "checkpoint"}}
     passes = {}
     if encoder is not None:
