@@ -11,7 +11,9 @@ GRAPH_LIMIT most recently used are kept.
 What a capture needs of the pass: no host sync and no value read back (data/w2v_attention.py hands our attention
 its padding mask as it is; transformers' own module reads the mask back and cannot be captured), and inputs in
 fixed buffers: each replay copies the pass's input and mask into the graph's own, and its output is the graph's
-own buffer, valid until that graph is replayed again (the caller copies it out first, on the same stream).
+own buffer, valid until the next replay of any graph (the graphs share their pool: the caller copies it out
+first, on the same stream). A capture forbids unsafe CUDA calls on the capturing thread only: the writer thread
+waits on its copies meanwhile.
 
 Padding a chunk changes the last bits of its layer outputs (other shapes, other kernels' tilings), and so may a
 graph against the same pass run eagerly: a shard records graph mode with its passes (tools/audio_shard.py
@@ -38,7 +40,8 @@ def padded_frames(frames: int) -> int:
 
 class CudaCapture:
     """Capture on the current CUDA device, every graph in one memory pool (a pass's intermediates are reused by the
-    next shape's capture: the graphs replay one at a time, on one stream)."""
+    next shape's capture, and its output may be another graph's intermediate: the graphs replay one at a time, on one
+    stream, and each output is read before the next replay)."""
 
     def __init__(self):
         self.pool = None
@@ -52,7 +55,7 @@ class CudaCapture:
             run()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             output = run()
         return graph.replay, output
 
