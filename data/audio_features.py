@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from data.fbank import FRAME_LENGTH, HOP_LENGTH, NUM_MEL_BINS, SAMPLE_RATE, STRIDE, TorchFbank
+from data.row_gather import packed_rows, padded_index, valid_positions
 from data.transfers import to_device
 from data.w2v_graphs import Capture, GraphedPasses, padded_frames
 from errors import BadInputError
@@ -275,7 +276,7 @@ class W2vBertLayer:
         same, after transformers reads it back from the device to find out)."""
         longest = int(lengths.max()) if self.graphed is None else padded_frames(int(lengths.max()))
         valid = np.arange(longest) < lengths[:, None]
-        index = np.where(valid, firsts[:, None] + np.arange(longest), len(packed) - 1).reshape(-1)
+        index = padded_index(firsts, lengths, longest, len(packed) - 1)
         if isinstance(packed, torch.Tensor):
             x = packed.index_select(0, to_device(index, packed.device))
         else:
@@ -330,10 +331,7 @@ class W2vBertLayer:
             out = torch.empty(rows, self.dim, dtype=dtype, device=self.device)
             for batch in passes(lengths):
                 hidden = self._pass(packed, firsts[batch], lengths[batch])
-                longest = hidden.shape[1]
-                valid = np.arange(longest) < lengths[batch][:, None]
-                source = (np.arange(len(batch))[:, None] * longest + np.arange(longest))[valid]
-                target = (firsts[batch][:, None] + np.arange(longest))[valid]
+                source, target = valid_positions(firsts[batch], lengths[batch], hidden.shape[1])
                 out.index_copy_(0, to_device(target, self.device),
                                 hidden.reshape(-1, self.dim).index_select(0, to_device(source, self.device)).to(dtype))
                 if on_batch is not None:
@@ -352,14 +350,6 @@ def chunk_sizes(frames: int, max_chunk: int) -> list[int]:
     as can be, the longer first (as np.array_split cuts)."""
     parts = math.ceil(frames / max_chunk)
     return [frames // parts + 1] * (frames % parts) + [frames // parts] * (parts - frames % parts)
-
-
-def packed_rows(chunks: list[np.ndarray] | list[torch.Tensor]) -> np.ndarray | torch.Tensor:
-    """The rows of `chunks` ([T_i, 160] arrays, or tensors where they lie) one after another, then a row of zeros
-    (what a pass's padding gathers): one array, or one tensor on the chunks' device."""
-    if isinstance(chunks[0], torch.Tensor):
-        return torch.cat([*chunks, chunks[0].new_zeros(1, chunks[0].shape[1])])
-    return np.concatenate([*chunks, np.zeros((1, chunks[0].shape[1]), dtype=chunks[0].dtype)])
 
 
 def compiled_graphs() -> int:

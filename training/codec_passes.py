@@ -16,6 +16,7 @@ import torch
 
 from data.bad_crops import finite_crops
 from data.pass_plan import length_sorted_batches
+from data.row_gather import packed_rows, padded_index, valid_positions
 from data.transfers import to_device, torch_dtype
 from models.codec import RVQCodec
 from models.codes import code_frames
@@ -25,14 +26,18 @@ def padded_rows(utterances: list[np.ndarray] | list[torch.Tensor], padded: np.nd
                 multiple: int) -> torch.Tensor:
     """One pass's input: [rows, the longest padded length (at least `multiple`), dim] float32, row i utterance i
     widened to float32, its tail to padded[i] frames repeating its last frame, zeros after; built where the
-    utterances lie (host arrays, maybe read-only float16 memmaps, copied on the host; tensors on their device)."""
-    shape = (len(utterances), max(int(padded.max(initial=0)), multiple), dim)
-    on_device = isinstance(utterances[0], torch.Tensor)
-    rows = torch.zeros(shape, device=utterances[0].device) if on_device else np.zeros(shape, np.float32)
-    for row, (features, n) in enumerate(zip(utterances, padded)):
-        rows[row, : len(features)] = features
-        rows[row, len(features) : n] = features[-1:]
-    return rows if on_device else torch.from_numpy(rows)
+    utterances lie (host arrays, maybe read-only float16 memmaps, on the host; tensors on their device), in one
+    gather whatever the rows (data/row_gather.py)."""
+    lengths = np.array([len(u) for u in utterances], dtype=np.int64)
+    firsts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    width = max(int(padded.max(initial=0)), multiple)
+    packed = packed_rows(utterances)
+    index = padded_index(firsts, lengths, width, len(packed) - 1, repeated=np.asarray(padded, dtype=np.int64))
+    if isinstance(packed, torch.Tensor):
+        rows = packed.index_select(0, to_device(index, packed.device)).float()
+    else:
+        rows = torch.from_numpy(packed[index].astype(np.float32, copy=False))
+    return rows.view(len(utterances), width, dim)
 
 
 def encode_rows(model: RVQCodec, utterances: list[np.ndarray] | list[torch.Tensor], num_quantizers: int | None = None,
@@ -72,11 +77,13 @@ def encode_in_batches(model: RVQCodec, store, num_quantizers: int, batch_frames:
     s = model.config.downsample
     lengths = code_frames(store.lengths, s)
     firsts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    out = torch.empty(int(lengths.sum()), num_quantizers, dtype=torch_dtype(dtype), device=model.feature_mean.device)
+    device = model.feature_mean.device
+    out = torch.empty(int(lengths.sum()), num_quantizers, dtype=torch_dtype(dtype), device=device)
     for batch in length_sorted_batches(lengths * s, batch_frames):
         codes, _ = encode_rows(model, [store.utterance(int(i)) for i in batch], num_quantizers, beam_size)
-        for row, i in enumerate(batch):
-            out[firsts[i] : firsts[i] + lengths[i]] = codes[row, : lengths[i]]
+        source, target = valid_positions(firsts[batch], lengths[batch], codes.shape[1])
+        out.index_copy_(0, to_device(target, device),  # each row's codes into place, one scatter for the batch
+                        codes.reshape(-1, num_quantizers).index_select(0, to_device(source, device)).to(out.dtype))
         if on_batch is not None:
             on_batch(batch)
     return out if on_device else out.cpu().numpy()
