@@ -216,7 +216,22 @@ def child(spec_path: str) -> int:
     windows_class = importlib.import_module("data.audio_pipeline").FeatureWindows
     compute, computing = windows_class._compute, threading.local()
 
+    # --profile_tool N: N windows after the timed steady state, the tool itself under torch.profiler (started and
+    # stopped on the model's thread, which the writer's commits ask to)
+    tool_profile = {"from": None, "profiler": None, "began": None, "wall": None}
+
+    def start_tool_profile():
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as profiler
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        tool_profile["profiler"] = profiler(activities=activities)
+        tool_profile["profiler"].start()
+        tool_profile["began"] = time.perf_counter()
+
     def tagged_compute(self, window, *args, **kwargs):
+        if tool_profile["from"] is not None and tool_profile["profiler"] is None:
+            start_tool_profile()
         computing.end = window.end
         try:
             return compute(self, window, *args, **kwargs)
@@ -243,8 +258,11 @@ def child(spec_path: str) -> int:
         commit(self, done)  # what it commits was computed and copied back: no device sync needed
         commits.append((time.perf_counter(), done))
         snapshots.append(dict(getattr(pipelines[-1], "stages", {})) if pipelines else {})
-        work = spec.get("work_seconds")
-        if work and len(commits) > 1 and commits[-1][0] - commits[0][0] >= work:
+        work, profiled = spec.get("work_seconds"), spec.get("profile_tool", 0)
+        if tool_profile["from"] is None and work and len(commits) > 1 and commits[-1][0] - commits[0][0] >= work:
+            tool_profile["from"] = len(commits)  # the timed steady state ends here
+        if tool_profile["from"] is not None and len(commits) >= tool_profile["from"] + (
+                profiled + 1 if profiled else 0):  # the first profiled window may have begun before the request
             if threading.current_thread() is main_thread:
                 raise EnoughWork
             signal.pthread_kill(main_thread.ident, signal.SIGUSR2)  # a writer thread's commit: stop the tool
@@ -295,6 +313,17 @@ def child(spec_path: str) -> int:
         code = tool.main(spec["argv"])
     except EnoughWork:
         code, stopped = 0, True
+    tool_summary = None
+    if tool_profile["profiler"] is not None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        tool_profile["profiler"].stop()
+        wall = time.perf_counter() - tool_profile["began"]
+        tool_summary = {**profile_summary(tool_profile["profiler"].key_averages(), device.type == "cuda", wall,
+                                          passes=len(commits) - tool_profile["from"]),
+                        "host_syncs": host_sync_calls(tool_profile["profiler"].key_averages())}
+    if tool_profile["from"] is not None:  # the figures are the timed steady state's, before any profiling
+        commits, snapshots = commits[: tool_profile["from"]], snapshots[: tool_profile["from"]]
     result = {"rc": code, "stopped": stopped, "seconds_total": time.perf_counter() - began,
               "commits": [(t - began, done) for t, done in commits],
               "passes": [(end, *pass_shape(a, kw)) for end, a, kw in passes], "warnings": warnings}
@@ -302,6 +331,8 @@ def child(spec_path: str) -> int:
         steady = commits[-1][0] - commits[0][0]
         result["stages"] = {name: (seconds - snapshots[0].get(name, 0.0)) / steady
                             for name, seconds in snapshots[-1].items()} if steady > 0 else {}
+    if tool_summary is not None:
+        result["tool_profile"] = tool_summary
     if spec.get("model") and modules and code == 0 and len(commits) > 1:
         result["model"] = replay(modules[0], [(a, kw) for end, a, kw in passes
                                               if steady_window(end, commits[0][1], commits[-1][1])], device,
@@ -458,6 +489,21 @@ def profile_summary(events, on_gpu: bool, wall: float, passes: int, top: int = 1
                     for name, calls, seconds in rows[:top]]}
 
 
+# the CUDA runtime calls by which the host waits for the device (torch.profiler's names for them)
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ")
+
+
+def host_sync_calls(events) -> dict[str, int]:
+    """How often the host waited for the device, by runtime call (none on a CPU); a plain cudaMemcpy (not Async)
+    waits for the copy and everything queued before it."""
+    counts = {}
+    for e in events:
+        name = e.key if e.key.endswith(" ") else e.key + " "
+        if any(name.startswith(call) for call in SYNC_CALLS):
+            counts[e.key] = counts.get(e.key, 0) + int(e.count)
+    return counts
+
+
 def make_codec(spec: dict, extract) -> str:
     """An untrained default-sized codec recording the features of a short extraction of the first files by this
     tree (so that tools.tokenize computes those features)."""
@@ -532,6 +578,7 @@ def figures(result: dict, corpus: dict, cfg: dict, layers: int, max_chunk: int, 
            "passes": len(result["passes"]), "padding": padded / real - 1 if real else None,
            "warnings": result.get("warnings", []),
            "stages": result.get("stages", {}),  # each stage's share of the steady state (FeatureWindows.stages)
+           **({"tool_profile": result["tool_profile"]} if "tool_profile" in result else {}),
            "gflop_per_audio_s": flops / audio / 1e9 if audio else None}
     if peak:
         out["mfu"] = flops / seconds / (peak * 1e12)
@@ -565,13 +612,16 @@ def run_benchmark(*, device: str = "cpu", model: str = "small", layer: int | Non
                   batch_seconds: float | None = None, num_workers: int | None = None, threads: int | None = None,
                   peak: float | None = None, scratch_root: str | None = None, timeout: float = 1800,
                   tool_flags: dict[str, list[str]] | None = None, label_modes: dict[str, list[str]] | None = None,
-                  profile: int = 0, loop_rows: int = LOOP_ROWS, out: Path | None = None, say=print) -> dict:
+                  profile: int = 0, profile_tool: int = 0, loop_rows: int = LOOP_ROWS, out: Path | None = None,
+                  say=print) -> dict:
     """Every (repo, mix, mode) run `repeats` times, taking turns; each keeps its fastest steady state. Returns
     the figures, also written to `out` after every run (a run cut short keeps what it measured). tool_flags: more
     flags for the tools of a repo's label (e.g. two labels of one tree with --compile on and off); label_modes:
     a label's own modes instead of `modes` (e.g. an earlier tree's extraction alone); profile: that many passes
-    of the model alone profiled after it is timed (`profile_summary`); `loop` among the modes: the stock loop once a
-    round (its fastest kept), over batches of `loop_rows`."""
+    of the model alone profiled after it is timed (`profile_summary`); profile_tool: that many windows of each tool
+    run profiled after its timed steady state (with --work_seconds: the run then goes on for them), the host's waits
+    for the device counted (`host_sync_calls`); `loop` among the modes: the stock loop once a round (its fastest
+    kept), over batches of `loop_rows`."""
     import torch
 
     from benchmarks.demo_run import machine
@@ -592,6 +642,7 @@ def run_benchmark(*, device: str = "cpu", model: str = "small", layer: int | Non
             "commit_seconds": commit_seconds, "batch_seconds": batch_seconds, "work_seconds": work_seconds,
             "audio_minutes": audio_minutes, "repeats": repeats, "peak_tflops": peak, "repos": repos,
             "tool_flags": tool_flags or {}, "label_modes": label_modes or {}, "profile": profile,
+            "profile_tool": profile_tool,
             "load_average_before": [round(x, 2) for x in os.getloadavg()], "mixes": {}, "runs": {}}
     with tempfile.TemporaryDirectory(prefix="bench_tokenize_", dir=scratch_root) as tmp:
         tmp = Path(tmp)
@@ -638,7 +689,7 @@ def run_benchmark(*, device: str = "cpu", model: str = "small", layer: int | Non
                                 *(extract_flags if mode == "extract" else common), *(tool_flags or {}).get(label, [])]
                         spec = {"repo": repo, "mode": mode, "argv": argv, "device": device, "threads": threads,
                                 "work_seconds": work_seconds, "model": mode == "extract" and "model" in wanted,
-                                "profile": profile,
+                                "profile": profile, "profile_tool": profile_tool,
                                 "extract_flags": [str(a) for a in extract_flags], "scratch_root": scratch_root}
                         result = run_child(spec, timeout)
                         row = result if "error" in result else figures(result, corpora[mix], cfg, layer, max_chunk,
@@ -733,19 +784,30 @@ def stages_table(info: dict) -> str:
     return "\n".join(lines)
 
 
+def profile_line(prof: dict) -> str:
+    """A profile (profile_summary) in a line: the busy share, the time by kind, the largest."""
+    busy = f", busy {prof['busy_share']:.0%} of the wall clock" if prof["busy_share"] is not None else ""
+    kinds = ", ".join(f"{kind} {share:.0%}" for kind, share in prof["kinds"].items())
+    return (f"{prof['time']} time{busy}: {kinds}; the largest: "
+            + "; ".join(f"{t['name'][:70]} {t['share']:.0%}" for t in prof["top"][:4]))
+
+
 def profile_table(info: dict) -> str:
-    """The model alone's profiles (--profile): per tree and mix, the busy share and the time by kind."""
+    """The model alone's profiles (--profile) and the tools' (--profile_tool): per tree and mix, the busy share and
+    the time by kind (and the tools' waits for the device)."""
     lines = []
     for label, mixes in info["runs"].items():
         for mix, modes in mixes.items():
+            for mode in ("extract", "tokenize"):
+                prof = (modes.get(mode) or {}).get("tool_profile")
+                if prof:
+                    syncs = ", ".join(f"{name.strip()} x{n}" for name, n in prof["host_syncs"].items()) or "none"
+                    lines.append(f"- {label} {mix}, {mode} itself, {prof['passes']} window(s) profiled, "
+                                 f"{profile_line(prof)}; the host waited for the device: {syncs}")
             prof = ((modes.get("extract") or {}).get("model") or {}).get("profile")
             if prof:
-                busy = f", busy {prof['busy_share']:.0%} of the wall clock" if prof["busy_share"] is not None else ""
-                kinds = ", ".join(f"{kind} {share:.0%}" for kind, share in prof["kinds"].items())
                 passes = f"{prof['passes']} pass{'es' if prof['passes'] != 1 else ''}"
-                lines.append(f"- {label} {mix}, the model alone, {passes} profiled, {prof['time']} time{busy}: "
-                             f"{kinds}; the largest: "
-                             + "; ".join(f"{t['name'][:70]} {t['share']:.0%}" for t in prof["top"][:4]))
+                lines.append(f"- {label} {mix}, the model alone, {passes} profiled, {profile_line(prof)}")
     return "\n".join(lines)
 
 
@@ -783,6 +845,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="profile N passes of the model alone after timing it: where its time goes, by kind of "
                         "kernel (on a GPU, with the share the device was busy)")
+    p.add_argument("--profile_tool", type=int, default=0, metavar="N",
+                   help="with --work_seconds: N windows of each tool run profiled after its timed steady state (the "
+                        "tool itself: the device's busy share, the kernels by kind, the host's waits for the device)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--out", type=Path, default=HERE / "benchmarks" / "results" / "bench_tokenize.json")
     args = p.parse_args(argv)
@@ -809,7 +874,8 @@ def main(argv=None) -> int:
                          work_seconds=args.work_seconds, commit_seconds=args.commit_seconds,
                          batch_seconds=args.batch_seconds, num_workers=args.num_workers, threads=args.threads,
                          peak=args.peak_tflops, scratch_root=args.scratch, timeout=args.timeout,
-                         profile=args.profile, loop_rows=args.loop_rows, out=args.out)
+                         profile=args.profile, profile_tool=args.profile_tool, loop_rows=args.loop_rows,
+                         out=args.out)
     print(f"\n{info['machine']}; {info['device']}, {info['model']} w2v-BERT to layer {info['layer']}, "
           f"{info['precision']}, torch threads {info['threads']}, --num_workers {info['num_workers']}; "
           f"{info['gflop_per_audio_s']} GFLOP per audio second\n")

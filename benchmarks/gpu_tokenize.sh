@@ -5,9 +5,10 @@
 # random model to layer 17 in bf16, this tree's encoder, its tokenize with the nearest codes (--beam_size 1),
 # (with --before) an earlier tree and (with --compiled) this tree under --compile on, side by side, through
 # benchmarks/bench_tokenize.py, with 3 passes of the model alone profiled (where its time goes: the kernels by
-# kind, the share the GPU was busy), and the user's alternative: transformers' own model in a plain loop over fixed
-# batches of 64 x 10 s (bench_tokenize.py's `loop`). About 5 minutes on an H200 with --before (20 s of
-# steady-state work a run).
+# kind, the share the GPU was busy) and 2 windows of each tool after its timed 15 s (the same, and the host's waits
+# for the device), the tools' own account of their time by stage, and the user's alternative: transformers' own
+# model in a plain loop over fixed batches of 64 x 10 s (bench_tokenize.py's `loop`). About 5 minutes on an H200
+# with --before (15 s of steady-state work a run; the attention table before it, about 2.5).
 #
 #   bash benchmarks/gpu_tokenize.sh [--before DIR] [--compiled] [--skip-attention] [--wheels DIR] [--cpu-only]
 #                                   [bench_tokenize.py flags...]
@@ -68,9 +69,9 @@ if [[ $attention == 1 ]]; then
     fi
 fi
 if [[ $cpu_only == 1 ]]; then
-    flags=(--device cpu --model small --layer 4 --precision fp32 --mixes 5s --audio_minutes 0.5 --base_minutes 0.5
+    flags=(--device cpu --model small --layer 4 --precision fp32 --mixes 5s --audio_minutes 1 --base_minutes 0.5
            --commit_seconds 10 --repeats 1 --modes extract,model,tokenize,loop --loop_rows 2 --profile 1
-           --out "$OUT/bench_tokenize_cpu_only.json")
+           --work_seconds 0.01 --profile_tool 1 --out "$OUT/bench_tokenize_cpu_only.json")
     log=$OUT/bench_tokenize_cpu_only.log
 else
     "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no GPU visible: use --cpu-only')"
@@ -79,11 +80,11 @@ else
     scratch=()
     free_gb=$(df -Pk /dev/shm 2>/dev/null | awk 'NR == 2 {print int($4 / 1048576)}')
     [[ ${free_gb:-0} -ge 48 ]] && scratch=(--scratch /dev/shm)
-    # 40 hours listed (the same 10 minutes of distinct files again and again): enough for 20 s at any speed;
-    # each run stops after 20 s of steady state
+    # 40 hours listed (the same 10 minutes of distinct files again and again): enough for 15 s at any speed;
+    # each run stops after 15 s of steady state (then 2 windows profiled)
     flags=(--device cuda --model w2v-bert-2.0 --layer 17 --precision bf16 --mixes 2-20s --audio_minutes 2400
-           --base_minutes 10 --work_seconds 20 --repeats 1 --modes extract,model,tokenize,loop "${scratch[@]}"
-           --profile 3 --timeout 240 --out "$OUT/bench_tokenize_gpu.json")
+           --base_minutes 10 --work_seconds 15 --repeats 1 --modes extract,model,tokenize,loop "${scratch[@]}"
+           --profile 3 --profile_tool 2 --timeout 240 --out "$OUT/bench_tokenize_gpu.json")
     log=$OUT/bench_tokenize_gpu.log
 fi
 set -o pipefail

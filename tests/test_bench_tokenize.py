@@ -38,6 +38,25 @@ def test_the_steady_state_counts_the_flops_and_the_passes_of_the_audio_it_counts
     assert prof["top"][0]["name"] == "aten::addmm"
 
 
+@pytest.mark.slow  # end to end: processes, ranks or compiles (pytest.ini)
+@pytest.mark.timeout(240)
+def test_the_tool_itself_is_profiled_after_its_timed_steady_state(tmp_path):
+    """--profile_tool: once --work_seconds of steady state are timed, the run goes on for the profiled windows,
+    which the figures leave out; the profile counts the tool's ops (on a CPU, no wait for a device)."""
+    from benchmarks.bench_tokenize import run_benchmark
+
+    info = run_benchmark(device="cpu", model="small", mixes=("5s",), modes=("extract",), audio_minutes=1.0,
+                         base_minutes=0.5, commit_seconds=10, repeats=1, repos={"this tree": str(REPO)},
+                         work_seconds=0.01, profile_tool=1, timeout=200, scratch_root=str(tmp_path),
+                         say=lambda line: None)
+    row = info["runs"]["this tree"]["5s"]["extract"]
+    assert "error" not in row, row
+    assert row["stopped_early"] and row["commits"] == 2  # the timed steady state: one window, then profiling
+    prof = row["tool_profile"]
+    assert prof["time"] == "CPU (ops)" and prof["passes"] == 2 and prof["host_syncs"] == {}
+    assert sum(prof["kinds"].values()) == pytest.approx(1, abs=1e-3) and prof["kinds"]["matmul"] > 0.1
+
+
 @pytest.mark.slow  # a process that loads the model
 @pytest.mark.timeout(120)
 def test_the_stock_loop_counts_its_batches_audio_and_flops(tmp_path):
