@@ -746,8 +746,9 @@ def table(info: dict) -> str:
 
     unit = "MFU" if mfu else "GFLOP/s"
     lines = [(f"| tree | mix | extract audio s/s | extract {unit} | tokenize audio s/s | tokenize {unit} | "
-              f"model alone audio s/s | model alone {unit} | extract / model alone | padding |"),
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              f"model alone audio s/s | model alone {unit} | extract / model alone | padding | start-up (extract, "
+              "tokenize) |"),
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for label, mixes in info["runs"].items():
         for mix, modes in mixes.items():
             ex, tok = modes.get("extract"), modes.get("tokenize")
@@ -756,7 +757,9 @@ def table(info: dict) -> str:
             lines.append(f"| {label} | {mix} | {' | '.join(speed(ex))} | {' | '.join(speed(tok))} | "
                          f"{' | '.join(speed(model))} | "
                          f"{format(model['pipeline_share'], '.0%') if model else '-'} | "
-                         f"{format(padding, '.1%') if padding is not None else '-'} |")
+                         f"{format(padding, '.1%') if padding is not None else '-'} | "
+                         + ", ".join(f"{row['startup_s']:.1f} s" if row and "startup_s" in row else "-"
+                                     for row in (ex, tok)) + " |")
     loop = info.get("stock_loop")
     if loop:
         what = (f"transformers' module in a plain loop over fixed batches of {loop.get('rows')} x "

@@ -3,18 +3,17 @@
 # (benchmarks/bench_w2v_attention.py --device cuda, about 2.5 minutes on an H200), then steady-state audio
 # seconds per second and MFU of tools.extract, tools.tokenize and the model alone on one GPU: a w2v-BERT-2.0-sized
 # random model to layer 17 in bf16, this tree's encoder, its tokenize with the nearest codes (--beam_size 1),
-# (with --before) an earlier tree and (with --compiled) this tree under --compile on, side by side, through
+# (with --before) an earlier tree, side by side, through
 # benchmarks/bench_tokenize.py, with 3 passes of the model alone profiled (where its time goes: the kernels by
 # kind, the share the GPU was busy) and 2 windows of each tool after its timed 15 s (the same, and the host's waits
 # for the device), the tools' own account of their time by stage, and the user's alternative: transformers' own
 # model in a plain loop over fixed batches of 64 x 10 s (bench_tokenize.py's `loop`). About 5 minutes on an H200
 # with --before (15 s of steady-state work a run; the attention table before it, about 2.5).
 #
-#   bash benchmarks/gpu_tokenize.sh [--before DIR] [--compiled] [--skip-attention] [--wheels DIR] [--cpu-only]
+#   bash benchmarks/gpu_tokenize.sh [--before DIR] [--skip-attention] [--wheels DIR] [--cpu-only]
 #                                   [bench_tokenize.py flags...]
 #
 # --before DIR: a copy of the tree before the change, e.g. `mkdir .before && git archive BASE | tar -x -C .before`.
-# --compiled: this tree's runs under --compile on as well (its compile has not been seen to finish on a GPU).
 # --skip-attention: leave out the attention kernels' table.
 # --wheels DIR (default .whl): wheels for what the machine lacks (soundfile, soxr and their cffi, pycparser;
 #   vector-quantize-pytorch and its einx, frozendict, loguru, torch-einops-utils), made on a machine with an index:
@@ -28,13 +27,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-benchmarks/results}
-before="" wheels=".whl" cpu_only=0 compiled=0 attention=1 extra=()
+before="" wheels=".whl" cpu_only=0 attention=1 extra=()
 while [[ $# -gt 0 ]]; do
     case $1 in
         --before) before=$2; shift 2 ;;
         --wheels) wheels=$2; shift 2 ;;
         --cpu-only) cpu_only=1; shift ;;
-        --compiled) compiled=1; shift ;;
         --skip-attention) attention=0; shift ;;
         *) extra+=("$1"); shift ;;
     esac
@@ -49,15 +47,13 @@ if ! "$PYTHON" -c "import soundfile, soxr, vector_quantize_pytorch" 2>/dev/null;
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 # this tree, its tokenize with the nearest codes (--beam_size 1), which gives what the codec's beam search costs,
-# this tree in graph mode (--graphs on, which a CPU refuses), the earlier tree's extraction and model alone (the
-# device time goes to this tree's runs), and this tree under torch.compile (--compile), in that order: the
-# compiled runs, the longest, come last
+# this tree in graph mode (--graphs on, which a CPU refuses), and the earlier tree's extraction and model alone
+# (the device time goes to this tree's runs), in that order
 repos=(--repo "after=$PWD" --tool_flags "after=--compile off")
 repos+=(--repo "nearest=$PWD" --tool_flags "nearest=--compile off --beam_size 1" --label_modes "nearest=tokenize")
 [[ $cpu_only == 0 ]] && repos+=(--repo "graphs=$PWD" --tool_flags "graphs=--compile off --graphs on"
                                 --label_modes "graphs=extract,tokenize")
 [[ -n $before ]] && repos+=(--repo "before=$(cd "$before" && pwd)" --label_modes "before=extract,model")
-[[ $compiled == 1 ]] && repos+=(--repo "compiled=$PWD" --tool_flags "compiled=--compile on")
 mkdir -p "$OUT"
 if [[ $attention == 1 ]]; then
     if [[ $cpu_only == 1 ]]; then

@@ -193,6 +193,10 @@ class W2vBertLayer:
 
         if attention not in ("fast", "stock"):
             raise ValueError(f"attention must be 'fast' or 'stock', not {attention!r}")
+        if compile and device.type == "cuda":
+            raise BadInputError("--compile on is refused on a GPU: its compile with dynamic shapes failed on an H100 "
+                                "and did not finish in 200 s on an H200 (benchmarks/README.md); --graphs on takes the "
+                                "launches off the host instead")
 
         config_path = checkpoint / "config.json"
         if not config_path.is_file():

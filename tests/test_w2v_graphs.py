@@ -57,6 +57,15 @@ def test_graph_mode_needs_a_gpu_and_our_attention(model_folder):
         layer(model_folder, graphs=True, attention="stock", graph_capture=replaying_capture)
 
 
+def test_compile_on_a_gpu_is_refused_with_its_reason_before_anything_loads(model_folder):
+    """--compile on must finish or be refused: its dynamic-shape compile did not finish on a GPU."""
+    from data.audio_features import W2vBertLayer
+
+    with pytest.raises(BadInputError, match="--compile on is refused on a GPU: .* did not finish .* --graphs on"):
+        W2vBertLayer(model_folder, 3, device=torch.device("cuda"), dtype=torch.bfloat16, max_chunk_seconds=3.0,
+                     compile=True)
+
+
 def test_passes_are_planned_on_padded_lengths_and_a_shard_records_the_mode():
     lengths = np.array([10, 70, 64, 130, 129, 5], dtype=np.int64)
     assert list(padded_frames(lengths)) == [64, 128, 64, 192, 192, 64]

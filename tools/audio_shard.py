@@ -111,8 +111,9 @@ def add_input_args(p: argparse.ArgumentParser) -> None:
                    help="parquet: the column that names each utterance in the outputs (default: the first of "
                         f"{', '.join(KEY_COLUMNS)} the table has, else file:row)")
     p.add_argument("--compile", choices=("on", "off"),
-                   help="w2v-bert: run the truncated encoder under torch.compile, with dynamic shapes (the graphs "
-                        "compiled are logged); not shown to pay yet (benchmarks/README.md, \"Tokenization at steady "
+                   help="w2v-bert on a CPU: run the truncated encoder under torch.compile, with dynamic shapes (the "
+                        "graphs compiled are logged; refused on a GPU, where its compile did not finish); not shown "
+                        "to pay yet (benchmarks/README.md, \"Tokenization at steady "
                         "state\"); a shard goes on as it was begun; default: off")
     p.add_argument("--graphs", choices=("on", "off"),
                    help="w2v-bert on a GPU: each forward pass replayed from a CUDA graph of its shape, its chunks "
