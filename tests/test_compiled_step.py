@@ -327,35 +327,29 @@ def test_auto_compiles_on_a_gpu_and_on_a_cpu_only_for_a_long_run(monkeypatch):
 
 
 @pytest.mark.timeout(420)
-def test_the_compiled_trainer_resumes_bit_for_bit_and_follows_eager(tmp_path, small_data):
+def test_the_compiled_trainer_resumes_bit_for_bit(tmp_path, small_data):
     """Two segment lengths (a graph each), dead codes expired every 3 steps, a NaN loss at step 5 skipped, and a
     compiled run resumed from the step-7 checkpoint of an unbroken one (a stop's checkpoint is the same save:
-    test_stops.py): it ends bit for bit where the unbroken compiled run does, and close to the eager run."""
+    test_stops.py): it ends bit for bit where the unbroken compiled run does. (That compiled steps follow eager ones
+    through expiry and a skipped step: test_compiled_equals_eager_through_expiry_and_a_skipped_step.)"""
     common = ["--data_dir", small_data, *TINY, "--max_steps", "14", "--eval_every", "7", "--save_every", "7",
               "--multi_length_training", "--segment_lengths", "16,32", "--dead_code_every", "3", "--refit_iters", "0"]
-    runs = {}
-    for name, compile_flag in (("eager", "off"), ("compiled", "on")):
-        runs[name] = tmp_path / name
-        r = run_trainer([*common, "--compile", compile_flag, "--output_dir", runs[name]],
-                        extra_env={"RVQ_FAULT": "nan:step=5"})
-        assert r.returncode == 0, r.stderr[-3000:]
-        assert ("compile: the training step for segment length" in r.stderr) == (compile_flag == "on"), r.stderr[-3000:]
-        assert r.stderr.count("1 graph(s), 0 graph break(s)") == (2 if compile_flag == "on" else 0), r.stderr[-3000:]
+    whole_run = tmp_path / "compiled"
+    r = run_trainer([*common, "--compile", "on", "--output_dir", whole_run], extra_env={"RVQ_FAULT": "nan:step=5"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "compile: the training step for segment length" in r.stderr, r.stderr[-3000:]
+    assert r.stderr.count("1 graph(s), 0 graph break(s)") == 2, r.stderr[-3000:]
     resumed_run = tmp_path / "resumed"
     r = run_trainer([*common, "--compile", "on", "--output_dir", resumed_run,
-                     "--resume", runs["compiled"] / "checkpoints" / "step_00000007.pt"])
+                     "--resume", whole_run / "checkpoints" / "step_00000007.pt"])
     assert r.returncode == 0 and "at step 7" in r.stderr, r.stderr[-3000:]
     assert r.stderr.count("1 graph(s), 0 graph break(s)") == 2, r.stderr[-3000:]  # one graph a length, as unbroken
 
-    assert [e["step"] for e in events(runs["compiled"], "skipped_step")] == [6]
-    whole, resumed, eager = (newest_checkpoint(run)["model"] for run in (runs["compiled"], resumed_run, runs["eager"]))
+    assert [e["step"] for e in events(whole_run, "skipped_step")] == [6]
+    whole, resumed = (newest_checkpoint(run)["model"] for run in (whole_run, resumed_run))
     assert newest_checkpoint(resumed_run)["step"] == 14
     for key in whole:
         torch.testing.assert_close(resumed[key], whole[key], rtol=0, atol=0, msg=key)
-    losses = {name: [e["loss"] for e in events(run, "train")] for name, run in runs.items()}
-    np.testing.assert_allclose(losses["compiled"], losses["eager"], rtol=1e-3)
-    for key in whole:  # 14 steps of AdamW on both: the weights stay within float noise of each other
-        torch.testing.assert_close(whole[key], eager[key], rtol=1e-3, atol=1e-4, msg=key)
 
 
 @pytest.mark.timeout(300)
