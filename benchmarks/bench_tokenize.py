@@ -773,18 +773,22 @@ def table(info: dict) -> str:
     return "\n".join(lines)
 
 
-def stages_table(info: dict) -> str:
-    """Per run of a tool, where its steady state went: the shares of the model's thread and of the writer's
-    (data/audio_pipeline.py STAGES, WRITER_STAGES)."""
-    lines = []
+def tool_figures(info: dict, key: str):
+    """(label, mix, mode, figure) of each tool run of `info` that has the figure `key`."""
     for label, mixes in info["runs"].items():
         for mix, modes in mixes.items():
             for mode in ("extract", "tokenize"):
-                stages = (modes.get(mode) or {}).get("stages")
-                if stages:
-                    lines.append(f"- {label} {mix} {mode}: " + ", ".join(
-                        f"{name} {share:.0%}" for name, share in stages.items() if share >= 0.005))
-    return "\n".join(lines)
+                figure = (modes.get(mode) or {}).get(key)
+                if figure:
+                    yield label, mix, mode, figure
+
+
+def stages_table(info: dict) -> str:
+    """Per run of a tool, where its steady state went: the shares of the model's thread and of the writer's
+    (data/audio_pipeline.py STAGES, WRITER_STAGES)."""
+    return "\n".join(f"- {label} {mix} {mode}: " + ", ".join(
+        f"{name} {share:.0%}" for name, share in stages.items() if share >= 0.005)
+        for label, mix, mode, stages in tool_figures(info, "stages"))
 
 
 def profile_line(prof: dict) -> str:
@@ -796,21 +800,18 @@ def profile_line(prof: dict) -> str:
 
 
 def profile_table(info: dict) -> str:
-    """The model alone's profiles (--profile) and the tools' (--profile_tool): per tree and mix, the busy share and
+    """The tools' profiles (--profile_tool), then the model alone's (--profile): per tree and mix, the busy share and
     the time by kind (and the tools' waits for the device)."""
     lines = []
-    for label, mixes in info["runs"].items():
-        for mix, modes in mixes.items():
-            for mode in ("extract", "tokenize"):
-                prof = (modes.get(mode) or {}).get("tool_profile")
-                if prof:
-                    syncs = ", ".join(f"{name.strip()} x{n}" for name, n in prof["host_syncs"].items()) or "none"
-                    lines.append(f"- {label} {mix}, {mode} itself, {prof['passes']} window(s) profiled, "
-                                 f"{profile_line(prof)}; the host waited for the device: {syncs}")
-            prof = ((modes.get("extract") or {}).get("model") or {}).get("profile")
-            if prof:
-                passes = f"{prof['passes']} pass{'es' if prof['passes'] != 1 else ''}"
-                lines.append(f"- {label} {mix}, the model alone, {passes} profiled, {profile_line(prof)}")
+    for label, mix, mode, prof in tool_figures(info, "tool_profile"):
+        syncs = ", ".join(f"{name.strip()} x{n}" for name, n in prof["host_syncs"].items()) or "none"
+        lines.append(f"- {label} {mix}, {mode} itself, {prof['passes']} window(s) profiled, {profile_line(prof)}; "
+                     f"the host waited for the device: {syncs}")
+    for label, mix, _, model in tool_figures(info, "model"):  # extract's replay of its passes
+        prof = model.get("profile")
+        if prof:
+            passes = f"{prof['passes']} pass{'es' if prof['passes'] != 1 else ''}"
+            lines.append(f"- {label} {mix}, the model alone, {passes} profiled, {profile_line(prof)}")
     return "\n".join(lines)
 
 

@@ -61,6 +61,15 @@ def triton_launch_stubbed():
         triton_module._relative_key_attention = kernel
 
 
+def save_model(folder: Path) -> Path:
+    """The small random model of CONFIG (seed 0), saved in `folder` as transformers saves one."""
+    from transformers import Wav2Vec2BertConfig, Wav2Vec2BertModel
+
+    torch.manual_seed(0)
+    Wav2Vec2BertModel(Wav2Vec2BertConfig(**CONFIG)).eval().save_pretrained(folder)
+    return folder
+
+
 def pass_counts(encoder, lengths) -> tuple[int, dict]:
     """(ops dispatched, host syncs by the line asking) of one pass of chunks of `lengths` frames, after one
     untimed pass of the same (first-use work aside)."""
@@ -133,16 +142,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "host_ops_w2v.json")
     args = parser.parse_args(argv)
-    from transformers import Wav2Vec2BertConfig, Wav2Vec2BertModel
-
     from benchmarks.demo_run import machine
 
     torch.set_num_threads(1)
-    torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as folder:
-        Wav2Vec2BertModel(Wav2Vec2BertConfig(**CONFIG)).eval().save_pretrained(folder)
-        rows = measure(Path(folder))
-        window = measure_window(Path(folder))
+        folder = save_model(Path(folder))
+        rows = measure(folder)
+        window = measure_window(folder)
     result = {"machine": machine(), "config": CONFIG, "passes": PASSES, "rows": rows, "window": window,
               "command": "python benchmarks/host_ops_w2v.py"}
     args.out.parent.mkdir(parents=True, exist_ok=True)

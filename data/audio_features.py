@@ -259,8 +259,8 @@ class W2vBertLayer:
     def chunks(self, fbank: np.ndarray | torch.Tensor) -> list[np.ndarray] | list[torch.Tensor]:
         """Equal chunks of at most max_chunk frames (equal, so that no last chunk is left with little context): views
         of an array, or of a tensor where it lies, of chunk_sizes' lengths."""
-        ends = np.cumsum(chunk_sizes(len(fbank), self.max_chunk))
-        return [fbank[end - size : end] for size, end in zip(chunk_sizes(len(fbank), self.max_chunk), ends)]
+        sizes = chunk_sizes(len(fbank), self.max_chunk)
+        return [fbank[end - size : end] for size, end in zip(sizes, np.cumsum(sizes))]
 
     def hidden(self, chunks: list[np.ndarray] | list[torch.Tensor]) -> torch.Tensor:
         """[T_i, 160] fbank chunks (arrays, or tensors on the host or on the device) -> the layer's [rows, longest,

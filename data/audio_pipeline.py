@@ -67,7 +67,8 @@ FBANK_ON_DEVICE = tuple(kind for kind, defaults in DEVICE_DEFAULTS.items() if de
 DEVICE_FBANK_SECONDS = 600.0  # padded audio per batch of the fbank on the device
 # what the model's thread spends its time on (FeatureWindows.stages; a writer adds the last two): on a GPU, the
 # fbank's and the passes' time is the host's, queueing the device's work, and a wait for the device
-STAGES = ("waiting for decoded audio", "fbank", "passes", "codec", "waiting for the writer")
+INPUT_WAIT = "waiting for decoded audio"
+STAGES = (INPUT_WAIT, "fbank", "passes", "codec", "waiting for the writer")
 # what a writer thread (data/resumable_shard.py write_windows) spends its time on
 WRITER_STAGES = ("waiting for the copy back", "writing")
 
@@ -214,10 +215,14 @@ class FeatureWindows:
             raise ValueError(f"the {fbank.front_end} front-end cannot run on the device: only the torch one")
         self.device_fbank = TorchFbank(self.device) if fbank_on_device else None
         self.on_host = on_host
-        self.input_wait = 0.0  # seconds the caller's thread waited for decoded audio
         # seconds of the caller's thread (STAGES) and of a writer's (WRITER_STAGES) by what they did: the log's account
         self.stages = dict.fromkeys((*STAGES, *WRITER_STAGES), 0.0)
         self.audio_seconds = 0.0  # of the files read
+
+    @property
+    def input_wait(self) -> float:
+        """Seconds the caller's thread waited for decoded audio."""
+        return self.stages[INPUT_WAIT]
 
     def windows(self, first: int) -> Iterator[Window]:
         """Windows of files first.. to the end, each with every file's features or skip reason (on the host once
@@ -235,8 +240,7 @@ class FeatureWindows:
             while True:
                 began = time.perf_counter()
                 window = ahead.get()
-                self.input_wait += time.perf_counter() - began
-                self.stages["waiting for decoded audio"] = self.input_wait
+                self.stages[INPUT_WAIT] += time.perf_counter() - began
                 if window is None:
                     return
                 self._compute(window)

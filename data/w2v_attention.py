@@ -160,24 +160,24 @@ def _padding_as_is(*args, attention_mask: torch.Tensor | None = None, **kwargs) 
     return attention_mask
 
 
-def _hand_padding_as_is(model: nn.Module) -> bool:
+def _hand_padding_as_is(model: nn.Module) -> None:
     """Make `model`'s encoder hand its layers the [B, T] padding mask (KEY_PADDING), on a config of its own, where this
-    transformers builds masks through its mask interface (the encoder's create_bidirectional_mask); whether it
-    does. Nothing else reads the encoder's config: the layers' modules keep the model's."""
+    transformers builds masks through its mask interface (the encoder's create_bidirectional_mask; elsewhere the
+    encoder keeps its masks, which our attention reads too). Nothing else reads the encoder's config: the layers'
+    modules keep the model's."""
     try:
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
         from transformers.models.wav2vec2_bert import modeling_wav2vec2_bert
     except ImportError:
-        return False
+        return
     if not hasattr(modeling_wav2vec2_bert, "create_bidirectional_mask") or \
             not hasattr(ALL_MASK_ATTENTION_FUNCTIONS, "register"):
-        return False
+        return
     if KEY_PADDING not in ALL_MASK_ATTENTION_FUNCTIONS:
         ALL_MASK_ATTENTION_FUNCTIONS.register(KEY_PADDING, _padding_as_is)
     encoder = model.encoder
     encoder.config = copy.copy(encoder.config)
     encoder.config._attn_implementation = KEY_PADDING
-    return True
 
 
 # transformers' mask of the last pass's [B, T] padding mask, for its module: (a weak reference to the padding

@@ -4,21 +4,15 @@ pass, and asks the device for nothing, padded or not (transformers' own module r
 a window's pass gathers its input
 and scatters its output in the same few ops whatever its rows."""
 import pytest
-import torch
 
-from benchmarks.host_ops_w2v import CONFIG, measure, measure_window
+from benchmarks.host_ops_w2v import measure, measure_window, save_model
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory):
-    from transformers import Wav2Vec2BertConfig, Wav2Vec2BertModel
-
-    folder = tmp_path_factory.mktemp("w2v")
-    torch.manual_seed(0)
-    Wav2Vec2BertModel(Wav2Vec2BertConfig(**CONFIG)).eval().save_pretrained(folder)
-    return folder
+    return save_model(tmp_path_factory.mktemp("w2v"))
 
 
 @pytest.fixture(scope="module")

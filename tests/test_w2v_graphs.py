@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.host_ops_w2v import CONFIG, triton_launch_stubbed
+from benchmarks.host_ops_w2v import save_model, triton_launch_stubbed
 from benchmarks.host_syncs import count_host_syncs
 from data.pass_plan import shard_passes, w2v_passes
 from data.w2v_graphs import GRAPH_FRAMES, GraphedPasses, padded_frames
@@ -28,12 +28,7 @@ def replaying_capture(run):
 
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory):
-    from transformers import Wav2Vec2BertConfig, Wav2Vec2BertModel
-
-    folder = tmp_path_factory.mktemp("w2v")
-    torch.manual_seed(0)
-    Wav2Vec2BertModel(Wav2Vec2BertConfig(**CONFIG)).eval().save_pretrained(folder)
-    return folder
+    return save_model(tmp_path_factory.mktemp("w2v"))
 
 
 def layer(folder, **kwargs):
