@@ -445,6 +445,14 @@ def test_graph_mode_needs_a_gpu_and_a_shard_goes_on_in_the_mode_it_was_begun_in(
         caplog.clear()
         assert extract.main([*args[:4], out, *args[5:], "--graphs", flag]) == 2
         assert f"the shard was begun with --graphs {begun}" in caplog.text
+    before_rules = tmp_path / "before_rules"  # a shard begun before pass rules: transformers' attention, no graph
+    shutil.copytree(c.w2v_feats, before_rules)
+    record = json.loads((before_rules / f"{SHARD}.json").read_text())
+    del record.get("settings", record)["passes"]
+    (before_rules / f"{SHARD}.json").write_text(json.dumps(record) + "\n")
+    caplog.clear()
+    assert extract.main([*args[:4], before_rules, *args[5:], "--graphs", "on"]) == 2
+    assert "the shard was begun before pass rules were recorded" in caplog.text and "--graphs on" in caplog.text
 
 
 def recorded_attention(folder: Path, meta: str, kernel: str | None) -> None:
