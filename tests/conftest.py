@@ -4,10 +4,16 @@ One OpenMP thread per process: the suite runs as several pytest workers (pytest.
 trainer ranks and tools of its own. With torch's default of a thread per core, idle OpenMP threads spin on cores
 that another process needs, and every kernel waits at its barrier for a thread that has lost its core. Tests that
 need another count set OMP_NUM_THREADS in the environment of the process they start.
+
+Compiled steps on the CPU build their kernels unvectorized and in the compiling process: on a cold inductor cache
+(a clean machine) gcc's build of the vectorized kernels and the start of inductor's pool of compile workers took
+most of each compile's time. The tests check graphs, breaks and numbers, not the kernels' speed.
 """
 import os
 
 os.environ["OMP_NUM_THREADS"] = "1"
+os.environ["TORCHINDUCTOR_VEC_ISA_OK"] = "0"
+os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
 
 import torch  # noqa: E402  (after the variable, which torch reads when it is first imported)
 

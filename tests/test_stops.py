@@ -507,3 +507,34 @@ def test_an_error_the_abandoned_work_raises_while_unwinding_from_the_signal_is_t
                 raise ValueError("not a stop")
     finally:
         stop.restore()
+
+
+def test_a_stop_signal_handled_inside_a_finalizer_still_abandons_the_work_at_once():
+    """The handler may run inside a finalizer (a weakref callback or a __del__ that the compiler's garbage sets off),
+    where Python cannot raise: the Interrupted it raises there is swallowed. The stop is then delivered again and
+    raised where the work goes on, rather than lost until the work's end (a compile's: tens of seconds on a CPU)."""
+    import os
+    import weakref
+
+    from training.signals import Interrupted, StopRequest
+
+    class Garbage:
+        pass
+
+    def finalizer():
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs on return, inside the finalizer
+
+    stop = StopRequest().install()
+    try:
+        start = time.monotonic()
+        with pytest.raises(Interrupted, match="SIGTERM"):
+            with stop.abandoning("the compile"):
+                garbage = Garbage()
+                weakref.finalize(garbage, finalizer)
+                del garbage  # the finalizer runs now
+                for _ in range(100):  # the rest of the work: 10 s
+                    time.sleep(0.1)
+        assert time.monotonic() - start < 2
+        assert stop.reason == "SIGTERM" and stop.interrupt is None
+    finally:
+        stop.restore()

@@ -26,15 +26,20 @@ k-means init before the first step, whose library passes over the whole sample
 cannot be cut into chunks from outside. While the trainer says such work may be
 abandoned (`abandoning`), a stop signal raises `Interrupted` where the main thread
 is, as Ctrl-C would, rather than wait for the work's end; an error that the abandoned
-code raises while unwinding from it (a compiler's own clean-up) is that stop too.
+code raises while unwinding from it (a compiler's own clean-up) is that stop too. Where the handler ran inside a
+finalizer (a weakref callback, a `__del__`), which cannot raise, Python reports the Interrupted as unraisable and
+goes on: the stop is then delivered to the main thread again (`_unraisable`) and raised outside it.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
+import sys
 import threading
+import time
 
 from tqdm import tqdm
 
@@ -61,6 +66,9 @@ class StopRequest:
         self.settled: int | None = None  # the exit code, once the run's outcome is saved
         self.interrupt: str | None = None  # the work a stop signal now abandons, raising Interrupted (abandoning)
         self.peer: int | None = None  # a peer rank whose stop request the watchdog saw published (training/watchdog.py)
+        self.abandoned: tuple[str, int] | None = None  # the work and signal an Interrupted was raised for
+        self.redelivered = False  # the next stop signal is this object's own delivery again (_unraisable)
+        self.reporting = False  # inside Python's report of an unraisable exception (_unraisable)
         self._previous = {}
 
     def __bool__(self) -> bool:
@@ -97,6 +105,15 @@ class StopRequest:
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
+        if self.redelivered:  # a stop a finalizer swallowed, delivered again: raised unless the work is over
+            if self.reporting:  # still inside the report of the swallowed one, which cannot raise either
+                self._redeliver(signum)
+                return
+            self.redelivered = False
+            if self.interrupt:
+                self.interrupt = None
+                raise Interrupted(name)
+            return
         second = self.reason is not None
         self.request(name)
         if self.settled is not None:
@@ -110,6 +127,7 @@ class StopRequest:
             os._exit(EXIT_INTERRUPTED)
         if self.interrupt:
             work, self.interrupt = self.interrupt, None
+            self.abandoned = (work, signum)
             log.warning("%s received during %s: it is abandoned", name, work)
             raise Interrupted(name)
         log.warning("%s received: stopping at the next point all ranks agree on (a step boundary, or between two "
@@ -122,7 +140,8 @@ class StopRequest:
         it at once."""
         if self:
             raise Interrupted(self.reason)
-        self.interrupt = work
+        self.interrupt, hook = work, sys.unraisablehook
+        sys.unraisablehook = functools.partial(self._unraisable, hook)
         try:
             yield
         except Interrupted:
@@ -135,7 +154,32 @@ class StopRequest:
             log.warning("%s, while abandoning %s: %s: %s", interrupted, work, type(error).__name__, error)
             raise Interrupted(str(interrupted)) from error
         finally:
-            self.interrupt = None
+            self.interrupt, self.abandoned = None, None
+            sys.unraisablehook = hook
+
+    def _unraisable(self, hook, unraisable) -> None:
+        """Python's report of an exception it could not raise (sys.unraisablehook, while `abandoning`). The
+        Interrupted of a handler that ran inside a finalizer is one: the signal is delivered to the main thread
+        again, from another thread, and its handler raises it outside the finalizer. Any other goes to `hook`."""
+        if not isinstance(unraisable.exc_value, Interrupted) or self.abandoned is None:
+            return hook(unraisable)
+        work, signum = self.abandoned
+        self.interrupt, self.redelivered, self.reporting = work, True, True
+        try:
+            self._redeliver(signum)
+        finally:
+            self.reporting = False
+
+    def _redeliver(self, signum: int) -> None:
+        """`signum` to the main thread, shortly, from a thread of its own (sent from the main thread, its handler
+        would run at once, still inside the report)."""
+        main = threading.main_thread().ident
+
+        def send():
+            time.sleep(0.01)
+            signal.pthread_kill(main, signum)
+
+        threading.Thread(target=send, name="stop-redelivery", daemon=True).start()
 
     def restore(self, ignore: bool = False) -> None:
         """Put the previous handlers back; or, with ignore (the process ends with the run), ignore the stop
