@@ -8,8 +8,17 @@ need another count set OMP_NUM_THREADS in the environment of the process they st
 Compiled steps on the CPU build their kernels unvectorized and in the compiling process: on a cold inductor cache
 (a clean machine) gcc's build of the vectorized kernels and the start of inductor's pool of compile workers took
 most of each compile's time. The tests check graphs, breaks and numbers, not the kernels' speed.
+
+A suite started as an asynchronous command of a script (`pytest &` in bash without job control) inherits SIGINT
+ignored, and so would every process it starts, where Python leaves it ignored: the tests of Ctrl-C would see a tool
+that cannot be stopped by it. The test processes take SIGINT back, so that the processes they start get its
+default, as from a terminal.
 """
 import os
+import signal
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ["TORCHINDUCTOR_VEC_ISA_OK"] = "0"
