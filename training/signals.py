@@ -172,12 +172,16 @@ class StopRequest:
 
     def _redeliver(self, signum: int) -> None:
         """`signum` to the main thread, shortly, from a thread of its own (sent from the main thread, its handler
-        would run at once, still inside the report)."""
+        would run at once, still inside the report); not once the abandoned work is over, when nothing is left to
+        raise in and the handler may be another's (restore)."""
         main = threading.main_thread().ident
 
         def send():
             time.sleep(0.01)
-            signal.pthread_kill(main, signum)
+            if self.abandoned is None:
+                self.redelivered = False
+            else:
+                signal.pthread_kill(main, signum)
 
         threading.Thread(target=send, name="stop-redelivery", daemon=True).start()
 
