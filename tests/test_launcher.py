@@ -347,10 +347,12 @@ def test_sigterm_to_every_process_at_once_ends_the_launcher_as_any_checkpointed_
 
     out, log = tmp_path / "run", tmp_path / "launch.log"
     with open(log, "w") as sink:
+        # --compile off: a run this long would compile its step on a CPU (--compile auto); a stop in a compile is
+        # tests/test_stops.py's
         launcher = subprocess.Popen(["bash", str(REPO / "run_nccl_optimized.sh"), "basic", *TINY, *QUICK,
-                                     "--max_steps", "100000", "--save_every", "100000"], stdout=sink,
-                                    stderr=subprocess.STDOUT, env=launch_env(OUTPUT_DIR=out, NPROC_PER_NODE=2),
-                                    cwd=REPO)
+                                     "--max_steps", "100000", "--save_every", "100000", "--compile", "off"],
+                                    stdout=sink, stderr=subprocess.STDOUT,
+                                    env=launch_env(OUTPUT_DIR=out, NPROC_PER_NODE=2), cwd=REPO)
     try:
         deadline = time.monotonic() + 150
         while not (out / "metrics.jsonl").is_file() or not events(out, "train"):  # both ranks are in the loop

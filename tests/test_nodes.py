@@ -105,7 +105,10 @@ def test_two_nodes_on_this_host_stop_together_on_sigterm_and_resume(tmp_path):
     checkpoint; both launchers exit 0 and nothing restarts (MAX_RESTARTS=1, a c10d rendezvous). Relaunched
     with a static master (the README's two-node command), both resume from that step and finish."""
     out = tmp_path / "run"
-    flags = [*TINY, *QUICK, "--sync_check_every", "2", "--save_every", "1000", "--eval_every", "1000"]
+    # --compile off: a run of 1000 steps would compile its step on a CPU (--compile auto), the subject of
+    # tests/test_compiled_step.py and tests/test_stops.py, not of this drill
+    flags = [*TINY, *QUICK, "--sync_check_every", "2", "--save_every", "1000", "--eval_every", "1000",
+             "--compile", "off"]
     first = TwoNodes(tmp_path / "first", out, [*flags, "--max_steps", "1000"], MAX_RESTARTS=1)
     try:
         wait_for_train_step(out, 4, first, timeout=90)
