@@ -2,7 +2,6 @@
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest

@@ -4,8 +4,6 @@ errors.py; data and models never import each other, and nothing imports a layer 
 import ast
 from pathlib import Path
 
-import pytest
-
 from tests.helpers import REPO
 
 LAYERS = {"errors": set(), "data": {"data", "errors"}, "models": {"models", "errors"},
