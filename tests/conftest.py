@@ -33,6 +33,13 @@ import pytest  # noqa: E402
 from tests.helpers import write_dump  # noqa: E402
 
 
+def pytest_collection_modifyitems(items):
+    """The tests marked `long` run first (a stable sort, the rest in their order): the workers (pytest.ini) start
+    them while there is other work to share, and the suite ends on short tests, not on one worker alone in a long
+    one."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 @pytest.fixture(scope="module")
 def small_data(tmp_path_factory):
     """A fairseq dump of 60 training utterances of 40-199 frames and 6 held-out ones of 64, 16-d."""

@@ -286,6 +286,7 @@ def test_auto_compiles_on_a_gpu_and_on_a_cpu_only_for_a_long_run(monkeypatch):
     assert mode is None and "no C++ compiler" in why
 
 
+@pytest.mark.long
 @pytest.mark.timeout(420)
 def test_the_compiled_trainer_resumes_bit_for_bit(tmp_path, small_data):
     """Dead codes expired every 3 steps, a NaN loss at step 5 skipped, and a compiled run resumed from the step-7
@@ -313,14 +314,16 @@ def test_the_compiled_trainer_resumes_bit_for_bit(tmp_path, small_data):
         torch.testing.assert_close(resumed[key], whole[key], rtol=0, atol=0, msg=key)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.long
+@pytest.mark.timeout(420)
 def test_the_compiled_trainer_on_two_ranks_agrees_with_eager_and_names_a_peer_killed_inside_the_step(tmp_path,
                                                                                                       small_data):
     """Two ranks under --compile on, two segment lengths. The library all-reduces its EMA statistics inside the
     forward: each rank compiles one graph a length with the reduction inside it (no break); the ranks' codebooks
     agree at every step's sync check; the step-4 checkpoint is eager's within float noise. Then rank 1 stalls and is
     SIGKILLed while rank 0 waits in that all-reduce inside the compiled graph: rank 0's error comes in the
-    compiler's words, which name no collective; it is judged by which peers are alive: exit 3, rank 1 named."""
+    compiler's words, which name no collective; it is judged by which peers are alive: exit 3, rank 1 named. The
+    same command, launched again, resumes from step 4, compiles again and ends cleanly where eager does."""
     common = ["--data_dir", small_data, *TINY, "--max_steps", "8", "--save_every", "4", "--eval_every", "100",
               "--sync_check_every", "1", "--sync_timeout", "10", "--refit_iters", "0",
               "--multi_length_training", "--segment_lengths", "16,32"]
@@ -357,6 +360,24 @@ def test_the_compiled_trainer_on_two_ranks_agrees_with_eager_and_names_a_peer_ki
     want = load_checkpoint(eager_out / "checkpoints" / "step_00000004.pt")["model"]
     for key in want:
         torch.testing.assert_close(compiled[key], want[key], rtol=STEP_RTOL, atol=STEP_ATOL, msg=key)
+
+    again = Ranks([*common, "--compile", "on", "--output_dir", out], log_dir=tmp_path / "again_logs")
+    try:
+        codes = again.wait(timeout=200)
+        logs = [again.output(0), again.output(1)]
+    finally:
+        again.close()
+    assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    assert f"resumed from {out}/checkpoints/step_00000004.pt at step 4" in logs[0], logs[0][-3000:]
+    compiles = logs[0].count("compile: compiling the training step for segment length")  # the lengths drawn
+    assert compiles >= 1 and logs[0].count("1 graph(s), 0 graph break(s)") == compiles, logs[0][-3000:]
+    assert events(out, "stop")[-1] == {**events(out, "stop")[-1], "step": 8, "reason": "max_steps"}
+    compiled = newest_checkpoint(out)
+    want = newest_checkpoint(eager_out)
+    assert compiled["step"] == want["step"] == 8
+    for key in want["model"]:
+        torch.testing.assert_close(compiled["model"][key], want["model"][key], rtol=STEP_RTOL, atol=STEP_ATOL,
+                                   msg=key)
 
 
 def test_under_cuda_graphs_a_graphs_first_call_updates_the_codebooks_once():

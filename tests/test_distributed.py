@@ -6,6 +6,7 @@ from tests.helpers import TINY, events, run_torchrun
 pytestmark = pytest.mark.slow  # end to end: processes, ranks or compiles (pytest.ini)
 
 
+@pytest.mark.long
 def test_torchrun_two_ranks_demo_corpus(tmp_path):
     """torchrun --nproc_per_node=2 rvq_seamless_gpu_cache_nccl.py: the default codec on the demo corpus (small
     samples for the k-means init and the final eval, whose beam search on 8 levels of 1024 codes takes seconds)."""

@@ -285,6 +285,7 @@ def test_stall_shorter_than_sync_timeout_is_no_alarm(tmp_path, data, ranks):
     assert events(out, "stop")[-1]["step"] == 20
 
 
+@pytest.mark.long
 def test_checkpoint_writes_longer_than_the_timeouts_are_no_alarm(tmp_path, data, ranks):
     """Each write outlasts --sync_timeout and the process groups' own timeout but not --slow_phase_timeout: the
     other rank waits for it inside the save, under the slow-phase timeout, not in the next collective (step 8)

@@ -99,6 +99,7 @@ def wait_for_train_step(out, step, nodes: TwoNodes, timeout) -> None:
         time.sleep(0.5)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(200)
 def test_two_nodes_on_this_host_stop_together_on_sigterm_and_resume(tmp_path):
     """The README's two-node drill. SIGTERM to node 1's launcher stops both nodes at one step, with one
