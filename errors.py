@@ -9,6 +9,10 @@ EXIT_BAD_INPUT = 2  # bad flags or data; nothing written
 EXIT_DISTRIBUTED = 3  # peer lost, timeout or desync; the rank is named
 EXIT_INTERRUPTED = 130  # ended by Ctrl-C (SIGINT) before it finished: 128 + SIGINT, as a shell reports it
 
+# what a BadInputError says to run when a library for corpora as shipped (tar, parquet, Lhotse) or for parquet codes
+# cannot be imported: those libraries are optional
+SOURCES_INSTALL = "pip install -r requirements-sources.txt"
+
 
 class BadInputError(Exception):
     """A problem the user can fix in their flags or data: exit code 2, nothing written."""

@@ -41,7 +41,7 @@ from errors import EXIT_FAILURE, EXIT_OK, BadInputError, DistributedFailure, Ran
 from models.codebook_ops import codebook_tensors
 from models.codec import CodecConfig, RVQCodec
 from models.compiled_step import check_compile, compile_mode, graphs_and_breaks
-from training.checkpoint import Checkpointer
+from training.checkpoint import Checkpointer, Resume
 from training.codebooks import feature_stats, init_codebooks, refit
 from training.config import TrainConfig, parse_args, save_config
 from training.device import cache_dtype, compute_dtype, make_deterministic, select_device
@@ -54,7 +54,7 @@ from training.log_stream import exit_now, log_to_stderr, report_crashes, write_l
 from training.metrics_log import MetricsLog, require_tensorboard
 from training.output_dir import OutputDirLock
 from training.progress import END_OF_SCHEDULE, FAILED, STOPPED, Progress
-from training.resume import Resume, agree_on_resume
+from training.resume import agree_on_resume
 from training.run_folder import RunFolder
 from training.schedule import REFIT_SHARE, Schedule, ScheduleEnd
 from training.signals import Interrupted, Stopped, StopRequest, agree_to_stop, stop_reason

@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.demo_run import machine  # noqa: E402
 from models.codec import CodecConfig, RVQCodec  # noqa: E402
-from data.pass_plan import length_sorted_batches  # noqa: E402
+from data.audio.pass_plan import length_sorted_batches  # noqa: E402
 from tools import encode  # noqa: E402
 
 FRAME_RATE = 50

@@ -1,13 +1,13 @@
-"""Front-end speed on one core: the Seamless fbank in torch (data/fbank.py) against transformers'
+"""Front-end speed on one core: the Seamless fbank in torch (data/audio/fbank.py) against transformers'
 SeamlessM4TFeatureExtractor, alone and inside `python -m tools.extract --feature fbank`.
 
 1. The front-end alone: the files decoded beforehand, then each front-end over all of them (SeamlessFbank, as the
    decoding workers call it): audio seconds per second, and the largest difference between the two front-ends'
    features over the corpus (and the share of values equal to the last bit). The torch front-end also with other
-   numbers of frames per pass (data/fbank.py CPU_FRAMES_PER_PASS, the default; "all": one pass a file).
+   numbers of frames per pass (data/audio/fbank.py CPU_FRAMES_PER_PASS, the default; "all": one pass a file).
 2. End to end: `python -m tools.extract SRC train 1 0 OUT --feature fbank --num_workers 0 --front_end F` (reading,
    resampling, front-end, writing and committing) against reading the same files as tools.extract does
-   (data/audio_features.py load_audio: soundfile, mono, soxr to 16 kHz) and running transformers' extractor,
+   (data/audio/features.py load_audio: soundfile, mono, soxr to 16 kHz) and running transformers' extractor,
    nothing written. Start-up aside: the tool's own figure (from its pipeline's start to its last commit) less
    that of a run on the corpus's first three files (one of each format: the first calls' warm-up), over the
    audio of the other files.
@@ -46,9 +46,9 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_extract import write_corpus as write_mixed_corpus  # noqa: E402
 from benchmarks.demo_run import machine  # noqa: E402
-from data.audio_features import SeamlessFbank, load_audio  # noqa: E402
-from data.audio_manifest import list_audio_folder  # noqa: E402
-from data.fbank import CPU_FRAMES_PER_PASS, TorchFbank  # noqa: E402
+from data.audio.features import SeamlessFbank, load_audio  # noqa: E402
+from data.manifests import list_audio_folder  # noqa: E402
+from data.audio.fbank import CPU_FRAMES_PER_PASS, TorchFbank  # noqa: E402
 from tests.audio_helpers import chirp, voice_like  # noqa: E402
 
 FRONT_ENDS = ("torch", "transformers")

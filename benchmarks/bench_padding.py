@@ -7,8 +7,8 @@ No model and no audio: generated file lengths, seeded, for the length mixes a us
 - `long files`: uniform from 1 to 30 minutes (podcasts, lectures), cut into equal chunks of at most
   --max_chunk_seconds by W2vBertLayer.chunks.
 
-Each mix goes through the tools' own code: windows of files cut by data/audio_pipeline.py cut_windows, each
-window's chunks grouped into passes, at each device's defaults (data/pass_plan.py). The rules compared:
+Each mix goes through the tools' own code: windows of files cut by data/audio/pipeline.py cut_windows, each
+window's chunks grouped into passes, at each device's defaults (data/audio/pass_plan.py). The rules compared:
 today's (length_sorted_batches: sorted, each pass filled up to --batch_seconds, in 600-s windows), a ratio cut
 (a new pass when the longest chunk would exceed the shortest by 15%, up to --batch_seconds, in 600-s windows),
 least_cost_passes in 600-s windows, and the tools' default (w2v_passes: least_cost_passes in the device's --commit_seconds
@@ -37,12 +37,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.demo_run import machine  # noqa: E402
-from data.audio_features import FRAME_RATE, SAMPLE_RATE, W2vBertLayer  # noqa: E402
-from data.audio_pipeline import AudioFile, cut_windows  # noqa: E402
-from data.pass_plan import length_sorted_batches  # noqa: E402
+from data.audio.features import FRAME_RATE, SAMPLE_RATE, W2vBertLayer  # noqa: E402
+from data.audio.pipeline import AudioFile, cut_windows  # noqa: E402
+from data.audio.pass_plan import length_sorted_batches  # noqa: E402
 from tools import extract  # noqa: E402
-from data.pass_plan import DEVICE_DEFAULTS, PASS_COST, w2v_passes  # noqa: E402
-from tools.audio_shard import COMMIT_FILES  # noqa: E402
+from data.audio.pass_plan import DEVICE_DEFAULTS, PASS_COST, w2v_passes  # noqa: E402
+from rvq_tokenizer.pipeline_settings import COMMIT_FILES  # noqa: E402
 
 MIXES = ("2-20 s", "LibriSpeech-like", "long files")
 TODAY_COMMIT_SECONDS = 600.0  # the window before the devices' --commit_seconds, on every device

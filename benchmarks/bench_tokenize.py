@@ -113,7 +113,7 @@ def flops_per_audio_second(cfg: dict, layers: int, chunk_seconds: float) -> floa
 
 
 def file_frames(samples: int) -> int:
-    """Feature frames of `samples` at 16 kHz: 25 ms windows every 10 ms, stacked by two (data/audio_features.py)."""
+    """Feature frames of `samples` at 16 kHz: 25 ms windows every 10 ms, stacked by two (data/audio/features.py)."""
     return max(0, (1 + (samples - 400) // 160) // 2) if samples >= 400 else 0
 
 
@@ -186,6 +186,20 @@ class EnoughWork(BaseException):
     """--work_seconds of steady state are behind the run: it stops here (not an error)."""
 
 
+def tree_module(*names: str):
+    """The first of `names` that the tree being run has: a module by its name in this tree, then in earlier ones
+    (data/audio/ was data/ before the audio path had a room of its own)."""
+    import importlib
+
+    for name in names[:-1]:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if not name.startswith(e.name or "\0"):
+                raise
+    return importlib.import_module(names[-1])
+
+
 def child(spec_path: str) -> int:
     """Run spec['mode'] (extract or tokenize) from spec['repo'] with the commits timed and the w2v-BERT passes
     recorded; with spec['model'], replay the steady-state passes on the same module; write spec['result']."""
@@ -213,7 +227,7 @@ def child(spec_path: str) -> int:
     main_thread = threading.main_thread()
     # each pass is tagged with the window it computes (the shard's `done` once that window is committed), not with
     # the commits made so far: the writer thread commits a window while the next one's passes run
-    windows_class = importlib.import_module("data.audio_pipeline").FeatureWindows
+    windows_class = tree_module("data.audio.pipeline", "data.audio_pipeline").FeatureWindows
     compute, computing = windows_class._compute, threading.local()
 
     # --profile_tool N: N windows after the timed steady state, the tool itself under torch.profiler (started and
@@ -268,7 +282,8 @@ def child(spec_path: str) -> int:
             signal.pthread_kill(main_thread.ident, signal.SIGUSR2)  # a writer thread's commit: stop the tool
 
     resumable_shard.ShardWriter.commit = timed_commit
-    layer_class = getattr(tool, "W2vBertLayer", None) or importlib.import_module("data.audio_features").W2vBertLayer
+    layer_class = (getattr(tool, "W2vBertLayer", None)
+                   or tree_module("data.audio.features", "data.audio_features").W2vBertLayer)
     init = layer_class.__init__
 
     def recording_init(self, *args, **kwargs):
@@ -283,7 +298,7 @@ def child(spec_path: str) -> int:
 
     layer_class.__init__ = recording_init
     try:  # graph mode (this tree's --graphs on): a pass is a replay, the model's calls are warm-ups and captures
-        graphs_class = importlib.import_module("data.w2v_graphs").GraphedPasses
+        graphs_class = tree_module("data.audio.w2v_graphs", "data.w2v_graphs").GraphedPasses
     except ImportError:
         graphs_class = None
     if graphs_class is not None:
@@ -785,7 +800,7 @@ def tool_figures(info: dict, key: str):
 
 def stages_table(info: dict) -> str:
     """Per run of a tool, where its steady state went: the shares of the model's thread and of the writer's
-    (data/audio_pipeline.py STAGES, WRITER_STAGES)."""
+    (data/audio/pipeline.py STAGES, WRITER_STAGES)."""
     return "\n".join(f"- {label} {mix} {mode}: " + ", ".join(
         f"{name} {share:.0%}" for name, share in stages.items() if share >= 0.005)
         for label, mix, mode, stages in tool_figures(info, "stages"))

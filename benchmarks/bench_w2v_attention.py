@@ -1,9 +1,9 @@
-"""w2v-BERT's relative-position attention: transformers' module against ours (data/w2v_attention.py), on one CPU
+"""w2v-BERT's relative-position attention: transformers' module against ours (data/audio/w2v_attention.py), on one CPU
 thread by chunk length, or on a GPU (--device cuda) as the whole model's audio seconds per second.
 
 CPU (the default). A random Wav2Vec2BertModel with w2v-BERT 2.0's positions (relative_key, left 64, right 8), 4
 layers of hidden 256 (intermediate 1024, 4 heads; the other fields at Wav2Vec2BertConfig's defaults), saved and
-loaded through data/audio_features.py's W2vBertLayer (layer 4), runs one chunk per forward pass of 5, 10, 20 and
+loaded through data/audio/features.py's W2vBertLayer (layer 4), runs one chunk per forward pass of 5, 10, 20 and
 30 s (50 frames a second). Four models, timed interleaved, best of --repeats:
 - stock: transformers' attention (a [T, T, head_dim] table, a [B, H, T, T] bias);
 - ours: RelativeKeySelfAttention as a CPU runs it: per block of queries, the near keys' bias gathered from a
@@ -48,8 +48,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.demo_run import machine  # noqa: E402
-from data.audio_features import FRAME_RATE, W2vBertLayer  # noqa: E402
-from data.w2v_attention import RelativeKeySelfAttention, key_padding  # noqa: E402
+from data.audio.features import FRAME_RATE, W2vBertLayer  # noqa: E402
+from data.audio.w2v_attention import RelativeKeySelfAttention, key_padding  # noqa: E402
 
 SECONDS = (5, 10, 20, 30)
 CONFIG = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 1024,
@@ -166,8 +166,8 @@ NO_BIAS = "no bias"
 def float32_errors(kernels: list[str], attention, device: torch.device, batch: tuple[int, int]) -> dict:
     """Each of our kernels on one layer's q, k, v in float32 (3 rows of `batch`'s length, the last half padded)
     against the gathered bias (exact SDPA with the bias in its mask): IEEE float32 products, no bfloat16."""
-    from data import w2v_attention as ours
-    from data.w2v_attention_triton import triton_relative_key_attention
+    from data.audio import w2v_attention as ours
+    from data.audio.w2v_attention_triton import triton_relative_key_attention
 
     generator = torch.Generator(device=device).manual_seed(1)
     heads, head, length = attention.num_heads, attention.head_size, batch[1] * FRAME_RATE
@@ -194,8 +194,8 @@ def by_kernel(args) -> int:
     """The GPU mode (or its --cpu-only check): the whole model's audio seconds per second with each kernel."""
     from transformers import Wav2Vec2BertConfig, Wav2Vec2BertModel
 
-    from data import w2v_attention_triton
-    from data.w2v_attention import compiled_flex_attention, use_fast_attention
+    from data.audio import w2v_attention_triton
+    from data.audio.w2v_attention import compiled_flex_attention, use_fast_attention
 
     cpu_only = args.cpu_only
     if not cpu_only and not torch.cuda.is_available():

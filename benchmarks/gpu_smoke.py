@@ -512,7 +512,7 @@ def step_w2v_bert_bf16(args):
     import numpy as np
     from transformers import Wav2Vec2BertConfig, Wav2Vec2BertModel
 
-    from data.audio_features import W2vBertLayer
+    from data.audio.features import W2vBertLayer
     from training.device import bf16_supported
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu_only else "cpu")

@@ -1,4 +1,4 @@
-"""The host's work in one w2v-BERT forward pass of the tools (data/audio_features.py W2vBertLayer.hidden), by
+"""The host's work in one w2v-BERT forward pass of the tools (data/audio/features.py W2vBertLayer.hidden), by
 attention kernel: the ops it dispatches, a pass's and each layer's, and its host synchronisations by the source line
 that asks for them, counted on any device (benchmarks/host_syncs.py's counter: each op is host work, on a GPU most
 are a kernel launch, and each sync drains the GPU's queue before the host can launch more).
@@ -43,7 +43,7 @@ PASSES = {"unpadded": (120, 120, 120), "padded": (120, 100, 60)}
 def triton_launch_stubbed():
     """The Triton kernel's launch as a no-op where Triton cannot run here, so that the host's work around it is
     counted."""
-    from data import w2v_attention_triton as triton_module
+    from data.audio import w2v_attention_triton as triton_module
 
     if triton_module.triton_available(torch.device("cpu")) or triton_module.triton is None:
         yield
@@ -102,7 +102,7 @@ def window_counts(encoder, rows: int) -> int:
 def measure_window(folder: Path) -> dict:
     """The ops of encode's one pass over a window of WINDOW_ROWS files, beyond its layers (at 2 layers, less 2
     layers' ops of the same pass through hidden alone), and what each row adds."""
-    from data.audio_features import W2vBertLayer
+    from data.audio.features import W2vBertLayer
 
     encoders = {layers: W2vBertLayer(folder, layers, device=torch.device("cpu"), dtype=torch.float32,
                                      max_chunk_seconds=5.0) for layers in (2, 4)}
@@ -119,7 +119,7 @@ def measure_window(folder: Path) -> dict:
 
 def measure(folder: Path) -> list[dict]:
     """A row per kernel and pass: the pass's ops, each layer's, the pass's own, its syncs (by line)."""
-    from data.audio_features import W2vBertLayer
+    from data.audio.features import W2vBertLayer
 
     rows = []
     encoders = {layers: W2vBertLayer(folder, layers, device=torch.device("cpu"), dtype=torch.float32,

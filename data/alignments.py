@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from data.manifests import share_manifest
 from errors import BadInputError
 
 SILENCE = "sil"  # the label of an empty TextGrid interval and of frames no CTM line covers
@@ -233,8 +234,6 @@ def utterance_names(data_dir: Path, split: str, store) -> list[str] | None:
     """The names of a split's utterances, which TextGrid and CTM alignments go by: the stems of their audio files
     from the .tsv manifests tools.extract writes beside a dump's shards, or of the files of a folder store; None
     when neither says."""
-    from data.audio_manifest import share_manifest
-
     found = share_manifest(Path(data_dir), split, len(store), 0, len(store))
     if found is not None:
         return [Path(line.split("\t")[0]).stem for line in found[1]]

@@ -4,7 +4,7 @@ read as it is by `datasets.load_dataset("parquet", data_files=...)` or any parqu
 One row per utterance, in the shard's order:
 
 - `key` (string): the utterance's first field in `NAME.codes.tsv` (its audio file, relative to the root on the
-  .tsv's first line, or its key in a tar, parquet or Lhotse source: data/audio_sources.py); with no .codes.tsv
+  .tsv's first line, or its key in a tar, parquet or Lhotse source: data/audio/sources.py); with no .codes.tsv
   (a dump not written by tools.extract), its index in the split as tools.encode numbers it (`first_utterance`
   of NAME.codes.json plus its place in the shard);
 - `level_1` ... `level_Q` (list of int16, or int32 when the codebook has more than 32768 codes): its codes at
@@ -29,11 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
-from data.audio_sources import INSTALL
 from data.dump_writer import publish
-from data.resumable_shard import CODES, ShardLayout, finished_meta
+from data.resumable_shard import finished_meta
+from data.shard_layout import CODES, ShardLayout
 from data.writer_lock import WriterLock
-from errors import BadInputError
+from errors import SOURCES_INSTALL, BadInputError
 
 ROW_GROUP_UTTERANCES = 1024
 ROW_GROUP_FRAMES = 1 << 22  # 4M code frames: 64 MB of int16 codes at 8 levels, a row group's bound in memory
@@ -49,7 +49,8 @@ def require_pyarrow() -> None:
         import pyarrow  # noqa: F401
         import pyarrow.parquet  # noqa: F401
     except ImportError:
-        raise BadInputError(f"--parquet writes codes with pyarrow, which is not installed: {INSTALL}") from None
+        raise BadInputError(f"--parquet writes codes with pyarrow, which is not installed: {SOURCES_INSTALL}") \
+            from None
 
 
 def write_codes_parquet(folder: Path, name: str, layout: ShardLayout = CODES, *,

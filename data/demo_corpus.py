@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.resumable_shard import FEATURE_DUMP
+from data.shard_layout import FEATURE_DUMP
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ among them: padding changes the last bits of a layer's output, not what the feat
 of either dtype as float32, so a dump that differs from its training dump in the dtype alone is one it encodes,
 saying so (stored_differently); a resumed run and tools.tokenize hold to the dtype recorded.
 
-The fbank's front-end (`front_end`: `torch`, data/fbank.py, or `transformers`, SeamlessM4TFeatureExtractor; none
+The fbank's front-end (`front_end`: `torch`, data/audio/fbank.py, or `transformers`, SeamlessM4TFeatureExtractor; none
 recorded: `transformers`, the only one before) is recorded and shown, but two records that differ only there
 are the same features: both compute the same fbank, equal within 1e-4 of a unit-variance feature
 (tests/test_fbank.py), less than float16 storage rounds a value between 1 and 2 (up to 2^-11), which is a
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from data.dump_writer import DUMP_DTYPES
-from data.resumable_shard import FEATURE_DUMP
+from data.shard_layout import FEATURE_DUMP
 from data.setting_changes import changes
 
 FEATURE_KEYS = ("feature", "dim", "frame_rate_hz", "sample_rate", "front_end", "checkpoint", "model", "layer",

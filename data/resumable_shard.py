@@ -1,10 +1,9 @@
 """A shard written as it is computed and resumed after a crash from what was durably written: the one home of a
-shard of tools.extract (a feature dump), tools.encode and tools.tokenize (codes), from its start to its end.
-`ShardLayout` names every file of a shard (FEATURE_DUMP, CODES); `ShardWriter.begin` takes the shard's lock and
-checks it against the folder (one count of shards a split, one codec a code folder, the settings it was begun
-with), `write_windows` writes a window of audio files at a time, `commit` makes it durable, `finish` (and
-`finish_utterances`, the end of an audio shard) publishes it, and `write_parquet` adds a code shard's parquet
-view (data/codes_parquet.py).
+shard of tools.extract (a feature dump), tools.encode and tools.tokenize (codes), from its start to its end, for
+the files data/shard_layout.py names. `ShardWriter.begin` takes the shard's lock and checks it against the folder
+(one count of shards a split, one codec a code folder, the settings it was begun with), `write_windows` writes a
+window of audio files at a time, `commit` makes it durable, `finish` (and `finish_utterances`, the end of an
+audio shard) publishes it. A code shard's streams are rvq_tokenizer/code_shard.py's, on top of this writer.
 
 While shard NAME is written, these lie in the output folder (a code shard's names; a feature dump's drop
 the `.codes`):
@@ -42,67 +41,17 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from data.dump_writer import fsync_folder, npy_header, output_folder, publish, write_temporary
 from data.setting_changes import changes
+from data.shard_layout import FEATURE_DUMP, PARTIAL, ShardLayout
 from data.writer_lock import WriterLock
 from errors import BadInputError, TransientFault
 
-PARTIAL = ".partial"
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, over quota, past a file-size limit
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """The files of one kind of shard, NAME + an extension each: every stream a tool writes is named here, and
-    nowhere else."""
-
-    array: str  # the rows: ".npy", ".codes.npy"
-    meta: str  # JSON: the settings and counts
-    lengths: str  # a count a line per utterance: its frames, or its code frames
-    keys: str  # the utterances' manifest: the source's root, then key<TAB>samples a line
-    skipped: str  # key<TAB>reason a line, for each utterance left out
-    km: str | None = None  # fairseq's label lines of one level (--km)
-    parquet: str | None = None  # a row per utterance (--parquet: data/codes_parquet.py)
-    frames: str | None = None  # feature frames per utterance, kept while writing only
-    # held while a writer checks the folder's other shards and starts its own (one codec a folder); None: no such check
-    folder_lock: str | None = None
-
-    @property
-    def stem(self) -> str:
-        return self.array[: -len(".npy")]
-
-    @property
-    def progress(self) -> str:
-        return self.stem + ".progress"
-
-    def lock_path(self, folder: Path, name: str) -> Path:
-        """The writer lock's file: hidden (`.NAME.codes.lock`), since it stays when the writer is gone."""
-        return folder / f".{name}{self.stem}.lock"
-
-    @property
-    def texts(self) -> tuple[str, ...]:
-        """Every file a finished shard may have beside its array and metadata."""
-        return tuple(ext for ext in (self.lengths, self.keys, self.skipped, self.km, self.parquet) if ext)
-
-    @property
-    def scratch(self) -> tuple[str, ...]:
-        """The streams kept while writing only."""
-        return (self.frames,) if self.frames else ()
-
-    @property
-    def finished(self) -> tuple[str, ...]:
-        return (self.array, self.meta, *self.texts)
-
-
-FEATURE_DUMP = ShardLayout(".npy", ".json", ".len", ".tsv", ".skipped")  # tools.extract (decode: .npy, .len)
-CODES = ShardLayout(".codes.npy", ".codes.json", ".codes.len", ".codes.tsv", ".codes.skipped", km=".km",
-                    parquet=".codes.parquet", frames=".codes.frames",
-                    folder_lock=".codes.codec.lock")  # tools.encode, tools.tokenize
 
 
 def finished_meta(folder: Path, name: str, layout: ShardLayout) -> dict | None:
@@ -242,14 +191,14 @@ def claim_shard(folder: Path, name: str, layout: ShardLayout, settings: dict, *,
     return None
 
 
-def check_one_codec(folder: Path, name: str, settings: dict, *, overwrite: bool) -> None:
+def check_one_codec(folder: Path, name: str, layout: ShardLayout, settings: dict, *, overwrite: bool) -> None:
     """BadInputError when a code shard in `folder`, finished or in progress, came from another codec than
     `settings` name (its digest; its checkpoint file and step for a shard from before digests): one output holds
     the codes of one codec. Shard NAME's own files count unless `overwrite` is to delete them. Each shard was held
     to this when it began, so the first record read decides (a folder of many shards is not read whole)."""
     mine = (settings["checkpoint"], settings["step"], settings["codec_digest"])
-    for path in sorted(folder.glob(f"*{CODES.progress}")) + sorted(folder.glob(f"*{CODES.meta}")):
-        if overwrite and path.name in (name + CODES.meta, name + CODES.progress):
+    for path in sorted(folder.glob(f"*{layout.progress}")) + sorted(folder.glob(f"*{layout.meta}")):
+        if overwrite and path.name in (name + layout.meta, name + layout.progress):
             continue
         record = recorded_settings(path)
         if not isinstance(record, dict) or "checkpoint" not in record:
@@ -289,7 +238,7 @@ def _size(size: float) -> str:
 class ShardWriter:
     """One shard of a tool's output, from its start to its end: `begin` takes its lock and checks it against what
     the folder holds, `write` and `append` add rows and lines (`write_windows`, a window of audio files at a time),
-    `commit` makes what was written durable, `finish` publishes it, and `write_parquet` adds its parquet view.
+    `commit` makes what was written durable, and `finish` publishes it.
 
     `done` (inputs), `rows` and `commits` are what is committed: after opening, what an earlier run with the
     same `settings` committed (0 when it starts anew); `dropped_bytes` what that run wrote past its last
@@ -301,13 +250,13 @@ class ShardWriter:
 
     @classmethod
     def begin(cls, folder: Path, name: str, layout: ShardLayout, settings: dict, *, overwrite: bool,
-              log: logging.Logger, redo: str, parquet: bool = False, **writer_args) -> ShardWriter | None:
+              log: logging.Logger, redo: str, **writer_args) -> ShardWriter | None:
         """Start (or resume) shard NAME in `folder` with `settings` (which name its `split` and `nshard`): its writer,
-        holding the shard's lock, or None when the shard is finished already (then, with `parquet`, its parquet is
-        written if missing). The folder holds the split in one count of shards, cut from one listing of the source
-        (check_split_shards), and for a layout with a `folder_lock` the codes of one codec (check_one_codec): those
-        checks and the shard's start are made under the folder's lock, and the shard's settings are on disk once it
-        has started, so two writers started at one instant with two codecs, or two shard counts, cannot both pass.
+        holding the shard's lock, or None when the shard is finished already. The folder holds the split in one count
+        of shards, cut from one listing of the source (check_split_shards), and for a layout with a `folder_lock` the
+        codes of one codec (check_one_codec): those checks and the shard's start are made under the folder's lock,
+        and the shard's settings are on disk once it has started, so two writers started at one instant with two
+        codecs, or two shard counts, cannot both pass.
         `redo`: what --overwrite does, in words; `writer_args`: ShardWriter's."""
         output_folder(folder, "the output folder")
         fd = None
@@ -323,7 +272,7 @@ class ShardWriter:
             check_split_shards(folder, settings["split"], settings["nshard"], layout, settings.get("source_listing"),
                                name)
             if layout.folder_lock is not None:
-                check_one_codec(folder, name, settings, overwrite=overwrite)
+                check_one_codec(folder, name, layout, settings, overwrite=overwrite)
             lock = claim_shard(folder, name, layout, settings, overwrite=overwrite, log=log, redo=redo)
             if lock is not None:
                 try:
@@ -336,10 +285,6 @@ class ShardWriter:
         finally:
             if fd is not None:
                 os.close(fd)  # closing the descriptor lets go of the folder's lock
-        if parquet:  # after the folder's lock: a large shard's parquet takes a while
-            from data.codes_parquet import complete_codes_parquet  # pyarrow, optional, only where asked for
-
-            complete_codes_parquet(folder, name, layout)
         return None
 
     @_resumable_when_full
@@ -496,7 +441,7 @@ class ShardWriter:
 
     def write_windows(self, pipeline, write: Callable[[object, object], None], before_commit: Callable[[int], None],
                       bar, prepare: Callable[[object], object] = lambda window: None) -> None:
-        """Every window of `pipeline` (data/audio_pipeline.py FeatureWindows) from the first file not committed:
+        """Every window of `pipeline` (data/audio/pipeline.py FeatureWindows) from the first file not committed:
         `prepared = prepare(window)` on this thread (work for the device: tools.tokenize's codec), then on a writer
         thread, window after window in order, `window.ready()` (its features back on the host), `write(window,
         prepared)` and the commit, while this thread goes on with the next window: on a GPU the device then never
@@ -509,7 +454,7 @@ class ShardWriter:
         handed: queue.Queue = queue.Queue(maxsize=1)
         failed: list[BaseException] = []
 
-        stages = pipeline.stages  # where each thread's time goes (data/audio_pipeline.py STAGES), for the log
+        stages = pipeline.stages  # where each thread's time goes (data/audio/pipeline.py STAGES), for the log
 
         def write_in_order() -> None:
             while (item := handed.get()) is not None:
@@ -556,7 +501,7 @@ class ShardWriter:
             raise failed[0]
 
     def skip(self, log: logging.Logger, item) -> None:
-        """A file skipped (data/audio_pipeline.py AudioFile): its line in the shard's skipped list, and a warning
+        """A file skipped (data/audio/pipeline.py AudioFile): its line in the shard's skipped list, and a warning
         now, not at the shard's end (hours off in a large shard, and never reached by a run that is stopped)."""
         self.append(self.layout.skipped, item.skip_line)
         log.warning("skipped %s: %s", item.shown_key, item.skipped)
@@ -575,12 +520,6 @@ class ShardWriter:
             return None
         array = self.finish({self.layout.meta: json.dumps(meta(written, skipped), indent=indent) + "\n"})
         return array, written, skipped
-
-    def write_parquet(self) -> Path:
-        """The finished shard's parquet view beside it (data/codes_parquet.py), while this writer holds its lock."""
-        from data.codes_parquet import write_codes_parquet  # pyarrow, optional, only where asked for
-
-        return write_codes_parquet(self.folder, self.name, self.layout)
 
     def out_of_space(self, e: OSError) -> str:
         """One line for a full disk (or quota, or file-size limit): the folder, what is free there, what the shard

@@ -23,7 +23,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from data.resumable_shard import FEATURE_DUMP, other_source, shard_settings
+from data.manifests import AUDIO_SUFFIXES
+from data.resumable_shard import other_source, shard_settings
+from data.shard_layout import FEATURE_DUMP
 from errors import BadInputError
 
 log = logging.getLogger(__name__)
@@ -408,8 +410,6 @@ AUDIO_LOOK = 1000  # folder entries looked at for audio files in a --data_dir th
 def _audio_hint(data_dir: Path, split: str) -> str:
     """When `data_dir` (or its first sub-folders) holds audio files, the extractor's command that makes features
     of them; '' otherwise. Looks at a bounded number of entries: a corpus folder can hold millions."""
-    from data.audio_manifest import AUDIO_SUFFIXES
-
     seen, folders = 0, [data_dir]
     while folders and seen < AUDIO_LOOK:
         try:

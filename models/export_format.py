@@ -106,9 +106,9 @@ def codec_from_export(meta: dict, tensors: dict[str, torch.Tensor], where: Path)
 
 def describe(model: RVQCodec, state: dict, ckpt_path: Path, kind: dict, digest: str, features: dict) -> dict:
     """codec.json: the codec's shape, the tensors' names, the encoder and decoder ops, and where it came from: the
-    checkpoint, its step, config and `digest` (tools/trained_codec.py codec_digest: the same codec, the same digest,
-    as code shards record it), and the settings of the `features` it was trained on, as its checkpoint records
-    them (what turns audio into its features: rvq_tokenizer.py)."""
+    checkpoint, its step, config and `digest` (rvq_tokenizer/codec_files.py codec_digest: the same codec, the same
+    digest, as code shards record it), and the settings of the `features` it was trained on, as its checkpoint records
+    them (what turns audio into its features: rvq_tokenizer/trained_features.py)."""
     c = model.config
     def linear(name):  # the RVQ's own projections, present only when codebook_dim differs from latent_dim
         return {"weight": f"rvq.{name}.weight", "bias": f"rvq.{name}.bias"} if model.rvq.has_projections else None

@@ -96,14 +96,22 @@ def tiny_w2v_bert(folder: Path, seed: int = 0) -> Path:
 def random_codec(path: Path, data_dir: Path, feature_dim: int = 32, **config) -> Path:
     """A checkpoint of an untrained codec for the features of `data_dir` (`feature_dim` wide), recording them as
     the trainer does; `config`: CodecConfig fields other than the defaults here (downsample=4, say)."""
+    from data.feature_settings import dump_feature_settings
+
+    return codec_checkpoint(path, dump_feature_settings(data_dir, "train"), feature_dim, **config)
+
+
+def codec_checkpoint(path: Path, features: dict, feature_dim: int, step: int = 0, **config) -> Path:
+    """A checkpoint of an untrained codec (seeded) at `step`, recording that it was trained on `features`; `config`:
+    CodecConfig fields other than the defaults here."""
     import torch
 
-    from data.feature_settings import dump_feature_settings
     from models.codec import CodecConfig, RVQCodec
 
     torch.manual_seed(0)
     config = CodecConfig(**{"feature_dim": feature_dim, "latent_dim": 16, "num_quantizers": 2, "codebook_size": 16,
                             "kmeans_init": False, **config})
-    torch.save({"model": RVQCodec(config).state_dict(), "codec": config.to_dict(), "step": 0,
-                "config": {"features": dump_feature_settings(data_dir, "train")}}, path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": RVQCodec(config).state_dict(), "codec": config.to_dict(), "step": step,
+                "config": {"features": features}}, path)
     return path

@@ -1,14 +1,14 @@
-"""data/attention_choice.py: the attention kernel chosen by measurement, never one that failed its probe, and cached
-so that the next process computes with the same one."""
+"""data/audio/attention_choice.py: the attention kernel chosen by measurement, never one that failed its probe, and
+cached so that the next process computes with the same one."""
 import json
 import logging
 
 import pytest
 import torch
 
-from data import attention_choice, w2v_attention
-from data.attention_choice import Choice, choose_kernel, pass_shapes
-from data.audio_features import W2vBertLayer
+from data.audio import attention_choice, w2v_attention
+from data.audio.attention_choice import Choice, choose_kernel, pass_shapes
+from data.audio.features import W2vBertLayer
 from tests.audio_helpers import tiny_w2v_bert
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore:flex_attention called without")]

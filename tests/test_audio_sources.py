@@ -17,8 +17,8 @@ import pytest
 import soundfile as sf
 import webdataset as wds
 
-from data.audio_features import SeamlessFbank, model_input
-from data.audio_sources import source_kind
+from data.audio.features import SeamlessFbank, model_input
+from data.audio.sources import source_kind
 from tests.audio_helpers import random_codec, write_corpus
 from tests.helpers import env, run_python
 from tools import encode, extract, tokenize

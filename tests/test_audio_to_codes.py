@@ -16,8 +16,10 @@ import pytest
 import soundfile as sf
 import torch
 
-from data import pass_plan
+from data.audio import pass_plan
 from data.dump_writer import publish, shard_range
+from data.resumable_shard import ShardWriter
+from rvq_tokenizer.codec_files import load_codec
 from tests.audio_helpers import CORPUS, random_codec, tiny_w2v_bert, write_corpus
 from tests.helpers import REPO, TINY, _state, env, run_trainer, tree
 from tools import encode, export, extract, report, tokenize
@@ -97,7 +99,7 @@ def test_a_km_file_has_a_line_per_utterance_with_a_unit_per_code_frame(corpus):
 
 
 def test_the_trainer_records_the_features_and_export_reads_them(corpus, tmp_path):
-    _, state, _ = encode.load_codec(corpus.fbank_run)
+    _, state, _ = load_codec(corpus.fbank_run)
     assert state["config"]["features"] == {"feature": "fbank", "dim": 160, "frame_rate_hz": 50, "sample_rate": 16000,
                                            "front_end": "torch", "precision": "float32", "dtype": "float32"}
     state["config"]["data_dir"] = str(tmp_path / "gone")  # the training data no longer there
@@ -324,9 +326,9 @@ def test_publish_renames_over_and_never_deletes_first(tmp_path, monkeypatch):
 
 def test_the_encode_bar_moves_before_the_first_commit(corpus, tmp_path, monkeypatch):
     events = []
-    real_update, real_commit = encode.tqdm.update, encode.ShardWriter.commit
+    real_update, real_commit = encode.tqdm.update, ShardWriter.commit
     monkeypatch.setattr(encode.tqdm, "update", lambda self, n=1: (events.append("batch"), real_update(self, n))[1])
-    monkeypatch.setattr(encode.ShardWriter, "commit",
+    monkeypatch.setattr(ShardWriter, "commit",
                         lambda self, done: (events.append("commit"), real_commit(self, done))[1])
     assert encode.main(["--checkpoint", corpus.fbank_run, "--data_dir", corpus.fbank_feats, "--output_dir", tmp_path,
                         "--batch_frames", 64]) == 0  # one commit, several batches

@@ -7,7 +7,7 @@ import torch
 from data.bad_crops import finite_crops
 from models import codec as codec_module
 from models.codec import CodecConfig, RVQCodec
-from data.pass_plan import length_sorted_batches
+from data.audio.pass_plan import length_sorted_batches
 from training.codec_passes import encode_batch, encode_in_batches
 from models.metrics import EvalSums
 

@@ -16,10 +16,10 @@ import torch
 from data.demo_corpus import default_demo_dir
 from data.feature_settings import describe, dump_feature_settings, settings_differ
 from models.codec import CodecConfig, RVQCodec
-from tests.audio_helpers import CORPUS, write_corpus
 from tests.helpers import REPO, TRAINER, TINY, _state, env, events, start_python, trainer_in_process
 from tools import encode, extract, tokenize
-from tools.trained_codec import TRUSTED_STEPS, codec_doubts
+from rvq_tokenizer.codec_files import TRUSTED_STEPS, codec_doubts, load_codec
+from tests.audio_helpers import CORPUS, write_corpus
 
 pytestmark = pytest.mark.slow  # end to end: processes, ranks or compiles (pytest.ini)
 
@@ -177,7 +177,7 @@ def test_the_checkpoint_records_the_last_eval_and_the_tools_say_how_trained_the_
     state = torch.load(demo.run / "checkpoints" / "step_00000003.pt", weights_only=True)
     final = events(demo.run, "eval")[-1]
     assert state["eval"] == {"step": 3, "rel_mse": final["rel_mse"], "final": True}
-    encode.load_codec(demo.run / "checkpoints" / "step_00000003.pt")
+    load_codec(demo.run / "checkpoints" / "step_00000003.pt")
     assert f"step 3, final eval rel_mse {final['rel_mse']:.4f}" in caplog.text
     assert "too briefly trained" in caplog.text and "trained 3 steps" in caplog.text
     trusted = {**state, "step": TRUSTED_STEPS, "eval": {"step": TRUSTED_STEPS, "rel_mse": 0.1, "final": True}}

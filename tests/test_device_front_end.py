@@ -1,4 +1,4 @@
-"""The fbank on the device (data/audio_pipeline.py): the workers only decode, the model's device computes the fbank
+"""The fbank on the device (data/audio/pipeline.py): the workers only decode, the model's device computes the fbank
 of a window's files in batches. Forced here on the CPU (FBANK_ON_DEVICE), as on a GPU it is by default: the same
 features as the workers' fbank within 1e-4, a killed shard resumed to the bytes of an unbroken run on that path,
 and tools.tokenize on it still tools.extract + tools.encode bit for bit."""
@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from data import audio_pipeline
-from data.audio_features import SeamlessFbank
-from data.audio_pipeline import FeatureWindows
-from data.audio_sources import Utterances
+from data.audio import pipeline as audio_pipeline
+from data.audio.features import SeamlessFbank
+from data.audio.pipeline import FeatureWindows
+from data.audio.sources import Utterances
 from data.feature_settings import dump_feature_settings
 from models.codec import CodecConfig, RVQCodec
 from tests.audio_helpers import CORPUS, tiny_w2v_bert, write_corpus
@@ -110,7 +110,7 @@ def test_a_killed_shard_on_the_devices_fbank_resumes_to_the_bytes_of_one_never_s
                                                                                        monkeypatch, caplog):
     args = [corpus / "audio", "train", 1, 0, tmp_path / "killed", *COMMIT, *W2V, "--checkpoint",
             corpus / "w2v_bert", "--num_workers", 1]
-    forced = (f"import sys, runpy; import data.audio_pipeline as p; p.FBANK_ON_DEVICE = {ON_CPU!r}; "
+    forced = (f"import sys, runpy; import data.audio.pipeline as p; p.FBANK_ON_DEVICE = {ON_CPU!r}; "
               f"sys.argv = ['tools.extract', *sys.argv[1:]]; runpy.run_module('tools.extract', run_name='__main__')")
     killed = subprocess.run([sys.executable, "-c", forced, *map(str, args)], capture_output=True, text=True,
                             timeout=90, cwd=REPO,  # the threads of this process: the same sums, the same bits

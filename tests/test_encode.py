@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 
 from data.stores import find_split
+from rvq_tokenizer.codec_files import load_codec
 from training.codec_passes import encode_batch
 from tools import encode, export
 from tests.audio_helpers import random_codec, run_module, write_corpus
@@ -67,7 +68,7 @@ def pipeline(tmp_path_factory):
             r = run_module(*step)
             assert r.returncode == 0, r.stderr[-3000:]
             assert "finished successfully" in r.stderr
-    p.model, p.state, p.checkpoint = encode.load_codec(p.run)
+    p.model, p.state, p.checkpoint = load_codec(p.run)
     p.store = find_split(p.feats, "train")
     return p
 

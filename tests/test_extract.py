@@ -12,7 +12,7 @@ import soxr
 from transformers import SeamlessM4TFeatureExtractor
 
 from tools import extract
-from data.audio_manifest import read_manifest
+from data.manifests import read_manifest
 from data.stores import find_split
 from errors import BadInputError
 from tests import audio_helpers

@@ -1,5 +1,5 @@
-"""The fbank in torch (data/fbank.py) is transformers' SeamlessM4TFeatureExtractor's within 1e-4, one utterance or a
-batch; a dump records the front-end that made it, and tools.tokenize computes the one its codec was trained on."""
+"""The fbank in torch (data/audio/fbank.py) is transformers' SeamlessM4TFeatureExtractor's within 1e-4, one utterance
+or a batch; a dump records the front-end that made it, and tools.tokenize computes the one its codec was trained on."""
 import json
 import logging
 
@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from data.audio_features import SeamlessFbank
-from data.fbank import TorchFbank, feature_frames, kaldi_mel_filters, povey_window
+from data.audio.features import SeamlessFbank
+from data.audio.fbank import TorchFbank, feature_frames, kaldi_mel_filters, povey_window
 from data.feature_settings import describe, dump_feature_settings, front_ends_differ, settings_differ
 from errors import BadInputError
-from models.codec import CodecConfig, RVQCodec
-from tests.audio_helpers import CORPUS, chirp, voice_like, write_corpus
+from rvq_tokenizer.trained_features import codec_front_end
+from tests.audio_helpers import CORPUS, chirp, codec_checkpoint, voice_like, write_corpus
 from tools import encode, extract, tokenize
 
 pytestmark = pytest.mark.timeout(120)
@@ -128,7 +128,7 @@ def test_the_front_end_is_recorded_shown_and_not_a_difference(tmp_path):
         np.save(tmp_path / f"train_{rank}_2.npy", np.zeros((1, 160), np.float32))
     mixed = dump_feature_settings(tmp_path, "train")
     assert mixed == {**torch_note, "front_end": "torch+transformers"}
-    assert tokenize.codec_front_end(mixed) == "transformers" and tokenize.codec_front_end(before) == "transformers"
+    assert codec_front_end(mixed) == "transformers" and codec_front_end(before) == "transformers"
     (tmp_path / "train_1_2.json").write_text(json.dumps({**torch_note, "dtype": "float16"}))
     assert dump_feature_settings(tmp_path, "train")["feature"] == "mixed"
 
@@ -140,11 +140,7 @@ def utterances(folder, name=SHARD) -> list[np.ndarray]:
 
 def codec_for(path, features: dict):
     """An untrained codec of the fbank's dim whose checkpoint records `features`, as the trainer records a dump's."""
-    torch.manual_seed(0)
-    config = CodecConfig(feature_dim=160, latent_dim=16, num_quantizers=2, codebook_size=16, kmeans_init=False)
-    torch.save({"model": RVQCodec(config).state_dict(), "codec": config.to_dict(), "step": 0,
-                "config": {"features": features}}, path)
-    return path
+    return codec_checkpoint(path, features, 160)
 
 
 @pytest.fixture(scope="module")

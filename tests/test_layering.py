@@ -1,23 +1,42 @@
 """The layering docs/development.md states, read from every product module's imports (at any depth in the module,
-functions included): tools, rvq_tokenizer.py and the trainer use training, which uses data and models, which use
-errors.py; data and models never import each other, and nothing imports a layer above its own."""
+functions and type checks included):
+
+    tools, the trainer          the commands and the training script
+    rvq_tokenizer               the Python API (the package's own module and its tokenizer.py): importing it imports
+                                nothing of the layers below until load() is called
+    rvq_tokenizer.*             the library under both: a trained codec over audio
+    training                    what a run is made of
+    data.audio | models         the audio path (audio -> features) | the codec
+    data                        the trainer's input, shards and their files
+    errors
+
+Each imports only layers below it (data and models never each other; the trainer uses neither rvq_tokenizer nor
+tools), and nothing imports a layer above its own: so no command stands on another, and the API stands on no
+command."""
 import ast
 from pathlib import Path
 
 from tests.helpers import REPO
 
-LAYERS = {"errors": set(), "data": {"data", "errors"}, "models": {"models", "errors"},
-          "training": {"training", "data", "models", "errors"},
-          "tools": {"tools", "training", "data", "models", "errors"}}
-# top-level scripts and modules: the entry points, at the tools' level
-ENTRY_POINTS = ("rvq_seamless_gpu_cache_nccl", "rvq_tokenizer")
-PROJECT = set(LAYERS) | set(ENTRY_POINTS)
+BELOW = {"errors": set(), "data": {"errors"}, "data.audio": {"data", "errors"}, "models": {"errors"}}
+BELOW["training"] = {"data.audio", "models", *BELOW["data.audio"]}
+BELOW["library"] = {"training", *BELOW["training"]}
+BELOW["api"] = {"library", *BELOW["library"]}
+BELOW["tools"] = {"library", *BELOW["library"]}
+BELOW["trainer"] = {"training", *BELOW["training"]} - {"data.audio"}
+LAYERS = {layer: {layer, *below} for layer, below in BELOW.items()}
+TRAINER = "rvq_seamless_gpu_cache_nccl"
+API = ("rvq_tokenizer", "rvq_tokenizer.tokenizer")  # the package's own module and the class it hands out
+PROJECT = {"errors", "data", "models", "training", "rvq_tokenizer", "tools", TRAINER}
 
 
 def product_modules() -> dict[str, Path]:
-    found = {name: REPO / f"{name}.py" for name in ("errors", *ENTRY_POINTS)}
-    for package in ("data", "models", "training", "tools"):
-        found.update({f"{package}.{p.stem}": p for p in sorted((REPO / package).glob("*.py"))})
+    """Every module of the product by its dotted name (a package's __init__ by the package's)."""
+    found = {name: REPO / f"{name}.py" for name in ("errors", TRAINER)}
+    for package in ("data", "models", "training", "rvq_tokenizer", "tools"):
+        for path in sorted((REPO / package).rglob("*.py")):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
 
@@ -28,7 +47,7 @@ def project_imports(path: Path) -> list[tuple[str, int]]:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
+            names = [node.module] if node.module != "data" else [f"data.{a.name}" for a in node.names]
         else:
             continue
         out += [(name, node.lineno) for name in names if name.split(".")[0] in PROJECT]
@@ -36,8 +55,15 @@ def project_imports(path: Path) -> list[tuple[str, int]]:
 
 
 def layer(module: str) -> str:
-    top = module.split(".")[0]
-    return "tools" if top in ENTRY_POINTS else top
+    if module == TRAINER:
+        return "trainer"
+    if module in API:
+        return "api"
+    if module.startswith("rvq_tokenizer."):
+        return "library"
+    if module == "data.audio" or module.startswith("data.audio."):
+        return "data.audio"
+    return module.split(".")[0]
 
 
 def violations(modules: dict[str, Path]) -> list[str]:
@@ -50,24 +76,55 @@ def violations(modules: dict[str, Path]) -> list[str]:
 
 def test_every_product_module_imports_down_only():
     modules = product_modules()
-    assert len(modules) > 60 and all(path.is_file() for path in modules.values())
+    assert len(modules) > 80 and all(path.is_file() for path in modules.values())
+    assert {layer(m) for m in modules} == set(LAYERS)
     assert violations(modules) == []
 
 
 def test_the_check_sees_an_import_that_runs_back_up(tmp_path):
-    """The check can fail: an import inside a function of a data module that reaches models, and a models module
-    that reaches training, are both found."""
-    bad = tmp_path / "bad.py"
-    bad.write_text("import numpy\n\ndef f():\n    from models.codes import code_frames\n    return code_frames\n")
-    worse = tmp_path / "worse.py"
-    worse.write_text("from training import checkpoint\nimport errors\n")
-    found = violations({"data.bad": bad, "models.worse": worse})
-    assert [v.split(" imports ")[1] for v in found] == ["models.codes", "training"]
-    assert found[0].startswith(f"{bad}:4")
+    """The check can fail: an import inside a function of a data module that reaches models, a models module that
+    reaches training, a trainer's-input module that reaches the audio path, the library that reaches a command,
+    and a command that stands on the Python API, are all found."""
+    cases = {"data.bad": "import numpy\n\ndef f():\n    from models.codes import code_frames\n    return code_frames\n",
+             "models.worse": "from training import checkpoint\nimport errors\n",
+             "data.stores_like": "from data.audio.features import FRAME_RATE\n",
+             "data.also": "from data import audio\n",
+             "rvq_tokenizer.up": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tools.cli import run\n",
+             "tools.on_api": "import rvq_tokenizer\n",
+             "rvq_seamless_gpu_cache_nccl": "from rvq_tokenizer.codec_files import load_codec\n"}
+    modules = {}
+    for i, (module, text) in enumerate(cases.items()):
+        modules[module] = tmp_path / f"m{i}.py"
+        modules[module].write_text(text)
+    found = violations(modules)
+    assert [v.split(" imports ")[1] for v in found] == [
+        "models.codes", "training", "data.audio.features", "data.audio", "tools.cli", "rvq_tokenizer",
+        "rvq_tokenizer.codec_files"]
+    assert found[0].startswith(f"{modules['data.bad']}:4")
+
+
+def test_the_api_imports_nothing_of_its_library_nor_the_codec_s_libraries_when_imported():
+    """`import rvq_tokenizer` leaves the caller's process as it was: no variable set (numpy's BLAS threads, torch's
+    inductor cache, which importing the quantizer library sets), no module of the project or of the codec imported
+    until load() asks for them."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import os, sys, json\nbefore = dict(os.environ)\nimport rvq_tokenizer\n"
+              "print(json.dumps({'changed': sorted(k for k in set(before) | set(os.environ) "
+              "if before.get(k) != os.environ.get(k)), 'modules': sorted(m for m in sys.modules if m.split('.')[0] in "
+              "('data', 'models', 'training', 'tools', 'errors', 'vector_quantize_pytorch', 'einx'))}))")
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR")}
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    import json
+
+    assert json.loads(out) == {"changed": [], "modules": []}
 
 
 # names given to other files than a shard's streams, which share a suffix with one: an utterance folder's arrays
-# (data/stores.py) and an audio manifest's names (data/audio_sources.py)
+# (data/stores.py) and an audio manifest's names (data/audio/sources.py)
 OTHER_FORMATS = {"UTTERANCE_SUFFIXES", "MANIFEST_SUFFIXES"}
 
 
@@ -75,7 +132,7 @@ def shard_suffix_literals(path: Path) -> list[str]:
     """The string literals of a module (docstrings aside; f-strings' literal parts included) that spell a shard's
     file name: one of data/resumable_shard.py's layout suffixes alone, or ending a shard's name or pattern
     (`_0_1.len`, `_*_*.json`, `_(\\d+)\\.npy$`), in source order. Other files' names (`config.json`) and prose pass."""
-    from data.resumable_shard import CODES, FEATURE_DUMP, PARTIAL
+    from data.shard_layout import CODES, FEATURE_DUMP, PARTIAL
 
     suffixes = {PARTIAL} | {getattr(layout, field) for layout in (FEATURE_DUMP, CODES)
                             for field in ("array", "meta", "lengths", "keys", "skipped", "km", "parquet", "frames",
@@ -101,9 +158,9 @@ def shard_suffix_literals(path: Path) -> list[str]:
 
 
 def test_no_module_but_the_shards_spells_a_shard_file_suffix():
-    """data/resumable_shard.py's ShardLayout names every stream of a shard; every other module takes the names
+    """data/shard_layout.py's ShardLayout names every stream of a shard; every other module takes the names
     from it (FEATURE_DUMP.lengths, CODES.km ...)."""
-    modules = {name: path for name, path in product_modules().items() if name != "data.resumable_shard"}
+    modules = {name: path for name, path in product_modules().items() if name != "data.shard_layout"}
     assert [hit for path in modules.values() for hit in shard_suffix_literals(path)] == []
 
 

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from benchmarks.bench_padding import MIXES, file_seconds, measure, window_chunks
-from data.audio_features import FRAME_RATE, SAMPLE_RATE
-from data.audio_pipeline import AudioFile, cut_windows
-from data.pass_plan import DEVICE_DEFAULTS, least_cost_passes, length_sorted_batches, w2v_passes
+from data.audio.features import FRAME_RATE, SAMPLE_RATE
+from data.audio.pipeline import AudioFile, cut_windows
+from data.audio.pass_plan import DEVICE_DEFAULTS, least_cost_passes, length_sorted_batches, w2v_passes
 from tools import extract, tokenize
 
 pytestmark = pytest.mark.timeout(60)

@@ -14,6 +14,7 @@ import soundfile as sf
 import torch
 
 import rvq_tokenizer
+from rvq_tokenizer.tokenizer import audio_inputs
 from tests.audio_helpers import chirp, random_codec, spoken, tiny_w2v_bert, voice_like
 from tests.helpers import QUICK, REPO, TINY, trainer_in_process, tree
 from tools import encode, export, extract, tokenize
@@ -295,21 +296,21 @@ def test_the_manuals_data_loader_example_runs_and_gives_tools_tokenizes_codes(ma
 def test_a_waveform_is_taken_as_tools_extract_takes_a_files_samples():
     """The channels are the shorter axis, averaged as soundfile's [samples, channels] are; int16 and int32 PCM are
     scaled as soundfile scales them; nothing but float and PCM is taken."""
-    from data.audio_features import model_input
+    from data.audio.features import model_input
 
     rng = np.random.default_rng(0)
     stereo = (rng.standard_normal((3000, 2)) * 0.1).astype(np.float32)
-    keys, (a, b, c), single = rvq_tokenizer.audio_inputs([stereo, stereo.T.copy(), torch.from_numpy(stereo.T)],
+    keys, (a, b, c), single = audio_inputs([stereo, stereo.T.copy(), torch.from_numpy(stereo.T)],
                                                         [22050, 22050, 22050])
     want = model_input(stereo, 22050)
     assert keys == ["audio[0]", "audio[1]", "audio[2]"] and not single
     assert np.array_equal(a, want) and np.array_equal(b, want) and np.array_equal(c, want)
     pcm = (rng.standard_normal(4000) * 3000).astype(np.int16)
     for ints in (pcm, pcm.astype(np.int32) << 16):
-        (_, (wave,), single) = rvq_tokenizer.audio_inputs(ints, 16000)
+        (_, (wave,), single) = audio_inputs(ints, 16000)
         assert single and wave.dtype == np.float32
         np.testing.assert_array_equal(wave, pcm.astype(np.float32) / 2 ** 15)
-    assert rvq_tokenizer.audio_inputs(torch.zeros(1000, dtype=torch.bfloat16), 16000)[1][0].dtype == np.float32
+    assert audio_inputs(torch.zeros(1000, dtype=torch.bfloat16), 16000)[1][0].dtype == np.float32
     for bad in (np.zeros(1000, bool), np.zeros(1000, np.uint8), np.array(["a"] * 1000)):
         with pytest.raises(ValueError, match=f"audio has dtype {bad.dtype}: give float samples"):
-            rvq_tokenizer.audio_inputs(bad, 16000)
+            audio_inputs(bad, 16000)

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from rvq_tokenizer.pipeline_settings import default_workers
 from tests.audio_helpers import CORPUS, write_corpus
 from tests.helpers import REPO, _state, env
-from tools import audio_shard, extract
+from tools import extract
 
 pytestmark = pytest.mark.slow  # end to end: processes, ranks or compiles (pytest.ini)
 
@@ -362,12 +363,12 @@ def test_a_full_disk_ends_in_one_line_exit_1_and_the_same_command_resumes(limit,
 def test_num_workers_defaults_to_the_cpus_this_process_may_use(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert audio_shard.default_workers() == 1  # one left for the model
+    assert default_workers() == 1  # one left for the model
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's 4 processes on this node share them
-    assert audio_shard.default_workers() == 3
+    assert default_workers() == 3
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
-    assert audio_shard.default_workers() == 0
+    assert default_workers() == 0
     assert extract.parse_args(["x", "train", 1, 0, "o"]).pipeline.num_workers == 0
     assert extract.parse_args(["x", "train", 1, 0, "o", "--num_workers", 2]).pipeline.num_workers == 2
 
@@ -378,7 +379,7 @@ def test_the_default_workers_draw_no_warning_from_torch(audio, tmp_path, caplog)
         warnings.simplefilter("always")
         assert extract.main([audio, "train", 2, 0, tmp_path / "feats"]) == 0
     assert not [w for w in caught if "worker" in str(w.message)], [str(w.message) for w in caught]
-    assert f"(--num_workers {audio_shard.default_workers()})" in caplog.text
+    assert f"(--num_workers {default_workers()})" in caplog.text
 
 
 def test_a_shard_begun_before_a_stream_was_added_goes_on_from_its_commit(tmp_path):
@@ -386,7 +387,8 @@ def test_a_shard_begun_before_a_stream_was_added_goes_on_from_its_commit(tmp_pat
     resumes from its last commit, the new stream beginning empty there, not from the start."""
     import numpy as np
 
-    from data.resumable_shard import FEATURE_DUMP, ShardWriter
+    from data.resumable_shard import ShardWriter
+    from data.shard_layout import FEATURE_DUMP
 
     rows = np.arange(12, dtype=np.float32).reshape(4, 3)
     writer = ShardWriter(tmp_path, "train_0_1", FEATURE_DUMP, {"a": 1}, width=3, dtype="float32",

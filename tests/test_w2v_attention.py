@@ -1,4 +1,5 @@
-"""data/w2v_attention.py: w2v-BERT's relative-position attention without a T x T table equals transformers' one."""
+"""data/audio/w2v_attention.py: w2v-BERT's relative-position attention without a T x T table equals transformers'
+one."""
 import copy
 import json
 import logging
@@ -9,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from data import w2v_attention
-from data.w2v_attention import KEY_PADDING, RelativeKeySelfAttention, key_padding, use_fast_attention
+from data.audio import w2v_attention
+from data.audio.w2v_attention import KEY_PADDING, RelativeKeySelfAttention, key_padding, use_fast_attention
 from tests.helpers import REPO, env
 
 pytestmark = pytest.mark.timeout(120)
@@ -167,7 +168,7 @@ def test_other_position_types_keep_the_stock_module():
 
 
 def test_w2v_bert_layer_fast_and_stock_attention_agree(tmp_path, stock_model, caplog):
-    from data.audio_features import W2vBertLayer
+    from data.audio.features import W2vBertLayer
 
     stock_model.save_pretrained(tmp_path)
     chunks = [np.random.default_rng(n).standard_normal((n, 160)).astype(np.float32) for n in (250, 180, 90)]
@@ -196,12 +197,12 @@ def test_w2v_bert_layer_fast_and_stock_attention_agree(tmp_path, stock_model, ca
 def test_w2v_bert_layer_compiled_equals_eager_and_counts_its_graphs(tmp_path, stock_model, caplog):
     """--compile: the truncated encoder under torch.compile gives eager's layer output; the graphs it compiles are
     counted and logged, and a pass of a shape already compiled compiles nothing more."""
-    from data.audio_features import W2vBertLayer
+    from data.audio.features import W2vBertLayer
 
     stock_model.save_pretrained(tmp_path)
     layers = {compiled: W2vBertLayer(tmp_path, 1, device=torch.device("cpu"), dtype=torch.float32,
                                      max_chunk_seconds=5.0, compile=compiled) for compiled in (False, True)}
-    caplog.set_level(logging.INFO, logger="data.audio_features")
+    caplog.set_level(logging.INFO, logger="data.audio.features")
     rng = np.random.default_rng(0)
     for lengths in ((120, 100, 60), (120, 80, 40)):  # one pass shape, 3 x 120, with other paddings
         chunks = [rng.standard_normal((n, 160)).astype(np.float32) for n in lengths]
@@ -281,7 +282,7 @@ print(json.dumps(errors))
 
 @pytest.mark.slow
 def test_the_triton_kernel_equals_the_stock_model_in_float32_with_and_without_padding():
-    """The Triton kernel (data/w2v_attention_triton.py) as Triton's interpreter runs it on this CPU: every layer
+    """The Triton kernel (data/audio/w2v_attention_triton.py) as Triton's interpreter runs it on this CPU: every layer
     within 1e-5 of transformers' module, at lengths shorter than a tile, not a multiple of it, and spanning the
     band's left and right ends in several tiles; heads of 16, and of 24 (padded to 32 inside the kernel)."""
     pytest.importorskip("triton")
@@ -300,8 +301,8 @@ def test_the_triton_kernel_reads_the_bias_where_it_lies():
     pytest.importorskip("triton")
     script = r"""
 import json, torch
-from data.w2v_attention import distance_table, gathered_relative_key_attention
-from data.w2v_attention_triton import triton_relative_key_attention
+from data.audio.w2v_attention import distance_table, gathered_relative_key_attention
+from data.audio.w2v_attention_triton import triton_relative_key_attention
 q, k, v = torch.randn(3, 2, 3, 150, 16, generator=torch.Generator().manual_seed(0))
 embedding = torch.randn(73, 16, generator=torch.Generator().manual_seed(1))
 table = distance_table(q, embedding, 0.25)

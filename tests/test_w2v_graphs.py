@@ -1,5 +1,5 @@
-"""Graph mode (data/w2v_graphs.py): each pass padded to its shape's graph and replayed from fixed buffers. On this CPU
-a capture is replaced by one that replays by running the pass again on the graph's buffers, so what is checked is
+"""Graph mode (data/audio/w2v_graphs.py): each pass padded to its shape's graph and replayed from fixed buffers. On this
+CPU a capture is replaced by one that replays by running the pass again on the graph's buffers, so what is checked is
 the data's way through them (copied in, computed, read out before the next replay), the padding, the planning and
 that a pass asks the device for nothing (which a CUDA capture requires); the capture itself needs a GPU
 (benchmarks/gpu_tokenize.sh runs the tools with --graphs on)."""
@@ -9,8 +9,8 @@ import torch
 
 from benchmarks.host_ops_w2v import save_model, triton_launch_stubbed
 from benchmarks.host_syncs import count_host_syncs
-from data.pass_plan import shard_passes, w2v_passes
-from data.w2v_graphs import GRAPH_FRAMES, GraphedPasses, padded_frames
+from data.audio.pass_plan import shard_passes, w2v_passes
+from data.audio.w2v_graphs import GRAPH_FRAMES, GraphedPasses, padded_frames
 from errors import BadInputError
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,7 +32,7 @@ def model_folder(tmp_path_factory):
 
 
 def layer(folder, **kwargs):
-    from data.audio_features import W2vBertLayer
+    from data.audio.features import W2vBertLayer
 
     encoder = W2vBertLayer(folder, 3, device=torch.device("cpu"), dtype=torch.float32, max_chunk_seconds=3.0,
                            **kwargs)
@@ -54,7 +54,7 @@ def test_graph_mode_needs_a_gpu_and_our_attention(model_folder):
 
 def test_compile_on_a_gpu_is_refused_with_its_reason_before_anything_loads(model_folder):
     """--compile on must finish or be refused: its dynamic-shape compile did not finish on a GPU."""
-    from data.audio_features import W2vBertLayer
+    from data.audio.features import W2vBertLayer
 
     with pytest.raises(BadInputError, match="--compile on is refused on a GPU: .* did not finish .* --graphs on"):
         W2vBertLayer(model_folder, 3, device=torch.device("cuda"), dtype=torch.bfloat16, max_chunk_seconds=3.0,

@@ -44,7 +44,7 @@ that differ), but for the dump's dtype alone (float16 or float32: read as float3
 statistics of the share's first frames must lie within PLAUSIBLE_SHIFT of those the codec was trained on
 (data/feature_settings.py). --allow_feature_mismatch encodes anyway, and the .codes.json
 says so. One output folder holds the codes of one codec: a shard from another checkpoint exits 2, naming both
-(tools/trained_codec.py).
+(rvq_tokenizer/code_shard.py, data/resumable_shard.py).
 
 --device is resolved by training/device.py; encoding runs in eval mode and float32. Exit codes: 0 done (or
 already done), 2 bad arguments or data, or an output that is another's (nothing written), 1 anything else.
@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -64,43 +63,27 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from data.audio_features import FEATURES
-from data.audio_manifest import manifest_lines, share_manifest, shown_name
-from data.dump_writer import NpyRowWriter, len_text, output_folder, publish, shard_range, write_temporary
-from data.feature_settings import (PLAUSIBLE_SHIFT, STATS_FRAMES, dump_feature_settings, feature_shift,
-                                   front_ends_differ, settings_differ, stored_differently)
-from data.resumable_shard import CODES, FEATURE_DUMP, ShardWriter, split_shards
-from data.stores import FeatureStore, absent_folder, find_split, missing_split
+from data.dump_writer import NpyRowWriter, len_text, output_folder, publish, write_temporary
+from data.manifests import manifest_lines, share_manifest, shown_name
+from data.resumable_shard import split_shards
+from data.shard_layout import CODES, FEATURE_DUMP
+from data.stores import FeatureStore, find_split
 from data.writer_lock import WriterLock
 from errors import EXIT_OK, BadInputError
-from models.codec import CodecConfig
-from models.codes import TAIL_PADDING, code_frames, decode_utterance, km_lines, uncoded
+from models.codes import TAIL_PADDING, code_frames, decode_utterance, uncoded
 from models.metrics import EvalSums
+from rvq_tokenizer.code_shard import CodeShard
+from rvq_tokenizer.codec_files import codec_digest, load_codec
+from rvq_tokenizer.codes_spec import CodesRequest, CodesSpec, codes_spec, describe_codes
+from rvq_tokenizer.feature_check import SplitShare, check_features, open_share
 from tools.cli import bad_input_exits_2, run
-from tools.trained_codec import (CodesRequest, CodesSpec, add_codes_args, codec_digest, codes_request, codes_spec,
-                                 describe_codes, load_codec)
+from tools.codes_flags import add_codes_args, codes_request
 from training.codec_passes import encode_in_batches
 from training.device import select_device
 from training.faults import FaultInjector
 from training.flag_help import FlagHelpFormatter
 
 log = logging.getLogger("encode")
-
-
-@dataclass(frozen=True)
-class SplitShare:
-    """Shard RANK of NSHARD of a split in a folder: a feature store (--data_dir), or the codes tools.encode wrote of
-    it (decode's --codes_dir)."""
-
-    folder: Path
-    split: str
-    nshard: int
-    rank: int
-
-    @property
-    def name(self) -> str:
-        """The shard's NAME in its outputs."""
-        return f"{self.split}_{self.rank}_{self.nshard}"
 
 
 @dataclass(frozen=True)
@@ -128,72 +111,6 @@ class DecodeSettings:
     device: str
 
 
-def open_share(data: SplitShare, config: CodecConfig, ckpt_path: Path) -> tuple[FeatureStore, int, int, int]:
-    """(this rank's share of the split, its first utterance, its end, the split's utterances), checked against the
-    codec. The split's metadata are read; only the share's sources stay open."""
-    if not data.folder.exists():
-        raise absent_folder("--data_dir", data.folder)
-    if not data.folder.is_dir():
-        raise BadInputError(f"--data_dir {data.folder} is not a folder")
-    split = find_split(data.folder, data.split)  # utterance files directly in --data_dir: 'train', as trained
-    if split is None:
-        raise missing_split(data.folder, data.split, "--split")
-    if len(split) == 0:
-        raise BadInputError(f"{split.description} holds no utterances")
-    if split.dim != config.feature_dim:
-        raise BadInputError(f"{split.description} has {split.dim}-d features; the codec in {ckpt_path} was "
-                            f"trained on {config.feature_dim}-d")
-    start, end = shard_range(len(split), data.nshard, data.rank)
-    if start == end:
-        raise BadInputError(f"shard {data.rank} of {data.nshard} is empty: the split has {len(split)} utterances")
-    return split.share(start, end), start, end, len(split)
-
-
-def check_features(data: SplitShare, state: dict, model, store: FeatureStore, ckpt_path: Path, *,
-                   allow_mismatch: bool) -> tuple[dict, str]:
-    """(the dump's features as the codes record them, how they were found to be the codec's). BadInputError when
-    they are not: tools.extract's settings that differ from the checkpoint's record, or else first frames whose
-    statistics are further than PLAUSIBLE_SHIFT from the codec's (--allow_feature_mismatch: warned, and encoded)."""
-    dump = dump_feature_settings(data.folder, data.split)
-    features = {k: v for k, v in dump.items() if k not in ("checkpoint", "note")}  # the model by its fingerprint
-    trained = (state.get("config") or {}).get("features") or {}
-    where = f"split '{data.split}' of {data.folder}"
-    if dump["feature"] == "mixed":
-        problem = dump["note"]
-    elif dump["feature"] in FEATURES and trained.get("feature") in (*FEATURES, "demo"):
-        stored = stored_differently(trained, dump)
-        differ = settings_differ(trained, {**dump, "dtype": trained.get("dtype")} if stored else dump)
-        if not differ:
-            if front_ends := front_ends_differ(trained, dump):  # the same features (data/feature_settings.py)
-                log.info("%s: the codec's fbank and the dump's come from different front-ends (%s), the same "
-                         "features within 1e-4", where, front_ends)
-            if stored:
-                log.info("%s: the features are %s: the same features, read as float32", where, stored)
-                return features, f"tools.extract's settings are the codec's, the features {stored}"
-            return features, "tools.extract's settings are the codec's"
-        problem = f"the features of {where} are not those the codec in {ckpt_path} was trained on ({differ})"
-    else:  # no notes on one side: the features' statistics against those the codec normalises by
-        frames, n = [], 0
-        for i in range(len(store)):
-            if n >= STATS_FRAMES:
-                break
-            frames.append(np.asarray(store.utterance(i)[: STATS_FRAMES - n], dtype=np.float64))  # a memmap's slice
-            n += len(frames[-1])
-        shift = feature_shift(np.concatenate(frames), model.feature_mean.cpu().double().numpy(),
-                              model.feature_std.cpu().double().numpy())
-        check = f"the statistics of the first {n} frames, {shift:.3f} nats per dimension from the codec's"
-        if shift <= PLAUSIBLE_SHIFT:
-            return features, check + f" (at most {PLAUSIBLE_SHIFT})"
-        problem = (f"the first {n} frames of {where} are {shift:.2f} nats per dimension from the statistics of the "
-                   f"features the codec in {ckpt_path} was trained on (at most {PLAUSIBLE_SHIFT} for its own)")
-    if allow_mismatch:
-        log.warning("%s; encoding anyway (--allow_feature_mismatch)", problem)
-        return features, f"not the codec's, encoded under --allow_feature_mismatch: {problem}"
-    raise BadInputError(f"{problem}: its codes of other features would be meaningless. Encode the features the codec "
-                        "was trained on (tools.extract with its settings), or pass --allow_feature_mismatch to encode "
-                        "these anyway")
-
-
 def commit_chunks(lengths: np.ndarray, commit_frames: int, done: int) -> list[tuple[int, int, int]]:
     """(number from 1, first, end) of the chunks of utterances still to encode after the first `done`. A chunk
     holds the utterances that begin within one span of `commit_frames` frames, so the chunks are the same
@@ -217,65 +134,50 @@ def encode_store(cfg: EncodeSettings) -> int:
     settings = {**spec.settings, "features": features, "split": data.split, "rank": data.rank,
                 "nshard": data.nshard, "first_utterance": start, "utterances": end - start,
                 "frames": store.total_frames, "code_frames": int(code_lengths.sum())}
-    writer = ShardWriter.begin(cfg.output_dir, name, CODES, settings, overwrite=cfg.overwrite, log=log,
-                               redo="encode the shard again", width=spec.levels, dtype=spec.dtype,
-                               rows=int(code_lengths.sum()),
-                               streams={CODES.skipped: "", **({CODES.km: ""} if spec.km else {})},
-                               parquet=cfg.codes.parquet)
-    if writer is None:
+    shard = CodeShard.begin(cfg.output_dir, name, spec, settings, overwrite=cfg.overwrite,
+                            redo="encode the shard again", parquet=cfg.codes.parquet, rows=int(code_lengths.sum()))
+    if shard is None:
         return EXIT_OK
-    with writer:
+    with shard:
         log.info("%s: utterances %d-%d of %d in %s -> %s/%s%s, %s", name, start, end - 1, total, data.folder,
                  cfg.output_dir, name, CODES.array, describe_codes(spec))
-        if writer.done:
-            log.info("resuming at utterance %d of %d (%d code frames committed; %d bytes written after the last "
-                     "commit dropped)", writer.done, end - start, writer.rows, writer.dropped_bytes)
-        encode_chunks(spec, store, writer, name=name, first_utterance=start, faults=FaultInjector(data.rank),
+        shard.say_resumed("utterance", end - start)
+        encode_chunks(spec, store, shard, name=name, first_utterance=start, faults=FaultInjector(data.rank),
                       commit_frames=cfg.commit_frames)
-        skipped = writer.text(CODES.skipped).count("\n")
-        meta = {**settings, "feature_check": feature_check, "store": store.description,
-                "data_dir": str(data.folder.absolute()), "padding": TAIL_PADDING,
-                "feature_frames": store.lengths.tolist(), "skipped": skipped}
-        texts = {CODES.lengths: (f"{n}\n" for n in code_lengths), CODES.meta: json.dumps(meta) + "\n"}
         manifest = share_manifest(data.folder, data.split, total, start, end)
-        if manifest is not None:
-            texts[CODES.keys] = manifest_lines(*manifest)
-        array = writer.finish(texts)
-        if cfg.codes.parquet:
-            writer.write_parquet()
-    config = model.config
-    log.info("wrote %d utterances, %d code frames (%d levels, %.0f bits/frame of features) to %s%s", end - start,
-             code_lengths.sum(), spec.levels, spec.levels * math.log2(config.codebook_size) / config.downsample, array,
-             f"; {skipped} with NaN or Inf features have codes -1, listed in {name}{CODES.skipped}" if skipped else "")
+        array, _, skipped = shard.finish(
+            lambda frames, skipped: {
+                **settings, "feature_check": feature_check, "store": store.description,
+                "data_dir": str(data.folder.absolute()), "padding": TAIL_PADDING, "feature_frames": frames,
+                "skipped": skipped},
+            feature_frames=store.lengths, keys=None if manifest is None else manifest_lines(*manifest))
+    log.info("%s%s", shard.wrote(end - start, array),
+             f"; {skipped} with NaN or Inf features have codes -1, listed in {shard.skipped_list}" if skipped else "")
     log.info("finished successfully")
     return EXIT_OK
 
 
-def encode_chunks(spec: CodesSpec, store: FeatureStore, writer: ShardWriter, *, name: str, first_utterance: int,
+def encode_chunks(spec: CodesSpec, store: FeatureStore, shard: CodeShard, *, name: str, first_utterance: int,
                   faults: FaultInjector, commit_frames: int) -> None:
-    """Encode and commit the chunks of the share (utterance `first_utterance` of the split on) after those `writer`
+    """Encode and commit the chunks of the share (utterance `first_utterance` of the split on) after those `shard`
     holds; the bar moves with each batch. An utterance with NaN or Inf features keeps its place with codes of -1
     (models/codes.py), named in a warning and in NAME.codes.skipped: its index in the split, a tab, the reason."""
-    done = int(store.lengths[: writer.done].sum())
+    done = int(store.lengths[: shard.done].sum())
     began, frames = time.perf_counter(), 0
     with tqdm(total=store.total_frames, initial=done, desc=f"encode {name}", unit="frame", unit_scale=True,
               dynamic_ncols=True, mininterval=1.0) as bar:
-        for number, first, end in commit_chunks(store.lengths, commit_frames, writer.done):
+        for number, first, end in commit_chunks(store.lengths, commit_frames, shard.done):
             chunk = store.share(first, end)
             codes = encode_in_batches(spec.model, chunk, spec.levels, spec.batch_frames, spec.dtype, spec.beam,
                                       on_batch=lambda batch: bar.update(int(chunk.lengths[batch].sum())))
-            writer.write(codes)
-            lengths = code_frames(chunk.lengths, spec.model.config.downsample)
+            lengths = shard.write(codes, chunk.lengths)
             for i in first + uncoded(codes, lengths):
                 log.warning("%s has NaN or Inf values: its codes are -1 (no code), listed in %s%s; "
                             "`python -m tools.check` lists every such utterance of a dump", store.name(i), name,
                             CODES.skipped)
-                writer.append(CODES.skipped, f"{first_utterance + i}\tNaN or Inf features, codes -1: "
-                                             f"{shown_name(store.name(i))}\n")
-            if spec.km:
-                writer.append(CODES.km, km_lines(codes, lengths, spec.km))
+                shard.skip(f"{first_utterance + i}\tNaN or Inf features, codes -1: {shown_name(store.name(i))}\n")
             faults.before_commit(number)
-            writer.commit(end)
+            shard.commit(end)
             frames += chunk.total_frames
     seconds = time.perf_counter() - began
     if frames:

@@ -48,7 +48,7 @@ import torch
 from tqdm import tqdm
 
 from data.alignments import Alignments, labels_at_code_rate, read_alignments, utterance_names
-from data.audio_features import FRAME_RATE
+from data.audio.features import FRAME_RATE
 from data.dump_writer import cache_folder, write_temporary
 from data.feature_settings import dump_feature_settings
 from data.stores import FeatureStore, find_split, missing_split
@@ -57,10 +57,11 @@ from models.codes import code_frames
 from models.kmeans import KMEANS_ITERS, fit_kmeans, nearest_centroids
 from models.metrics import EvalSums
 from models.unit_quality import phone_information, unit_quality
+from rvq_tokenizer.codec_files import load_codec
+from rvq_tokenizer.codes_spec import CodesRequest, CodesSpec, codes_spec, describe_codes
+from rvq_tokenizer.feature_check import SplitShare, check_features, open_share
 from tools.cli import bad_input_exits_2, run
-from tools.encode import SplitShare, check_features, open_share
-from tools.trained_codec import (CodesRequest, CodesSpec, add_codes_args, codes_request, codes_spec, describe_codes,
-                                 load_codec)
+from tools.codes_flags import add_codes_args, codes_request
 from training.codebooks import refit_utterances
 from training.codec_passes import encode_in_batches
 from training.device import select_device

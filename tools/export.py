@@ -25,8 +25,8 @@ from data.dump_writer import output_folder
 from data.feature_settings import dump_feature_settings
 from errors import EXIT_OK
 from models.export_format import NOTE, WEIGHTS, describe, export_tensors
+from rvq_tokenizer.codec_files import codec_digest, load_codec
 from tools.cli import bad_input_exits_2, run
-from tools.trained_codec import codec_digest, load_codec
 from training.flag_help import FlagHelpFormatter
 
 log = logging.getLogger("export")

@@ -6,16 +6,16 @@
     torchrun --nproc_per_node 8 -m tools.extract MANIFEST_OR_DIR SPLIT 1 0 OUT_DIR ...   # one shard per GPU
 
 The input is a fairseq manifest (first line the root folder, then `relpath<TAB>num_samples` per line), a
-folder searched for .wav, .flac and .ogg files (data/audio_manifest.py), or the corpus as shipped: WebDataset
+folder searched for .wav, .flac and .ogg files (data/manifests.py), or the corpus as shipped: WebDataset
 tar shards, Hugging Face parquet or a save_to_disk folder, a Lhotse CutSet, read in place
-(data/audio_sources.py). Rank RANK of NSHARD takes its contiguous share of the files (or tars, parquet files,
+(data/audio/sources.py). Rank RANK of NSHARD takes its contiguous share of the files (or tars, parquet files,
 cuts), as in fairseq's examples/hubert/simple_kmeans (under torchrun, each process
 its part of that share: tools/audio_shard.py). The audio is read by --num_workers processes ahead of
 the model, which turn it into fbank too on a CPU (on a GPU the device computes it); the features (`fbank`:
 the Seamless front-end, 160-d; `w2v-bert`: a Wav2Vec2BertModel layer, in chunks of at most
---max_chunk_seconds, length-sorted into passes of --batch_seconds) are data/audio_pipeline.py's; --device
+--max_chunk_seconds, length-sorted into passes of --batch_seconds) are data/audio/pipeline.py's; --device
 and --precision are resolved by training/device.py.
-The fbank (the features themselves, or w2v-BERT's input) is computed by --front_end: `torch` (data/fbank.py)
+The fbank (the features themselves, or w2v-BERT's input) is computed by --front_end: `torch` (data/audio/fbank.py)
 or `transformers` (SeamlessM4TFeatureExtractor), the same features within 1e-4 (data/feature_settings.py);
 NAME.json records which.
 
@@ -58,18 +58,19 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from data.audio_features import (FEATURES, FRAME_RATE, FRONT_END, FRONT_ENDS, SAMPLE_RATE, SeamlessFbank,  # noqa: E402
+from data.audio.features import (FEATURES, FRAME_RATE, FRONT_END, FRONT_ENDS, SAMPLE_RATE, SeamlessFbank,  # noqa: E402
                                  W2vBertLayer)
-from data.audio_pipeline import FeatureWindows, Window  # noqa: E402
+from data.audio.pipeline import FeatureWindows, Window  # noqa: E402
 from data.dump_writer import DUMP_DTYPES  # noqa: E402
 from data.feature_settings import RECORDED_BEFORE, model_fingerprint  # noqa: E402
-from data.pass_plan import shard_passes, w2v_attention  # noqa: E402
-from data.resumable_shard import FEATURE_DUMP, ShardWriter, shard_settings  # noqa: E402
+from data.audio.pass_plan import shard_passes, w2v_attention  # noqa: E402
+from data.resumable_shard import ShardWriter, shard_settings  # noqa: E402
+from data.shard_layout import FEATURE_DUMP  # noqa: E402
 from data.transfers import dtype_name  # noqa: E402
 from errors import EXIT_FAILURE, EXIT_OK  # noqa: E402
-from tools.audio_shard import (AudioInput, AudioShare, PipelineSettings, ShardOutput, add_input_args,  # noqa: E402
-                               audio_share, begun_before_pass_rules, input_settings, model_device,
-                               pass_settings, progress_bar, shard_attention, shard_switches, shard_written)
+from rvq_tokenizer.pipeline_settings import PipelineSettings, encoder_passes, resumed_pipeline  # noqa: E402
+from tools.audio_shard import (AudioInput, AudioShare, ShardOutput, add_input_args, audio_share,  # noqa: E402
+                               input_settings, model_device, progress_bar, shard_written)
 from tools.cli import bad_input_exits_2, run  # noqa: E402
 from training.device import compute_dtype  # noqa: E402
 from training.faults import FaultInjector  # noqa: E402
@@ -90,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--feature", choices=FEATURES, default="fbank",
                    help="fbank: Seamless front-end, 160-d; w2v-bert: a Wav2Vec2BertModel layer")
     p.add_argument("--front_end", choices=FRONT_ENDS,
-                   help="the fbank's computation, recorded in NAME.json: torch (data/fbank.py) or transformers "
+                   help="the fbank's computation, recorded in NAME.json: torch (data/audio/fbank.py) or transformers "
                         "(SeamlessM4TFeatureExtractor, slower), the same features within 1e-4 (default: "
                         f"{FRONT_END}; a shard begun or written before front-ends were recorded goes on with its "
                         f"own, {RECORDED_BEFORE})")
@@ -158,7 +159,8 @@ def shard_front_end(flag: str | None, recorded: dict | None) -> tuple[str, bool]
 def feature_maker(request: FeatureRequest, pipeline: PipelineSettings, device: torch.device, recorded: dict | None,
                   before_pass_rules: bool) -> tuple[SeamlessFbank, W2vBertLayer | None, dict]:
     """(the fbank, the w2v-BERT layer on `device` or None, the feature settings noted in NAME.json), for a shard
-    begun with settings `recorded` (None: a new one), `before_pass_rules` or not (tools/audio_shard.py)."""
+    begun with settings `recorded` (None: a new one), `before_pass_rules` or not
+    (rvq_tokenizer/pipeline_settings.py)."""
     front_end, named = shard_front_end(request.front_end, recorded)
     fbank = SeamlessFbank(request.checkpoint, front_end)
     settings = {"feature": request.feature, "dim": fbank.dim, "frame_rate_hz": FRAME_RATE,
@@ -187,15 +189,11 @@ def extract(cfg: ExtractSettings) -> int:
     out_dir, split = cfg.output.out_dir, cfg.audio.split
     name = f"{split}_{share.rank}_{share.nshard}"
     recorded = None if cfg.output.overwrite else shard_settings(out_dir, name, FEATURE_DUMP)
-    before_pass_rules = False
-    if cfg.features.feature == "w2v-bert":  # such a shard goes on with its own passes and commits
-        pipeline, before_pass_rules = begun_before_pass_rules(cfg.pipeline, recorded, log)
-        cfg = dataclasses.replace(cfg, pipeline=shard_switches(pipeline, recorded))
+    pipeline, before_pass_rules = resumed_pipeline(cfg.pipeline, recorded, cfg.features.feature == "w2v-bert")
+    cfg = dataclasses.replace(cfg, pipeline=pipeline)
     fbank, encoder, features = feature_maker(cfg.features, cfg.pipeline, device, recorded, before_pass_rules)
-    settings = {**features, "split": split, **share.settings}
-    if encoder is not None:
-        attention = shard_attention(encoder, cfg.pipeline, recorded, before_pass_rules, log)
-        settings.update(pass_settings(cfg.pipeline, encoder.device, before_pass_rules, attention))
+    settings = {**features, "split": split, **share.settings,
+                **encoder_passes(encoder, cfg.pipeline, recorded, before_pass_rules)}
     dump = FEATURE_DUMP
     writer = ShardWriter.begin(out_dir, name, dump, settings, overwrite=cfg.output.overwrite, log=log,
                                redo="extract the shard again", width=settings["dim"], dtype=cfg.features.dtype,

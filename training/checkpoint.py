@@ -20,8 +20,8 @@ import logging
 import os
 import pickle
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,9 +29,6 @@ from errors import BadInputError, TransientFault
 from models.codec import CodecConfig
 from training.distributed import DistContext, agree, raise_together, rank0_decides
 from training.progress import END_OF_SCHEDULE, Progress
-
-if TYPE_CHECKING:  # training/resume.py chooses the checkpoint and reads it through this module
-    from training.resume import Resume
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +156,15 @@ def unreadable_reason(path: Path, error: Exception) -> str:
         return "not a torch checkpoint, or one holding objects other than tensors and plain values"
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+@dataclass
+class Resume:
+    """The checkpoint a run continues from, as training/resume.py chose it and read it through this module."""
+
+    path: Path
+    state: dict
+    new_data: bool = False  # --finetune on other data than the checkpoint's: the feature statistics are redone
 
 
 class Checkpointer:

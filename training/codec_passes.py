@@ -2,10 +2,10 @@
 
 An utterance of T frames gives ceil(T / downsample) code frames (models/codes.py code_frames): its tail is padded
 by repeating its last frame up to a multiple of the codec's downsample. Utterances are encoded in eval mode and
-float32, several per forward pass, in length-sorted batches (data/pass_plan.py): each row of a batch is zero-padded
-past its end and RVQCodec.encode keeps the padding out of its frames, so an utterance's codes are bit for bit those
-it gets alone. An utterance with a NaN or Inf value has no codes: -1 at every frame and level (the codec's "no
-code", as past an utterance's end), found on the device in each pass (data/bad_crops.py).
+float32, several per forward pass, in length-sorted batches (data/audio/pass_plan.py): each row of a batch is
+zero-padded past its end and RVQCodec.encode keeps the padding out of its frames, so an utterance's codes are bit
+for bit those it gets alone. An utterance with a NaN or Inf value has no codes: -1 at every frame and level (the
+codec's "no code", as past an utterance's end), found on the device in each pass (data/bad_crops.py).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from data.bad_crops import finite_crops
-from data.pass_plan import length_sorted_batches
+from data.audio.pass_plan import length_sorted_batches
 from data.row_gather import packed_rows, padded_index, valid_positions
 from data.transfers import to_device, torch_dtype
 from models.codec import RVQCodec

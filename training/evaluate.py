@@ -31,7 +31,7 @@ from data.training_data import EvalPhones, EvalWindows
 from errors import BadInputError
 from models.codebook_ops import dead_code_counts
 from models.codec import RVQCodec
-from data.pass_plan import length_sorted_batches
+from data.audio.pass_plan import length_sorted_batches
 from models.codes import code_frames, decode_utterance
 from training.codec_passes import encode_batch
 from models.metrics import EvalSums

@@ -31,18 +31,11 @@ from data.setting_changes import changes
 from data.training_data import data_differences
 from errors import BadInputError, TransientFault
 from models.codec import CodecConfig
-from training.checkpoint import (NAME, RESUME_KEYS, WRONG_PATH, Malformed, list_checkpoints, load_checkpoint,
-                                 load_latest, unreadable_reason)
+from training.checkpoint import (NAME, RESUME_KEYS, WRONG_PATH, Malformed, Resume, list_checkpoints,
+                                 load_checkpoint, load_latest, unreadable_reason)
 from training.distributed import DistContext, agree, raise_together, rank0_decides
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Resume:
-    path: Path
-    state: dict
-    new_data: bool = False  # --finetune on other data than the checkpoint's: the feature statistics are redone
 
 
 def find_resume(resume: str, folder: Path, codec: CodecConfig, data: dict | None = None,

@@ -3,7 +3,7 @@
 Audio is read with soundfile, averaged to mono and resampled to 16 kHz with soxr.
 Features, both at 50 frames per second:
 - `fbank`: the Seamless front-end, transformers' SeamlessM4TFeatureExtractor's fbank (80 log-mel bins,
-  normalised per utterance and mel bin, stride-2 stacked to 160-d), computed in torch (data/fbank.py) or by
+  normalised per utterance and mel bin, stride-2 stacked to 160-d), computed in torch (data/audio/fbank.py) or by
   the extractor itself;
 - `w2v-bert`: the hidden state after layer L of a Wav2Vec2BertModel
   (w2v-BERT 2.0: 1024-d, 24 layers; layer 0 is the feature projection) loaded
@@ -31,10 +31,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.fbank import FRAME_LENGTH, HOP_LENGTH, NUM_MEL_BINS, SAMPLE_RATE, STRIDE, TorchFbank
+from data.audio.fbank import FRAME_LENGTH, HOP_LENGTH, NUM_MEL_BINS, SAMPLE_RATE, STRIDE, TorchFbank
 from data.row_gather import packed_rows, padded_index, valid_positions
 from data.transfers import to_device
-from data.w2v_graphs import Capture, GraphedPasses, padded_frames
+from data.audio.w2v_graphs import Capture, GraphedPasses, padded_frames
 from errors import BadInputError
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 FRAME_RATE = SAMPLE_RATE // (HOP_LENGTH * STRIDE)  # features per second: 10 ms fbank hop, stacked by 2
 MIN_SAMPLES = FRAME_LENGTH + HOP_LENGTH  # two 25 ms fbank windows: the fewest samples that give one stacked frame
 FEATURES = ("fbank", "w2v-bert")
-FRONT_ENDS = ("torch", "transformers")  # the fbank's: data/fbank.py, or transformers' SeamlessM4TFeatureExtractor
+FRONT_ENDS = ("torch", "transformers")  # the fbank's: data/audio/fbank.py, or transformers' SeamlessM4TFeatureExtractor
 FRONT_END = "torch"  # the front-end of new dumps
 
 
@@ -119,9 +119,9 @@ def model_input(data: np.ndarray, rate: int) -> np.ndarray:
 class SeamlessFbank:
     """The Seamless front-end: [samples] at 16 kHz -> [frames, 160], exactly the valid frames.
 
-    `front_end`: "torch" (data/fbank.py: the same fbank computed in torch, equal to the extractor's within 1e-4) or
-    "transformers" (transformers' SeamlessM4TFeatureExtractor itself, what every dump was made with before the
-    front-end was recorded). A model folder's preprocessor_config.json, when there is one, configures the
+    `front_end`: "torch" (data/audio/fbank.py: the same fbank computed in torch, equal to the extractor's within
+    1e-4) or "transformers" (transformers' SeamlessM4TFeatureExtractor itself, what every dump was made with before
+    the front-end was recorded). A model folder's preprocessor_config.json, when there is one, configures the
     extractor; the torch front-end computes the extractor's defaults (those of w2v-BERT 2.0's preprocessor) and
     refuses a folder whose preprocessor asks for another fbank. Called on a thread other than the main one (the
     decoding of `--num_workers 0`), the torch front-end runs that thread's torch ops on one core, as a DataLoader
@@ -179,12 +179,12 @@ class W2vBertLayer:
 
     `device` and `dtype` are the caller's choice (training/device.py resolves the flags); `flag` names the
     model's folder in messages (tools.extract's --checkpoint, tools.tokenize's --w2v_bert). `attention`: "fast"
-    puts data/w2v_attention.py's relative-position attention (no T x T table, same outputs) in place of
+    puts data/audio/w2v_attention.py's relative-position attention (no T x T table, same outputs) in place of
     transformers' one; "stock" keeps transformers' module (for comparison). `compile`: the truncated encoder
     under torch.compile with dynamic shapes (a pass's rows and length are symbolic, so a new pass shape reuses
-    the graph); each graph compiled is counted and logged (`graphs`). `graphs`: graph mode (data/w2v_graphs.py), each
-    pass's chunks padded to a multiple of GRAPH_FRAMES and replayed from a CUDA graph of its shape (`graph_capture`:
-    another way to capture, for a test)."""
+    the graph); each graph compiled is counted and logged (`graphs`). `graphs`: graph mode
+    (data/audio/w2v_graphs.py), each pass's chunks padded to a multiple of GRAPH_FRAMES and replayed from a CUDA
+    graph of its shape (`graph_capture`: another way to capture, for a test)."""
 
     def __init__(self, checkpoint: Path, layer: int, *, device: torch.device, dtype: torch.dtype,
                  max_chunk_seconds: float, flag: str = "--checkpoint", attention: str = "fast",
@@ -223,7 +223,7 @@ class W2vBertLayer:
         model.encoder.layers = model.encoder.layers[:layer]
         model.adapter, model.intermediate_ffn = None, None
         if attention == "fast":
-            from data.w2v_attention import use_fast_attention
+            from data.audio.w2v_attention import use_fast_attention
             use_fast_attention(model)
         self.device, self.dtype = device, dtype
         self.model = model.to(device, dtype).eval()
@@ -239,18 +239,18 @@ class W2vBertLayer:
             self.graphed = GraphedPasses(self._layer_output, graph_capture)
         self.layer = layer
         self.dim = model.config.hidden_size
-        from data.w2v_attention import RelativeKeySelfAttention
+        from data.audio.w2v_attention import RelativeKeySelfAttention
         self.attentions = [m for m in self.model.modules() if isinstance(m, RelativeKeySelfAttention)]
         self.max_chunk = max(1, int(max_chunk_seconds * FRAME_RATE))
 
     @property
     def attention(self) -> str:
-        """The relative-position attention's kernel (data/w2v_attention.py KERNELS), or "stock" where transformers'
-        module was kept."""
+        """The relative-position attention's kernel (data/audio/w2v_attention.py KERNELS), or "stock" where
+        transformers' module was kept."""
         return self.attentions[0].kernel if self.attentions else "stock"
 
     def use_attention(self, kernel: str) -> None:
-        """Every layer's attention computes with `kernel` (data/attention_choice.py chooses it)."""
+        """Every layer's attention computes with `kernel` (data/audio/attention_choice.py chooses it)."""
         if not self.attentions:
             raise ValueError("this model keeps transformers' attention: it has no kernel to choose")
         for attention in self.attentions:
@@ -316,7 +316,7 @@ class W2vBertLayer:
         """Layer outputs of whole files, packed on the device: [the files' frames in all, dim] in `dtype`, file i's
         rows after file i - 1's. Every chunk of `fbanks` (arrays from the decoding workers, or tensors the device
         computed) is grouped into forward passes by `passes` (chunk lengths in frames -> the positions of each
-        pass: the tools give data/pass_plan.py's least-cost cut of the sorted chunks under --batch_seconds), and
+        pass: the tools give data/audio/pass_plan.py's least-cost cut of the sorted chunks under --batch_seconds), and
         each pass's output is cast into its rows as soon as it is computed, in one gather and one scatter whatever
         its rows: no copy to the host, no wait for the device, one pass's output alive at a time. on_batch(files)
         after each pass: the share of the files it did (a chunk of a file in k chunks counts 1/k), for a caller's

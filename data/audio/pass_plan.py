@@ -8,8 +8,8 @@
 - `DEVICE_DEFAULTS`: per kind of device, the default sizes of those passes, of a shard's windows, and where the
   fbank of the model's input is computed.
 
-The passes change a layer's last bits, so a shard records its rule (tools/audio_shard.py pass_settings) and a
-resumed shard meets the same passes: every rule here is a function of the lengths alone.
+The passes change a layer's last bits, so a shard records its rule (rvq_tokenizer/pipeline_settings.py
+pass_settings) and a resumed shard meets the same passes: every rule here is a function of the lengths alone.
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from data.audio_features import FRAME_RATE
-from data.w2v_graphs import GRAPH_FRAMES, padded_frames
+from data.audio.features import FRAME_RATE
+from data.audio.w2v_graphs import GRAPH_FRAMES, padded_frames
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def by_device(field: str) -> str:
 PASS_COST = 0.05
 # how w2v_passes groups a window's chunks, for a shard's settings: other passes give a layer other last bits
 PASS_RULE = f"least_cost_passes, a pass costing {PASS_COST:g} of --batch_seconds"
-# the same in graph mode (data/w2v_graphs.py), whose passes are planned on the chunks' padded lengths
+# the same in graph mode (data/audio/w2v_graphs.py), whose passes are planned on the chunks' padded lengths
 GRAPH_PASS_RULE = f"{PASS_RULE}, each chunk padded to a multiple of {GRAPH_FRAMES} frames"
 
 
@@ -111,7 +111,7 @@ def w2v_passes(seconds: float, *, before_pass_rules: bool = False,
                graphs: bool = False) -> Callable[[np.ndarray], list[np.ndarray]]:
     """w2v-BERT's forward passes over a window's chunks: sorted by length, at most `seconds` of padded audio each,
     cut where padding and passes cost least, a pass costing PASS_COST of a full one (least_cost_passes), in graph
-    mode on the lengths each chunk is padded to (data/w2v_graphs.py); or, for a shard begun before pass rules were
+    mode on the lengths each chunk is padded to (data/audio/w2v_graphs.py); or, for a shard begun before pass rules were
     recorded, filled in that order (length_sorted_batches)."""
     frames = max(1, int(seconds * FRAME_RATE))
     if before_pass_rules:

@@ -1,4 +1,4 @@
-"""Which of data/w2v_attention.py's kernels a run's w2v-BERT computes with.
+"""Which of data/audio/w2v_attention.py's kernels a run's w2v-BERT computes with.
 
 On a GPU, each candidate that runs here (GPU_CANDIDATES: transformers' stock module among them, so a run is never
 slower than stock) is checked against the gathered bias (exact SDPA with the bias in its mask) and timed once on
@@ -25,10 +25,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data import w2v_attention
+from data.audio import w2v_attention
 from data.dump_writer import cache_folder, write_temporary
 from data.transfers import dtype_name
-from data.w2v_attention_triton import triton_available
+from data.audio.w2v_attention_triton import triton_available
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def cache_key(device: torch.device, dtype: torch.dtype, attention, shapes) -> st
 
 def choose_kernel(encoder, shapes: list[tuple[int, int, bool]], *, path: Path | None = None,
                   timer: Callable | None = None) -> Choice:
-    """The fastest GPU_CANDIDATES kernel for `encoder` (a data/audio_features.py W2vBertLayer) on `shapes`: read
+    """The fastest GPU_CANDIDATES kernel for `encoder` (a data/audio/features.py W2vBertLayer) on `shapes`: read
     from the cache, else measured (`timer(encoder, kernel, inputs) -> seconds`, time_kernel by default) and
     cached. Processes choosing at once take turns (a lock beside the cache), so the later ones read the first's
     choice."""

@@ -1,39 +1,6 @@
-"""Audio in memory to RVQ codes and back, from Python: the codes tools.tokenize writes, bit for bit.
-
-    import rvq_tokenizer                                # the repo root on PYTHONPATH
-    tokenizer = rvq_tokenizer.load("runs/mine")         # a run, one of its checkpoint files, or a tools.export folder
-    codes = tokenizer.encode(wave, sample_rate)         # [code frames, levels] int16; a list of waves: a list
-    features = tokenizer.decode(codes)                  # [frames, dim] float32: the codec's reconstruction
-
-`load` reads the codec and what makes the features it was trained on, once: the fbank front-end, or w2v-BERT
-from the folder its checkpoint records (or `w2v_bert=`), at the recorded layer, chunk length and precision. Then:
-
-- `encode(audio, sample_rate)`: one waveform or a list of them -> the codes of each, [code frames, levels] in the
-  dtype a code shard stores. A waveform is a numpy array or a torch tensor, [samples] or multi-channel
-  ([channels, samples] or [samples, channels]: the shorter axis holds the channels, which are averaged), of float
-  samples in [-1, 1] or integer PCM (int16, int32: scaled as soundfile reads such a file), at any rate (resampled
-  to 16 kHz as tools.extract resamples a file); `sample_rate` is one rate, or one per waveform;
-- `encode_files(paths)`: the same for audio files, read by decoding worker processes as tools.tokenize reads them;
-- `features(audio, sample_rate)`: the features tools.extract writes for that audio with the codec's settings;
-- `decode(codes, frames=None)`: codes (all the codec's levels or its first few; -1 adds nothing) -> features, as
-  `python -m tools.encode decode` writes them: cut to an utterance's `frames` when given;
-- `info`: the codec and its codes (CodecInfo), as code shards record them.
-
-**The same bits as the tools.** The audio goes through tools.tokenize's own pipeline (tools/tokenize.py AudioCodec,
-data/audio_pipeline.py FeatureWindows) with its default flags: a list is cut into windows as a shard's files are
-(--commit_files files or --commit_seconds of audio at most), a window's w2v-BERT chunks into the same forward
-passes (--batch_seconds) with the same attention kernel (on a CPU the folded one; on a GPU the fastest that agrees,
-measured once and cached, tools/audio_shard.py shard_attention), and its features into the codec's passes. So
-`encode(waves)` gives exactly the codes tools.tokenize writes for files holding those waves, listed in that order,
-and `encode(wave)` those of a shard of that one file. w2v-BERT's last bits depend on the chunks a pass holds, so a
-wave encoded alone and in a list may differ in a near tie; on a CPU the codec's own passes do not change the codes.
-
-**Bad input** raises one ValueError that names the input and what is accepted: before any work, an empty array, one
-shorter than one frame (35 ms), NaN or Inf samples, a dtype that is neither float nor int16/int32 PCM, a sample
-rate that is not a positive number, a path that is no file, codes of a dtype, level or value the codec lacks; as it
-is decoded, a file that cannot be read (with the reason). Nothing is written anywhere. A tokenizer holds no state
-between calls: several threads may call one at once.
-"""
+"""The Python API's tokenizer (rvq_tokenizer's module doc is its manual): a codec over audio
+(rvq_tokenizer/audio_codec.py) driven from Python, audio in memory or in files -> codes -> features, and the checks
+of what a caller passes."""
 from __future__ import annotations
 
 import dataclasses
@@ -46,14 +13,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.audio_features import FRAME_RATE, MIN_SAMPLES, SAMPLE_RATE, BadAudio, model_input
-from data.audio_pipeline import Window
-from data.audio_sources import FileReader, Utterances, WavesInMemory
+from data.audio.features import FRAME_RATE, MIN_SAMPLES, SAMPLE_RATE, BadAudio, model_input
+from data.audio.pipeline import Window
+from data.audio.sources import FileReader, Utterances, WavesInMemory
 from errors import BadInputError
 from models.codes import code_frames, decode_utterance
-from tools.audio_shard import default_pipeline
-from tools.tokenize import PRECISION_NAMES, AudioCodec, FeatureFlags, audio_codec
-from tools.trained_codec import CodesRequest, is_export, load_codec, load_exported
+from rvq_tokenizer.audio_codec import AudioCodec, audio_codec
+from rvq_tokenizer.codec_files import is_export, load_codec, load_exported
+from rvq_tokenizer.codes_spec import CodesRequest
+from rvq_tokenizer.pipeline_settings import default_pipeline
+from rvq_tokenizer.trained_features import PRECISION_NAMES, FeatureFlags
 from training.device import select_device
 
 PCM_SCALES = {np.dtype(np.int16): 2.0 ** 15, np.dtype(np.int32): 2.0 ** 31}  # integer samples as soundfile reads them
@@ -66,13 +35,9 @@ def as_keyword(name: str, value=None) -> str:
     return name if value is None else f"{name}={str(value)!r}"
 
 
-def load(source: str | os.PathLike, *, device: str = "auto", precision: str | None = None,
-         w2v_bert: str | os.PathLike | None = None) -> RVQTokenizer:
-    """The tokenizer of a trained codec: `source` is a run's folder (the trainer's --output_dir: its newest
-    checkpoint, once the run has ended), one of its checkpoint files, or a folder `python -m tools.export` wrote.
-    device: auto (a GPU where there is one), cpu, cuda, cuda:1 ... precision: w2v-BERT's, which must be the
-    codec's (fp32 or bf16; None: the codec's). w2v_bert: the w2v-BERT folder, where it is not where the codec
-    recorded it (its files must be the same model). ValueError for a source, device or setting that cannot serve."""
+def open_tokenizer(source: str | os.PathLike, *, device: str, precision: str | None,
+                   w2v_bert: str | os.PathLike | None) -> RVQTokenizer:
+    """rvq_tokenizer.load's work (its doc)."""
     path = Path(source)
     if not path.exists():
         raise ValueError(f"load({str(source)!r}): no such file or folder: give a run's folder (the trainer's "
@@ -242,7 +207,7 @@ class RVQTokenizer:
 
     def _each_window(self, utterances: Utterances, num_workers: int, on_host: bool, use: Callable[[Window], None],
                      named: Callable) -> None:
-        """use(window) for each window of `utterances` with every utterance's features (data/audio_pipeline.py);
+        """use(window) for each window of `utterances` with every utterance's features (data/audio/pipeline.py);
         ValueError naming (`named(item)`) the utterances a window could not compute, and why."""
         pipeline = self._codec.windows(utterances, num_workers=num_workers, on_host=on_host)
         windows = pipeline.windows(0)
@@ -278,7 +243,7 @@ def audio_inputs(audio, sample_rate) -> tuple[list[str], list[np.ndarray], bool]
 
 
 def model_wave(name: str, x, rate) -> np.ndarray:
-    """The waveform `x` at `rate` Hz as tools.extract makes a file's samples the model's input (data/audio_features.py
+    """The waveform `x` at `rate` Hz as tools.extract makes a file's samples the model's input (data/audio/features.py
     model_input: channels averaged, soxr's resampling to 16 kHz); ValueError naming it (`name`) when it cannot
     serve."""
     if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not math.isfinite(rate) or rate <= 0:

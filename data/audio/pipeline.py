@@ -1,12 +1,12 @@
 """Audio files -> features, in file order and in windows of files, with the model fed by worker processes.
 
 A torch DataLoader's `num_workers` processes read each file, average it to mono, resample it to 16 kHz and
-compute the Seamless fbank (data/audio_features.py), ahead of the model and in file order; a thread takes
+compute the Seamless fbank (data/audio/features.py), ahead of the model and in file order; a thread takes
 their output into windows, one window ahead of the model. A window is consecutive files, at most
 `commit_files` of them and at most `commit_seconds` of audio (it closes as soon as it reaches either): what a
 tool commits at once. For w2v-BERT the chunks of every file of a window are grouped into forward passes by
 the caller's `passes` (tools.extract and tools.tokenize: sorted by length, at most --batch_seconds of padded
-audio a pass, cut where padding and passes cost least: data/pass_plan.py least_cost_passes); a window of several
+audio a pass, cut where padding and passes cost least: data/audio/pass_plan.py least_cost_passes); a window of several
 passes' audio is what lets them be both full and little padded. The windows depend on the files alone
 (cut_windows), and the passes on a window's chunks alone, so a run resumed at a window's first file meets the
 passes of a run never stopped (padding changes a layer's last bits: the same bytes need the same passes).
@@ -26,7 +26,7 @@ from pinned memory (data/transfers.py to_device): a plain copy would wait for ev
 workers compute the fbank, as before: on the main thread it would take the model's one thread.
 
 Which path computes the fbank follows the device's kind alone (FBANK_ON_DEVICE; FeatureWindows' fbank_on_device
-forces it either way), not a recorded setting. Both are data/fbank.py's torch front-end, the same fbank: a batch
+forces it either way), not a recorded setting. Both are data/audio/fbank.py's torch front-end, the same fbank: a batch
 and the device's FFT and sums round differently in the last bits (tested within 1e-4 of each other, the
 front-ends' own tolerance, data/feature_settings.py), so each path's bytes are its own. A shard resumed on the
 kind of device it was begun on meets the same path and the same batches (a function of a window's files) and
@@ -54,12 +54,12 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from data.audio_features import SAMPLE_RATE, BadAudio, SeamlessFbank, W2vBertLayer
-from data.audio_manifest import name_problem, shown_name
-from data.audio_sources import Utterances, read_group
-from data.fbank import TorchFbank, feature_frames
+from data.audio.features import SAMPLE_RATE, BadAudio, SeamlessFbank, W2vBertLayer
+from data.manifests import name_problem, shown_name
+from data.audio.sources import Utterances, read_group
+from data.audio.fbank import TorchFbank, feature_frames
 from data.transfers import host_copy, to_device, torch_dtype
-from data.pass_plan import DEVICE_DEFAULTS, length_sorted_batches
+from data.audio.pass_plan import DEVICE_DEFAULTS, length_sorted_batches
 
 WORKER_PREFETCH = 4  # files decoded ahead per worker; the window thread bounds the rest by files and seconds
 # the kinds of device that compute the fbank of the model's input (module doc)
@@ -78,7 +78,7 @@ class AudioFile:
     """One utterance of the shard (a file of a folder): `features` once computed, or `skipped` with the reason."""
 
     index: int  # its position in the shard's list
-    key: str  # its name in the outputs (data/audio_sources.py)
+    key: str  # its name in the outputs (data/audio/sources.py)
     samples: int = 0  # at 16 kHz
     wave: np.ndarray | None = field(default=None, repr=False)  # decoded, for the fbank on the device
     fbank: np.ndarray | None = field(default=None, repr=False)
@@ -87,7 +87,7 @@ class AudioFile:
 
     @property
     def shown_key(self) -> str:
-        """Its name as a line or a message can hold it (escaped where needed: data/audio_manifest.py)."""
+        """Its name as a line or a message can hold it (escaped where needed: data/manifests.py)."""
         return shown_name(self.key)
 
     @property
@@ -187,7 +187,7 @@ def end_with_parent(parent: int, worker_id: int) -> None:
 
 
 class FeatureWindows:
-    """The shard's `utterances` (data/audio_sources.py) as windows of features: `windows(first)` from utterance
+    """The shard's `utterances` (data/audio/sources.py) as windows of features: `windows(first)` from utterance
     `first` on.
 
     encoder: a W2vBertLayer, or None for the fbank itself; passes: W2vBertLayer's grouping of a window's chunks

@@ -3,12 +3,12 @@
 On a GPU the tools' passes are bound by the host: each layer is some 57 ops, each a kernel launch from Python
 (benchmarks/host_ops_w2v.py), and the device waits between them. A CUDA graph records a pass's kernels once and
 replays them all in one call. A graph holds one shape, so in graph mode (tools' --graphs on) every chunk of a pass
-is padded to a multiple of GRAPH_FRAMES frames (masked as any padding is; data/pass_plan.py plans the passes on
+is padded to a multiple of GRAPH_FRAMES frames (masked as any padding is; data/audio/pass_plan.py plans the passes on
 those lengths) and a graph is captured for each (rows, frames) met, the first time it is met: one eager pass to
 warm up (lazy initialisations, Triton's compile), then the capture. The graphs share one memory pool; the
 GRAPH_LIMIT most recently used are kept.
 
-What a capture needs of the pass: no host sync and no value read back (data/w2v_attention.py hands our attention
+What a capture needs of the pass: no host sync and no value read back (data/audio/w2v_attention.py hands our attention
 its padding mask as it is; transformers' own module reads the mask back and cannot be captured), and inputs in
 fixed buffers: each replay copies the pass's input and mask into the graph's own, and its output is the graph's
 own buffer, valid until the next replay of any graph (the graphs share their pool: the caller copies it out

@@ -1,32 +1,23 @@
-"""A trained codec from a checkpoint file or a run's --output_dir, for the tools that use one (encode, tokenize,
-export), described in the log when loaded; and what the two that write codes with it share: their flags and the
-settings a code shard records (the rules a code shard's folder keeps, one codec and one count of shards a split:
-data/resumable_shard.py ShardWriter.begin).
+"""A trained codec read from where it lies: a checkpoint file, a run's --output_dir (its newest checkpoint, once the
+run has ended), or a folder tools.export wrote; described in the log when loaded.
 
 A codec's identity is the digest of its weights (`codec_digest`), recorded with its checkpoint file and step by
-every code shard from its start: the same weights give the same codes, wherever the file lies.
-`--checkpoint RUN` takes the newest checkpoint of a run that has ended; a run still training (its --output_dir
-lock held) is refused, since its newest checkpoint changes under the shards of one output; a checkpoint file of
-it is taken as given.
+every code shard from its start: the same weights give the same codes, wherever the file lies. A run still
+training (its --output_dir lock held) is refused, since its newest checkpoint changes under the shards of one
+output; a checkpoint file of it is taken as given.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from data.codes_parquet import require_pyarrow
-from data.pass_plan import by_device, device_defaults
 from data.writer_lock import WriterLock
 from errors import BadInputError, TransientFault
 from models.codec import CodecConfig, RVQCodec
-from models.codes import code_dtype
 from models.export_format import FORMAT, NOTE, WEIGHTS, codec_from_export
 from training.checkpoint import load_checkpoint, load_latest, unreadable_reason
 from training.run_folder import CHECKPOINTS, RunFolder
@@ -153,92 +144,3 @@ def codec_digest(weights: dict) -> str:
 def recorded_digest(state: dict) -> str:
     """The codec_digest of a checkpoint's weights, or the one an export recorded (load_exported)."""
     return codec_digest(state["model"]) if "model" in state else state["codec_digest"]
-
-
-def add_codes_args(p: argparse.ArgumentParser, km: bool = True) -> None:
-    """The flags of tools.encode and tools.tokenize that choose the codes (tools.evaluate's, without --km)."""
-    p.add_argument("--num_quantizers", type=int, help="keep the first q levels (default: all)")
-    p.add_argument("--beam_size", type=int,
-                   help="partial code sequences kept per frame by the quantizer's beam search over the levels "
-                        "(1: the nearest code at each level, several times faster); default: the codec's "
-                        "--beam_size, the one its codebooks were refit for (benchmarks/README.md)")
-    p.add_argument("--batch_frames", type=int,
-                   help="feature frames per codec forward pass, counted padded (rows x the longest utterance in the "
-                        "batch; a longer utterance goes alone); default: "
-                        + by_device("codec_batch_frames"))
-    if not km:
-        return
-    p.add_argument("--km", type=int, nargs="?", const=1, metavar="LEVEL",
-                   help="also write NAME.km, fairseq's label file (HuBERT's dump_km_label.py): one line per "
-                        "utterance, its codes at level LEVEL (from 1; --km alone: 1) (default: no .km)")
-    p.add_argument("--parquet", action="store_true",
-                   help="also write NAME.codes.parquet once the shard is finished (or found finished without it): "
-                        "a row per utterance, its key and its codes at each level, as datasets.load_dataset"
-                        "('parquet') reads it (needs pip install -r requirements-sources.txt)")
-
-
-@dataclass(frozen=True)
-class CodesRequest:
-    """The codes the flags of add_codes_args ask for; None: the codec's own (or no .km)."""
-
-    num_quantizers: int | None
-    beam_size: int | None
-    batch_frames: int | None  # None: the device's default (data/pass_plan.py DEVICE_DEFAULTS)
-    km: int | None  # the level also written as NAME.km
-    parquet: bool
-
-
-def codes_request(p: argparse.ArgumentParser, args: argparse.Namespace) -> CodesRequest:
-    """The flags of add_codes_args as a CodesRequest; argparse's exit 2 for values out of range."""
-    km = getattr(args, "km", None)  # tools.evaluate's flags have no --km nor --parquet
-    for name, value in (("beam_size", args.beam_size), ("batch_frames", args.batch_frames), ("km", km)):
-        if value is not None and value < 1:  # --num_quantizers: codes_spec names the codec's levels
-            p.error(f"--{name} must be positive, got {value}")
-    parquet = getattr(args, "parquet", False)
-    if parquet:
-        require_pyarrow()  # before any work: exit 2 naming the install line
-    return CodesRequest(args.num_quantizers, args.beam_size, args.batch_frames, km, parquet)
-
-
-@dataclass
-class CodesSpec:
-    """The codes a tool writes with a codec: levels kept, beam, integer type, .km level; `settings` are what a
-    code shard records and is resumed with."""
-
-    model: RVQCodec
-    levels: int
-    beam: int
-    dtype: np.dtype
-    km: int | None
-    batch_frames: int
-    settings: dict
-
-
-def codes_spec(request: CodesRequest, model: RVQCodec, state: dict, ckpt_path: Path,
-               device: torch.device) -> CodesSpec:
-    """The codes asked for by the flags of add_codes_args; BadInputError for levels this codec lacks."""
-    config = model.config
-    q = config.num_quantizers if request.num_quantizers is None else request.num_quantizers
-    if not 1 <= q <= config.num_quantizers:
-        raise BadInputError(f"--num_quantizers {q}: this codec has levels 1 to {config.num_quantizers}")
-    if request.km is not None and request.km > q:
-        raise BadInputError(f"--km {request.km}: the codes have levels 1 to {q}")
-    beam, dtype = request.beam_size or config.beam_size, code_dtype(config.codebook_size)
-    if beam > config.codebook_size:  # the search keeps at most one sequence per code of the first level
-        raise BadInputError(f"--beam_size {beam}: this codec has {config.codebook_size} codes a level, so the beam can "
-                            f"be {config.codebook_size} wide at most")
-    settings = {"checkpoint": str(ckpt_path.resolve()), "step": state.get("step"),
-                "codec_digest": recorded_digest(state), "levels": q,
-                "codebook_size": config.codebook_size, "downsample": config.downsample, "dtype": dtype.name,
-                "feature_dim": config.feature_dim, "beam_size": beam, "km_level": request.km}
-    batch_frames = request.batch_frames or device_defaults(device.type).codec_batch_frames
-    return CodesSpec(model, q, beam, dtype, request.km, batch_frames, settings)
-
-
-def describe_codes(spec: CodesSpec) -> str:
-    """The codes in words, for the log."""
-    config = spec.model.config
-    return (f"{spec.levels} of {config.num_quantizers} levels x {config.codebook_size} codes, downsample "
-            f"{config.downsample}, {spec.dtype}"
-            + (f", beam search {spec.beam} wide" if spec.beam > 1 else ", the nearest code at each level")
-            + (f", level {spec.km} also as NAME.km" if spec.km else ""))

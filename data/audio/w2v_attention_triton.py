@@ -1,6 +1,6 @@
 """w2v-BERT's relative-position attention as one Triton kernel: a flash-attention forward that adds the bias itself.
 
-Query i adds to its score against key j `table[i, clamp(j - i, -left, right) + left]` (data/w2v_attention.py
+Query i adds to its score against key j `table[i, clamp(j - i, -left, right) + left]` (data/audio/w2v_attention.py
 distance_table: scaling * q_i . E[d], [B, H, T, left + right + 1]). A block of BLOCK_M queries walks the keys in
 three stages:
 - the tiles left of the band (every key at least `left` before every query of the block): one value per query
@@ -22,7 +22,7 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:  # a machine without Triton: data/w2v_attention.py keeps its other kernels
+except ImportError:  # a machine without Triton: data/audio/w2v_attention.py keeps its other kernels
     triton = None
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) by whether the scores are exact float32 (IEEE products, twice the
@@ -45,7 +45,7 @@ def triton_available(device: torch.device) -> bool:
 def key_tensors(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's form of [B, T] bool valid keys: int8 [B, T] with a unit last stride, and one past each row's last
     valid key (int32 [B]: the tiles after it hold only padding). The same for every layer of a pass: made once
-    (data/w2v_attention.py pass_keys)."""
+    (data/audio/w2v_attention.py pass_keys)."""
     valid_keys = valid.to(torch.int8)
     if valid_keys.stride(-1) != 1:
         valid_keys = valid_keys.contiguous()

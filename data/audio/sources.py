@@ -3,7 +3,7 @@
 SOURCE is one of (`source_kind` tells them apart by the path alone; a path that exists is taken as it is named,
 `[2024]` or `{a,b}` in it included, and only one that does not is read as a pattern):
 - folder: a folder of .wav/.flac/.ogg files, searched recursively; key: the file's path under it;
-- manifest: a fairseq .tsv manifest (data/audio_manifest.py); key: the path its line gives;
+- manifest: a fairseq .tsv manifest (data/manifests.py); key: the path its line gives;
 - webdataset: WebDataset tar shards: one .tar, a brace pattern as WebDataset expands it
   (`shards/train-{000000..001999}.tar`: each file it names must be there), a glob (what it matches), or a folder
   holding .tar files. An utterance is the members that share a key (webdataset's base_plus_ext: the member's path
@@ -18,7 +18,7 @@ SOURCE is one of (`source_kind` tells them apart by the path alone; a path that 
 
 Nothing is unpacked: a member of a tar is read where it lies (its offset, from the tar's headers, read front to
 back), a parquet row from its row group, an arrow row from the memory-mapped file, a cut by lhotse from its
-recording. The audio then goes the way of a loose file's (data/audio_features.py read_audio, model_input).
+recording. The audio then goes the way of a loose file's (data/audio/features.py read_audio, model_input).
 
 NSHARD RANK splits the source into contiguous shares of units, as fairseq's simple_kmeans splits a manifest's
 files: the files of a folder or manifest, the cuts of a CutSet, and the tar, parquet or arrow files of a
@@ -47,16 +47,15 @@ from pathlib import Path
 
 import numpy as np
 
-from data.audio_features import BadAudio, load_audio, model_input, read_audio
-from data.audio_manifest import AUDIO_SUFFIXES, list_audio_folder, read_manifest
+from data.audio.features import BadAudio, load_audio, model_input, read_audio
+from data.manifests import AUDIO_SUFFIXES, list_audio_folder, read_manifest
 from data.dump_writer import shard_range
-from errors import BadInputError
+from errors import SOURCES_INSTALL, BadInputError
 
 AUDIO_EXTENSIONS = ("flac", "wav", "mp3", "ogg", "opus")  # a WebDataset sample's audio member, the first found
 KEY_COLUMNS = ("id", "key", "__key__", "segment_id", "utt_id", "audio_id", "path", "file")  # Hub audio sets' keys
 AUDIO_COLUMN = "audio"  # the Hub's Audio column
 MANIFEST_SUFFIXES = (".tsv", ".txt", "")  # a fairseq manifest's names (train.tsv, as wav2vec_manifest.py writes it)
-INSTALL = "pip install -r requirements-sources.txt"
 KINDS = ("a folder of audio files", "a fairseq .tsv manifest", "WebDataset .tar shards (a .tar, a brace pattern or "
          "a folder of them)", "Hugging Face .parquet files (or a save_to_disk folder)",
          "a Lhotse CutSet (.jsonl or .jsonl.gz)")
@@ -110,7 +109,7 @@ class Utterances:
 
     @classmethod
     def listed(cls, keys: list[str], entries: list, reader) -> Utterances:
-        """Utterances named `keys`, utterance i read by reader.read(entries[i]): a caller's own list (rvq_tokenizer.py's
+        """Utterances named `keys`, utterance i read by reader.read(entries[i]): a caller's own list (rvq_tokenizer's
         files by path, or waves in memory, WavesInMemory)."""
         return cls("listed", "", list(keys), list(entries), reader, "utterance", 0, len(keys), len(keys))
 
@@ -161,7 +160,7 @@ class FileReader:
 
 
 class WavesInMemory:
-    """Waves already in memory, as data/audio_features.py model_input makes them (mono float32 at 16 kHz): an entry
+    """Waves already in memory, as data/audio/features.py model_input makes them (mono float32 at 16 kHz): an entry
     is its wave."""
 
     @staticmethod
@@ -260,7 +259,7 @@ def _need(module: str, kind: str):
         return importlib.import_module(module)
     except ImportError as e:  # not installed, or installed without what it imports (lhotse 1.33: urllib3)
         raise BadInputError(f"reading {kind} needs {module.split('.')[0]}, which cannot be imported ({e}): "
-                            f"{INSTALL}") from None
+                            f"{SOURCES_INSTALL}") from None
 
 
 # ---- a share of a source ---------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ against those embeddings once, a [B, H, T, left + right + 1] table, and reads it
   for the whole block, which is a dot product with a fixed embedding, so it is folded into the key
   (q . k + q . E = q . (k + E)) and those keys need no mask at all. The two parts are two fused attention calls
   merged by their log-sum-exps;
-- on CUDA, or wherever Triton runs, data/w2v_attention_triton.py's kernel: a flash-attention forward that reads
+- on CUDA, or wherever Triton runs, data/audio/w2v_attention_triton.py's kernel: a flash-attention forward that reads
   the bias from the table only in the tiles near the diagonal and adds one value per query row elsewhere;
 - transformers' own module ("stock"), kept beside ours with the same weights, so that a measurement can choose it;
 - where those kernels are missing (flex attention on an old torch or failing to compile, with a warning; the
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from data.w2v_attention_triton import key_tensors, triton_relative_key_attention
+from data.audio.w2v_attention_triton import key_tensors, triton_relative_key_attention
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ _PASS_KEYS: tuple = (lambda: None, None)
 
 
 def pass_keys(mask: torch.Tensor | None, valid: torch.Tensor | None):
-    """The Triton kernel's key tensors (data/w2v_attention_triton.py key_tensors) of `valid`, the keys of the
+    """The Triton kernel's key tensors (data/audio/w2v_attention_triton.py key_tensors) of `valid`, the keys of the
     encoder's `mask`: made once a pass, as every layer of a pass gets the same mask object. None for no padding."""
     if valid is None:
         return None

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from data.resumable_shard import FEATURE_DUMP
+from data.shard_layout import FEATURE_DUMP
 from errors import BadInputError
 
 AUDIO_SUFFIXES = (".wav", ".flac", ".ogg")
