@@ -1,7 +1,10 @@
-"""Exit codes and the exceptions that map to them: the ground floor every package imports.
+"""Exit codes, the exceptions that map to them, and who a message answers: the ground floor every package imports.
 
 The README's "When a run fails" table lists the same codes for users.
 """
+from __future__ import annotations
+
+from pathlib import PurePath
 
 EXIT_OK = 0  # done, or stopped on request with a checkpoint written
 EXIT_FAILURE = 1  # anything else
@@ -36,3 +39,29 @@ class TransientFault(Exception):
 
 class RanksDiverged(DistributedFailure):
     """Every rank found the same mismatch in one exchange (a sync check): the process groups are still intact."""
+
+
+class Asker:
+    """Who asked, and so how a message names an option: the command line (`--checkpoint RUN`, `--device cuda`) or
+    Python (`source='RUN'`, `device='cuda'`). The messages the commands and rvq_tokenizer share (a codec's file, the
+    device, the codes and the features asked for) take their words from the Asker they are given."""
+
+    # a command-line flag -> the keyword rvq_tokenizer takes for it, where the two names differ
+    KEYWORDS = {"checkpoint": "source", "num_quantizers": "levels"}
+
+    def __init__(self, python: bool):
+        self.python = python
+
+    def option(self, name: str, value=None) -> str:
+        """Option `name` (a flag's name, without dashes) with `value`, as the asker types it: `--name value`, or
+        `keyword=value` in Python (a string or path quoted)."""
+        if not self.python:
+            return f"--{name}" if value is None else f"--{name} {value}"
+        keyword = self.KEYWORDS.get(name, name)
+        if value is None:
+            return f"{keyword}="
+        return f"{keyword}={str(value)!r}" if isinstance(value, (str, PurePath)) else f"{keyword}={value!r}"
+
+
+COMMAND_LINE = Asker(python=False)
+PYTHON = Asker(python=True)

@@ -50,7 +50,7 @@ from training.distributed import (DistContext, all_reduce_sum, destroy, detect_l
                                   make_flight_recorder_dir, phase_timeout, wrap_ddp)
 from training.evaluate import agree_on_phones, evaluate
 from training.faults import FaultInjector
-from training.log_stream import exit_now, log_to_stderr, report_crashes, write_line
+from training.log_stream import end_process, exit_now, log_to_stderr, report_crashes, write_line
 from training.metrics_log import MetricsLog, require_tensorboard
 from training.output_dir import OutputDirLock
 from training.progress import END_OF_SCHEDULE, FAILED, STOPPED, Progress
@@ -687,4 +687,4 @@ def main(argv=None, *, script: bool = False) -> int:
 
 if __name__ == "__main__":
     report_crashes()
-    sys.exit(main(script=True))
+    end_process(main(script=True))

@@ -75,7 +75,7 @@ def audio_codec(model: RVQCodec, state: dict, ckpt_path: Path, request: CodesReq
     passes, compile and attention kernel (rvq_tokenizer/pipeline_settings.py). BadInputError for features or codes
     the codec does not have."""
     trained = trained_features(state, ckpt_path, flags)
-    spec = codes_spec(request, model, state, ckpt_path, device)
+    spec = codes_spec(request, model, state, ckpt_path, device, flags.asker)
     pipeline, before_pass_rules = resumed_pipeline(pipeline, recorded, trained["feature"] == "w2v-bert")
     fbank, encoder, features = feature_maker(trained, flags, device, ckpt_path, before_pass_rules,
                                              compile=pipeline.compile, graphs=pipeline.graphs)

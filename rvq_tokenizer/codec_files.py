@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from data.writer_lock import WriterLock
-from errors import BadInputError, TransientFault
+from errors import COMMAND_LINE, Asker, BadInputError, TransientFault
 from models.codec import CodecConfig, RVQCodec
 from models.export_format import FORMAT, NOTE, WEIGHTS, codec_from_export
 from training.checkpoint import load_checkpoint, load_latest, unreadable_reason
@@ -30,15 +30,21 @@ TRUSTED_STEPS = 100
 TRUSTED_REL_MSE = 0.5
 
 
-def load_codec(path: str | Path, device: str | torch.device = "cpu") -> tuple[RVQCodec, dict, Path]:
+def load_codec(path: str | Path, device: str | torch.device = "cpu",
+               asker: Asker = COMMAND_LINE) -> tuple[RVQCodec, dict, Path]:
     """(model in eval mode, checkpoint dict, checkpoint file) from a checkpoint file or a run folder (its newest, once
-    the run has ended); the codec's step and last eval are logged, and a schedule too short to trust warned about."""
+    the run has ended); the codec's step and last eval are logged, and a schedule too short to trust warned about.
+    BadInputError, in the `asker`'s words, for a path that holds no codec."""
     path = Path(path)
+    given = asker.option("checkpoint", path)
+    sources = ("a run's folder (the trainer's output folder), one of its checkpoint files, or a folder python -m "
+               "tools.export wrote" if asker.python else "a checkpoint file or a run's --output_dir")
     if path.is_dir():
-        refuse_a_run_in_progress(path)
+        refuse_a_run_in_progress(path, asker)
         found = load_latest(RunFolder(path).checkpoints) or load_latest(path)
         if found is None:
-            raise BadInputError(f"--checkpoint {path}: no readable step_*.pt in {path}/checkpoints or {path}")
+            raise BadInputError(f"{given}: no readable step_*.pt in {path}/checkpoints or {path}"
+                                + (f": give {sources}" if asker.python else ""))
         path, state = found
     elif path.is_file():
         try:
@@ -46,11 +52,11 @@ def load_codec(path: str | Path, device: str | torch.device = "cpu") -> tuple[RV
         except TransientFault:  # an OS error or exhausted memory while reading: not the file's fault, exit 1
             raise
         except Exception as e:  # noqa: BLE001 - a truncated or foreign file is the user's to fix
-            raise BadInputError(f"--checkpoint {path} could not be read: {unreadable_reason(path, e)}") from None
+            raise BadInputError(f"{given} could not be read: {unreadable_reason(path, e)}") from None
     else:
-        raise BadInputError(f"--checkpoint {path} does not exist: give a checkpoint file or a run's --output_dir")
+        raise BadInputError(f"{given} does not exist: give {sources}")
     if not isinstance(state, dict) or "model" not in state or "codec" not in state:
-        raise BadInputError(f"--checkpoint {path} is not a checkpoint of rvq_seamless_gpu_cache_nccl.py "
+        raise BadInputError(f"{given} is not a checkpoint of rvq_seamless_gpu_cache_nccl.py "
                             "(no 'model' and 'codec' entries)")
     model = RVQCodec(CodecConfig(**state["codec"]))
     model.load_state_dict(state["model"])
@@ -91,7 +97,12 @@ def load_exported(folder: Path, device: str | torch.device = "cpu") -> tuple[RVQ
     return model.to(device).eval(), state, weights
 
 
-def refuse_a_run_in_progress(folder: Path) -> None:
+def open_codec(path: Path, device: str | torch.device, asker: Asker) -> tuple[RVQCodec, dict, Path]:
+    """load_exported for a folder tools.export wrote, else load_codec: what rvq_tokenizer.load takes."""
+    return load_exported(path, device) if is_export(path) else load_codec(path, device, asker)
+
+
+def refuse_a_run_in_progress(folder: Path, asker: Asker = COMMAND_LINE) -> None:
     """BadInputError when `folder` (a run's --output_dir, or its checkpoints/) belongs to a run still training: its
     newest checkpoint is not its last."""
     for run_dir in (folder, folder.parent) if folder.name == CHECKPOINTS else (folder,):
@@ -99,9 +110,9 @@ def refuse_a_run_in_progress(folder: Path) -> None:
         if lock.taken():
             newest = next(iter(sorted(RunFolder(run_dir).checkpoints.glob("step_*.pt"), reverse=True)), None)
             raise BadInputError(
-                f"--checkpoint {folder}: the run is still training ({lock.holder()}); its newest checkpoint will "
-                "change under the shards of one output. Wait for it to end, or give one checkpoint file"
-                + (f" (such as {newest})" if newest else ""))
+                f"{asker.option('checkpoint', folder)}: the run is still training ({lock.holder()}); its newest "
+                "checkpoint will change under the shards of one output. Wait for it to end, or give one checkpoint "
+                "file" + (f" (such as {newest})" if newest else ""))
 
 
 def codec_doubts(state: dict) -> list[str]:

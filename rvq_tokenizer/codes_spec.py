@@ -3,21 +3,22 @@ and what a code shard records of them (`CodesSpec.settings`), from a request (`C
 flags, tools/codes_flags.py, or rvq_tokenizer's defaults)."""
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+import numbers
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from data.audio.pass_plan import device_defaults
-from errors import BadInputError
+from errors import COMMAND_LINE, Asker, BadInputError
 from models.codec import RVQCodec
 from models.codes import code_dtype
 from rvq_tokenizer.codec_files import recorded_digest
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class CodesRequest:
     """The codes asked for (tools/codes_flags.py: the flags of add_codes_args); None: the codec's own (or no .km)."""
 
@@ -28,7 +29,7 @@ class CodesRequest:
     parquet: bool
 
 
-@dataclass
+@dataclasses.dataclass
 class CodesSpec:
     """The codes a tool writes with a codec: levels kept, beam, integer type, .km level; `settings` are what a
     code shard records and is resumed with."""
@@ -41,6 +42,16 @@ class CodesSpec:
     batch_frames: int
     settings: dict
 
+    def with_levels(self, levels: int | None, asker: Asker) -> CodesSpec:
+        """The same codes with the first `levels` of the codec's levels (None: these), as codes_spec would make them
+        for that many: BadInputError, in the `asker`'s words, for levels the codec lacks or below a .km level."""
+        if levels is None:
+            return self
+        q = kept_levels(levels, self.model.config.num_quantizers, asker)
+        if self.km is not None and self.km > q:
+            raise BadInputError(f"--km {self.km}: the codes have levels 1 to {q}")
+        return dataclasses.replace(self, levels=q, settings={**self.settings, "levels": q})
+
     @property
     def bits_per_frame(self) -> float:
         """The codes' bits per feature frame: each kept level's bits, spread over `downsample` frames."""
@@ -48,18 +59,27 @@ class CodesSpec:
         return self.levels * math.log2(config.codebook_size) / config.downsample
 
 
+def kept_levels(asked, levels: int, asker: Asker) -> int:
+    """The levels kept of a codec's `levels`: all for None, else `asked`; BadInputError, in the `asker`'s words, for
+    a count the codec does not have."""
+    if asked is None:
+        return levels
+    if isinstance(asked, bool) or not isinstance(asked, numbers.Integral) or not 1 <= asked <= levels:
+        raise BadInputError(f"{asker.option('num_quantizers', asked)}: this codec has levels 1 to {levels}")
+    return int(asked)
+
+
 def codes_spec(request: CodesRequest, model: RVQCodec, state: dict, ckpt_path: Path,
-               device: torch.device) -> CodesSpec:
-    """The codes asked for by the flags of add_codes_args; BadInputError for levels this codec lacks."""
+               device: torch.device, asker: Asker = COMMAND_LINE) -> CodesSpec:
+    """The codes asked for (the flags of add_codes_args, or rvq_tokenizer's keywords); BadInputError, in the
+    `asker`'s words, for levels or a beam this codec lacks."""
     config = model.config
-    q = config.num_quantizers if request.num_quantizers is None else request.num_quantizers
-    if not 1 <= q <= config.num_quantizers:
-        raise BadInputError(f"--num_quantizers {q}: this codec has levels 1 to {config.num_quantizers}")
+    q = kept_levels(request.num_quantizers, config.num_quantizers, asker)
     if request.km is not None and request.km > q:
         raise BadInputError(f"--km {request.km}: the codes have levels 1 to {q}")
     beam, dtype = request.beam_size or config.beam_size, code_dtype(config.codebook_size)
     if beam > config.codebook_size:  # the search keeps at most one sequence per code of the first level
-        raise BadInputError(f"--beam_size {beam}: this codec has {config.codebook_size} codes a level, so the beam can "
+        raise BadInputError(f"{asker.option('beam_size', beam)}: this codec has {config.codebook_size} codes a level, so the beam can "
                             f"be {config.codebook_size} wide at most")
     settings = {"checkpoint": str(ckpt_path.resolve()), "step": state.get("step"),
                 "codec_digest": recorded_digest(state), "levels": q,

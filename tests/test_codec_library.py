@@ -11,7 +11,7 @@ import torch
 
 from data.audio.features import SAMPLE_RATE
 from data.audio.sources import Utterances, WavesInMemory
-from errors import BadInputError
+from errors import PYTHON, BadInputError
 from models.codes import code_frames
 from rvq_tokenizer.audio_codec import audio_codec
 from rvq_tokenizer.codec_files import codec_digest, is_export, load_codec, load_exported, recorded_digest
@@ -75,10 +75,10 @@ def test_features_other_than_the_codec_s_are_refused_naming_the_setting_as_the_c
     assert trained_features(state, path, FeatureFlags("fbank", None, None, None)) == FBANK
     with pytest.raises(BadInputError, match="Leave out --feature w2v-bert: the codec's are the default"):
         trained_features(state, path, FeatureFlags("w2v-bert", None, None, None))
-    keyword = FeatureFlags("w2v-bert", None, None, None, named=lambda name, value=None: f"{name}={value!r}")
+    keyword = FeatureFlags("w2v-bert", None, None, None, asker=PYTHON)
     with pytest.raises(BadInputError, match="Leave out feature='w2v-bert'"):
         trained_features(state, path, keyword)
-    with pytest.raises(BadInputError, match="tokenize computes only features tools.extract wrote"):
+    with pytest.raises(BadInputError, match="tokenize computes only features tools.extract wrote from audio"):
         trained_features({"config": {"features": {"feature": "demo"}}}, path, FeatureFlags(None, None, None, None))
 
 

@@ -1,6 +1,7 @@
 """Log lines beside progress bars (training/log_stream.py): never glued to a bar's line, in the moments a stop
 signal's line can be written in, in a file as a cluster job's log is."""
 import io
+import re
 import logging
 import os
 import signal
@@ -72,3 +73,22 @@ def test_a_signal_handlers_line_during_another_lines_write_comes_after_it_whole(
         signal.signal(signal.SIGUSR1, previous)
     lines = lines_after_bar_clears(stream.getvalue())
     assert lines.index("LOG step 5") + 1 == lines.index("LOG SIGUSR1 received"), repr(stream.getvalue())
+
+
+@pytest.mark.timeout(120)
+def test_a_run_s_last_line_is_its_own_not_a_library_s_at_the_interpreter_s_exit(tmp_path):
+    """The trainer's script, in an interpreter of its own (not a test's fork, whose exit skips finalization): its
+    last line says what to do next. Left to the interpreter's finalization, Triton's bindings (loaded by torch's
+    compiler, imported with the quantizer library) printed 30-40 lines of `nanobind: leaked ...` after it."""
+    import subprocess
+    import sys
+
+    from tests.helpers import QUICK, REPO, TINY, TRAINER, env
+
+    r = subprocess.run([sys.executable, str(TRAINER), "--output_dir", str(tmp_path / "run"), "--max_steps", "3",
+                        "--compile", "off", *TINY, *QUICK], cwd=tmp_path, env=env(), capture_output=True, text=True,
+                       timeout=100)
+    last = r.stderr.rstrip("\n").rsplit("\n", 1)[-1]
+    assert r.returncode == 0 and re.search(rf"\[rank0\] INFO next, from {re.escape(str(REPO))}: python -m "
+                                           r"tools\.report ", last), r.stderr[-3000:]
+    assert "nanobind" not in r.stderr

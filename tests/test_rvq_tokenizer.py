@@ -103,9 +103,13 @@ def test_encode_gives_the_codes_tools_tokenize_writes_for_17_files_and_for_one(m
     want, lengths, meta = read_codes(m.root / f"{kind}_codes")
     assert len(lengths) == len(m.paths) == 17
     waves, rates = waves_of(m.paths)
-    # as soundfile gives them, and as a torch user holds them: [channels, samples] float32 tensors
+    # as soundfile gives them, and as a torch user holds them: [channels, samples] float32 tensors (codes come back
+    # as tensors on the tokenizer's device)
     for given in (waves, [torch.from_numpy(w.T.astype(np.float32)) for w in waves]):
         codes = tokenizer.encode(given, rates)
+        tensors = isinstance(given[0], torch.Tensor)
+        assert all(isinstance(c, torch.Tensor) == tensors for c in codes)
+        codes = [c.cpu().numpy() if tensors else c for c in codes]
         assert [len(c) for c in codes] == lengths and all(c.dtype == want.dtype for c in codes)
         np.testing.assert_array_equal(np.concatenate(codes), want)
     np.testing.assert_array_equal(np.concatenate(tokenizer.encode_files(m.paths)), want)
@@ -206,7 +210,8 @@ def test_bad_input_raises_one_value_error_naming_it_and_writes_nothing(made, tmp
          "audio has dtype complex64: give float samples in [-1, 1] (float16, float32 or float64) or integer PCM"),
         (lambda: tokenizer.encode(np.zeros(16000, np.int64), 16000), "audio has dtype int64"),
         (lambda: tokenizer.encode(second.tolist(), 16000), "audio[0] is a float: give a numpy array or a torch tensor"),
-        (lambda: tokenizer.encode(second[None, None], 16000), "audio has shape (1, 1, 16000): give [samples]"),
+        (lambda: tokenizer.encode(second[None, None, None], 16000), "audio has shape (1, 1, 1, 16000): give one "
+                                                                    "utterance [samples] or [samples, channels]"),
         (lambda: tokenizer.encode(second, 0), "sample_rate 0 of audio: give its sample rate in Hz, a positive number"),
         (lambda: tokenizer.encode([second, second], [16000, -8000]), "sample_rate -8000 of audio[1]"),
         (lambda: tokenizer.encode([second, second], [16000]), "sample_rate lists 1 rates for 2 waveform(s)"),
@@ -237,6 +242,7 @@ def test_bad_input_raises_one_value_error_naming_it_and_writes_nothing(made, tmp
         with pytest.raises(ValueError) as e:
             call()
         assert message in str(e.value), (message, str(e.value))
+        assert "--" not in str(e.value), str(e.value)  # Python's words: a keyword or an argument, never a flag
     assert tree(m.root) == before and not list(tmp_path.iterdir())
 
 
@@ -300,17 +306,18 @@ def test_a_waveform_is_taken_as_tools_extract_takes_a_files_samples():
 
     rng = np.random.default_rng(0)
     stereo = (rng.standard_normal((3000, 2)) * 0.1).astype(np.float32)
-    keys, (a, b, c), single = audio_inputs([stereo, stereo.T.copy(), torch.from_numpy(stereo.T)],
-                                                        [22050, 22050, 22050])
-    want = model_input(stereo, 22050)
-    assert keys == ["audio[0]", "audio[1]", "audio[2]"] and not single
+    given = audio_inputs([stereo, stereo.T.copy(), torch.from_numpy(stereo.T)], [22050, 22050, 22050])
+    (a, b, c), want = given.waves, model_input(stereo, 22050)
+    assert given.keys == ["audio[0]", "audio[1]", "audio[2]"] and not given.single
+    assert given.tensors == [False, False, True]
     assert np.array_equal(a, want) and np.array_equal(b, want) and np.array_equal(c, want)
     pcm = (rng.standard_normal(4000) * 3000).astype(np.int16)
     for ints in (pcm, pcm.astype(np.int32) << 16):
-        (_, (wave,), single) = audio_inputs(ints, 16000)
-        assert single and wave.dtype == np.float32
+        given = audio_inputs(ints, 16000)
+        (wave,) = given.waves
+        assert given.single and wave.dtype == np.float32
         np.testing.assert_array_equal(wave, pcm.astype(np.float32) / 2 ** 15)
-    assert audio_inputs(torch.zeros(1000, dtype=torch.bfloat16), 16000)[1][0].dtype == np.float32
+    assert audio_inputs(torch.zeros(1000, dtype=torch.bfloat16), 16000).waves[0].dtype == np.float32
     for bad in (np.zeros(1000, bool), np.zeros(1000, np.uint8), np.array(["a"] * 1000)):
         with pytest.raises(ValueError, match=f"audio has dtype {bad.dtype}: give float samples"):
             audio_inputs(bad, 16000)

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 
 from errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, BadInputError, TransientFault
-from training.log_stream import log_to_stderr, report_crashes
+from training.log_stream import end_process, log_to_stderr, report_crashes
 
 
 def bad_input_exits_2(log: logging.Logger) -> Callable[[Callable[..., int]], Callable[..., int]]:
@@ -48,7 +48,7 @@ def run(main: Callable[[], int], name: str, *, resumes: bool = False) -> None:
             "stopped by SIGINT (Ctrl-C) before it finished: %s", "the same command resumes from the last commit"
             if resumes else "run the same command again to finish it")
         code = interrupted()
-    sys.exit(code)
+    end_process(code)
 
 
 def interrupted() -> int:

@@ -11,8 +11,7 @@ import os
 import torch
 
 from data.transfers import dtype_name
-
-from errors import BadInputError
+from errors import COMMAND_LINE, Asker, BadInputError
 
 # --precision's names: the compute dtype each stands for (fp32: none, autocast off); notes record it by its dtype's
 # name (precision_names)
@@ -25,8 +24,10 @@ def precision_names(*flags: str) -> dict[str, str]:
     return {flag: dtype_name(PRECISIONS[flag]) for flag in (flags or PRECISIONS)}
 
 
-def select_device(flag: str, local_rank: int = 0, *, bind_local_rank: bool = False) -> torch.device:
-    """The device named by `flag` (auto, cpu, cuda, cuda:N), bound with torch.cuda.set_device.
+def select_device(flag: str, local_rank: int = 0, *, bind_local_rank: bool = False,
+                  asker: Asker = COMMAND_LINE) -> torch.device:
+    """The device named by `flag` (auto, cpu, cuda, cuda:N), bound with torch.cuda.set_device; BadInputError, in
+    the `asker`'s words, for one that is not there.
 
     bind_local_rank: one of several processes on a node (ranks of a launcher): a CUDA device is
     this process's own GPU, `cuda:<local_rank % visible GPUs>`, whatever index the flag gave, so
@@ -35,23 +36,26 @@ def select_device(flag: str, local_rank: int = 0, *, bind_local_rank: bool = Fal
     may be 3 and CUDA_VISIBLE_DEVICES holds one GPU) it is the GPU the task sees.
     Called before any CUDA work and before a process group exists.
     """
+    given = asker.option("device", flag)
+    kinds = "'auto', 'cpu', 'cuda' or 'cuda:N'" if asker.python else "auto, cpu, cuda or cuda:N"
     if flag == "auto":
         flag = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(flag)
-    except RuntimeError:
-        raise BadInputError(f"--device {flag}: not a device; use auto, cpu, cuda or cuda:N") from None
+    except (RuntimeError, TypeError):
+        raise BadInputError(f"{given}: not a device; use {kinds}") from None
     if device.type == "cpu":
         return device
     if device.type != "cuda":
-        raise BadInputError(f"--device {flag}: not supported; use auto, cpu, cuda or cuda:N")
+        raise BadInputError(f"{given}: not supported; use {kinds}")
     if not torch.cuda.is_available():
-        raise BadInputError(f"--device {flag} was asked for, but no GPU is visible (torch {torch.__version__}); "
-                            "use --device cpu or auto")
+        raise BadInputError(f"{given} was asked for, but no GPU is visible (torch {torch.__version__}); use "
+                            + (f"{asker.option('device', 'cpu')} or {asker.option('device', 'auto')}" if asker.python
+                               else "--device cpu or auto"))
     count = torch.cuda.device_count()
     index = local_rank % count if bind_local_rank else (device.index or 0)
     if index >= count:
-        raise BadInputError(f"--device {flag}: only {count} GPU(s) visible")
+        raise BadInputError(f"{given}: only {count} GPU(s) visible")
     device = torch.device("cuda", index)
     torch.cuda.set_device(device)
     return device

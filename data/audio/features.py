@@ -35,7 +35,7 @@ from data.audio.fbank import FRAME_LENGTH, HOP_LENGTH, NUM_MEL_BINS, SAMPLE_RATE
 from data.row_gather import packed_rows, padded_index, valid_positions
 from data.transfers import to_device
 from data.audio.w2v_graphs import Capture, GraphedPasses, padded_frames
-from errors import BadInputError
+from errors import COMMAND_LINE, Asker, BadInputError
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,8 @@ class W2vBertLayer:
     """Hidden state after layer `layer` of a local Wav2Vec2BertModel, fed the Seamless fbank.
 
     `device` and `dtype` are the caller's choice (training/device.py resolves the flags); `flag` names the
-    model's folder in messages (tools.extract's --checkpoint, tools.tokenize's --w2v_bert). `attention`: "fast"
+    model's folder in messages, in the `asker`'s words (tools.extract's --checkpoint, tools.tokenize's --w2v_bert,
+    rvq_tokenizer's w2v_bert=). `attention`: "fast"
     puts data/audio/w2v_attention.py's relative-position attention (no T x T table, same outputs) in place of
     transformers' one; "stock" keeps transformers' module (for comparison). `compile`: the truncated encoder
     under torch.compile with dynamic shapes (a pass's rows and length are symbolic, so a new pass shape reuses
@@ -187,8 +188,8 @@ class W2vBertLayer:
     graph of its shape (`graph_capture`: another way to capture, for a test)."""
 
     def __init__(self, checkpoint: Path, layer: int, *, device: torch.device, dtype: torch.dtype,
-                 max_chunk_seconds: float, flag: str = "--checkpoint", attention: str = "fast",
-                 compile: bool = False, graphs: bool = False, graph_capture: Capture | None = None):
+                 max_chunk_seconds: float, flag: str = "checkpoint", asker: Asker = COMMAND_LINE,
+                 attention: str = "fast", compile: bool = False, graphs: bool = False, graph_capture: Capture | None = None):
         from transformers import Wav2Vec2BertModel
 
         if attention not in ("fast", "stock"):
@@ -200,21 +201,21 @@ class W2vBertLayer:
 
         config_path = checkpoint / "config.json"
         if not config_path.is_file():
-            raise BadInputError(f"{flag} {checkpoint} has no config.json: give the folder of a "
+            raise BadInputError(f"{asker.option(flag, checkpoint)} has no config.json: give the folder of a "
                                 "Wav2Vec2BertModel saved with save_pretrained (e.g. facebook/w2v-bert-2.0)")
         model_type = json.loads(config_path.read_text()).get("model_type")
         if model_type != "wav2vec2-bert":
-            raise BadInputError(f"{flag} {checkpoint} holds a '{model_type}' model, not 'wav2vec2-bert' "
+            raise BadInputError(f"{asker.option(flag, checkpoint)} holds a '{model_type}' model, not 'wav2vec2-bert' "
                                 "(w2v-BERT 2.0)")
         try:
             model, info = Wav2Vec2BertModel.from_pretrained(str(checkpoint), local_files_only=True,
                                                             output_loading_info=True)
         except Exception as e:  # noqa: BLE001 - a broken checkpoint folder is the user's to fix
-            raise BadInputError(f"{flag} {checkpoint} could not be loaded: {e}") from None
+            raise BadInputError(f"{asker.option(flag, checkpoint)} could not be loaded: {e}") from None
         missing = [k for k in info.get("missing_keys", []) if "masked_spec_embed" not in k]
         if missing:
-            raise BadInputError(f"{flag} {checkpoint} lacks weights ({', '.join(sorted(missing)[:5])}...): "
-                                "the encoder would be random")
+            raise BadInputError(f"{asker.option(flag, checkpoint)} lacks weights "
+                                f"({', '.join(sorted(missing)[:5])}...): the encoder would be random")
         layers = model.config.num_hidden_layers
         if not 0 <= layer <= layers:
             raise BadInputError(f"--layer {layer} is out of range: this model has layers 0 (feature projection) "
