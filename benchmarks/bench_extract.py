@@ -39,8 +39,8 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.demo_run import machine  # noqa: E402
 from data.audio.features import SAMPLE_RATE, SeamlessFbank, W2vBertLayer, load_audio  # noqa: E402
-from data.manifests import list_audio_folder  # noqa: E402
 from data.dump_writer import NpyRowWriter  # noqa: E402
+from data.manifests import list_audio_folder  # noqa: E402
 from tests.audio_helpers import chirp, voice_like  # noqa: E402
 from tools import extract  # noqa: E402
 

@@ -8,10 +8,15 @@
 # kind, the share the GPU was busy) and 2 windows of each tool after its timed 15 s (the same, and the host's waits
 # for the device), the tools' own account of their time by stage, and the user's alternative: transformers' own
 # model in a plain loop over fixed batches of 64 x 10 s (bench_tokenize.py's `loop`). About 5 minutes on an H200
-# with --before (15 s of steady-state work a run; the attention table before it, about 2.5).
+# with --before (15 s of steady-state work a run; the attention table before it, about 2.5). With --sweep, the
+# pipeline's settings one at a time beside this tree's defaults (tools.tokenize with more decoding workers, passes
+# of half and twice --batch_seconds, windows of half and twice --commit_seconds; graph mode is among the runs
+# already), the table the GPU defaults (data/audio/pass_plan.py DEVICE_DEFAULTS) are picked from; with --company,
+# benchmarks/codes_in_company.py: the share of code frames that differ between an utterance alone and in the
+# tools' passes (a list, reversed, beside a long stranger, other window and pass sizes), about a minute.
 #
-#   bash benchmarks/gpu_tokenize.sh [--before DIR] [--skip-attention] [--wheels DIR] [--cpu-only]
-#                                   [bench_tokenize.py flags...]
+#   bash benchmarks/gpu_tokenize.sh [--before DIR] [--skip-attention] [--sweep] [--company] [--wheels DIR]
+#                                   [--cpu-only] [bench_tokenize.py flags...]
 #
 # --before DIR: a copy of the tree before the change, e.g. `mkdir .before && git archive BASE | tar -x -C .before`.
 # --skip-attention: leave out the attention kernels' table.
@@ -27,13 +32,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-benchmarks/results}
-before="" wheels=".whl" cpu_only=0 attention=1 extra=()
+before="" wheels=".whl" cpu_only=0 attention=1 sweep=0 company=0 extra=()
 while [[ $# -gt 0 ]]; do
     case $1 in
         --before) before=$2; shift 2 ;;
         --wheels) wheels=$2; shift 2 ;;
         --cpu-only) cpu_only=1; shift ;;
         --skip-attention) attention=0; shift ;;
+        --sweep) sweep=1; shift ;;
+        --company) company=1; shift ;;
         *) extra+=("$1"); shift ;;
     esac
 done
@@ -54,7 +61,26 @@ repos+=(--repo "nearest=$PWD" --tool_flags "nearest=--compile off --beam_size 1"
 [[ $cpu_only == 0 ]] && repos+=(--repo "graphs=$PWD" --tool_flags "graphs=--compile off --graphs on"
                                 --label_modes "graphs=extract,tokenize")
 [[ -n $before ]] && repos+=(--repo "before=$(cd "$before" && pwd)" --label_modes "before=extract,model")
+if [[ $sweep == 1 ]]; then  # each setting alone against this tree's defaults (the `after` runs)
+    if [[ $cpu_only == 1 ]]; then workers=2 half_pass=5 twice_pass=20 half_window=5 twice_window=20
+    else workers=$(( $(nproc) - 1 )) half_pass=300 twice_pass=1200 half_window=1800 twice_window=7200; fi
+    for setting in "workers=--num_workers $workers" "passes_half=--batch_seconds $half_pass" \
+                   "passes_twice=--batch_seconds $twice_pass" "windows_half=--commit_seconds $half_window" \
+                   "windows_twice=--commit_seconds $twice_window"; do
+        label=${setting%%=*}
+        repos+=(--repo "$label=$PWD" --tool_flags "$label=--compile off ${setting#*=}" --label_modes "$label=tokenize")
+    done
+fi
 mkdir -p "$OUT"
+if [[ $company == 1 ]]; then
+    if [[ $cpu_only == 1 ]]; then
+        PYTHONUNBUFFERED=1 "$PYTHON" benchmarks/codes_in_company.py --cpu-only \
+            --out "$OUT/codes_in_company_cpu_only.json" 2>&1 | tee "$OUT/codes_in_company_cpu_only.log"
+    else
+        PYTHONUNBUFFERED=1 "$PYTHON" benchmarks/codes_in_company.py --device cuda \
+            --out "$OUT/codes_in_company_gpu.json" 2>&1 | tee "$OUT/codes_in_company_gpu.log"
+    fi
+fi
 if [[ $attention == 1 ]]; then
     if [[ $cpu_only == 1 ]]; then
         PYTHONUNBUFFERED=1 "$PYTHON" benchmarks/bench_w2v_attention.py --cpu-only --rounds 1 --passes 1 \

@@ -35,8 +35,10 @@ same forward passes (--batch_seconds) with the same attention kernel (on a CPU t
 that agrees, measured once and cached, rvq_tokenizer/pipeline_settings.py shard_attention), and its features into
 the codec's passes. So `encode(waves)` gives exactly the codes tools.tokenize writes for files holding those waves,
 listed in that order, a batch with its lengths the codes of the list of its utterances, and `encode(wave)` those of
-a shard of that one file. On a CPU, in float32, an utterance's codes are the same alone and in any company: the
-codec's passes change no code, and w2v-BERT's last bits may only differ at a near tie between codes.
+a shard of that one file. On a CPU an utterance's codes are the same bits alone and in any company (a list, its
+order, a long stranger beside it): each w2v-BERT chunk is a pass of its own there, and the codec's passes change no
+code. On a GPU, w2v-BERT's passes hold many chunks and bf16 products may change their last bits with a pass's
+shape: a code at a near tie can then differ (benchmarks/codes_in_company.py measures how often).
 
 **Bad input** raises one ValueError that names the argument (`audio[3]`, `sample_rate`, `levels=`, `device=`,
 `source`) and what is accepted, before any work: an empty array, one shorter than one frame (35 ms), NaN or Inf

@@ -13,7 +13,7 @@ import torch
 
 from data.audio.attention_choice import choose_kernel, cpu_kernel, pass_shapes, unavailable
 from data.audio.features import FRAME_RATE, W2vBertLayer
-from data.audio.pass_plan import GRAPH_PASS_RULE, PASS_RULE, device_defaults
+from data.audio.pass_plan import ALONE_RULE, device_defaults, pass_rule
 from errors import BadInputError
 
 log = logging.getLogger(__name__)
@@ -107,14 +107,16 @@ def shard_switches(pipeline: PipelineSettings, recorded: dict | None) -> Pipelin
 
 
 def pass_settings(pipeline: PipelineSettings, device: torch.device, before_pass_rules: bool = False,
-                  attention: str | None = None) -> dict:
+                  attention: str | None = None, rule: str | None = None) -> dict:
     """What decides w2v-BERT's passes and their bits, for a shard's settings: the passes change a layer's last bits,
     and so do torch.compile (noted when on, so that a shard begun before it was recorded reads as eager) and the
     attention kernel (shard_attention; None for a shard begun before kernels were recorded), so a resumed shard
-    keeps them (shard_switches). A shard begun before pass rules were recorded records none
+    keeps them (shard_switches), and its pass rule (`rule`, the one it recorded; None: this device's for a new
+    shard, data/audio/pass_plan.py pass_rule). A shard begun before pass rules were recorded records none
     (begun_before_pass_rules)."""
+    rule = rule or pass_rule(device.type, pipeline.graphs)
     return {"batch_seconds": pipeline.batch_seconds_on(device),
-            **({} if before_pass_rules else {"passes": GRAPH_PASS_RULE if pipeline.graphs else PASS_RULE}),
+            **({} if before_pass_rules else {"passes": rule}),
             "commit_files": pipeline.commit_files, "commit_seconds": pipeline.commit_seconds,
             **{name: "on" for name in SWITCHES if getattr(pipeline, name)},
             **({} if attention is None else {"attention": attention})}
@@ -183,9 +185,13 @@ def resumed_pipeline(pipeline: PipelineSettings, recorded: dict | None,
 
 def encoder_passes(encoder: W2vBertLayer | None, pipeline: PipelineSettings, recorded: dict | None,
                    before_pass_rules: bool) -> dict:
-    """What a shard records of w2v-BERT's passes (pass_settings), its attention kernel chosen and set on `encoder`
-    (shard_attention); {} for fbank features (no `encoder`)."""
+    """What a shard records of w2v-BERT's passes (pass_settings: the pass rule it was begun with, or this device's),
+    its attention kernel chosen and set on `encoder` (shard_attention); {} for fbank features (no `encoder`)."""
     if encoder is None:
         return {}
     attention = shard_attention(encoder, pipeline, recorded, before_pass_rules)
-    return pass_settings(pipeline, encoder.device, before_pass_rules, attention)
+    settings = pass_settings(pipeline, encoder.device, before_pass_rules, attention,
+                             recorded.get("passes") if isinstance(recorded, dict) else None)
+    if settings.get("passes") == ALONE_RULE and "batch_seconds" in pipeline.pass_flags_given:
+        log.info("w2v-bert passes: each chunk alone, as on every CPU (--batch_seconds sizes a GPU's passes)")
+    return settings

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from data.audio.features import SAMPLE_RATE
+from data.audio.pass_plan import ALONE_RULE, PASS_RULE
 from data.audio.sources import Utterances, WavesInMemory
 from errors import PYTHON, BadInputError
 from models.codes import code_frames
@@ -93,7 +94,9 @@ def test_a_w2v_bert_shard_records_its_pipeline_and_goes_on_with_it(tmp_path):
     assert (pipeline, before) == (new, False)
     fbank, encoder, made = feature_maker(features, flags, CPU, tmp_path / "codec.pt", before, compile=False)
     recorded = encoder_passes(encoder, pipeline, None, before)
-    assert recorded["attention"] == encoder.attention and recorded["passes"].startswith("least_cost_passes")
+    assert recorded["attention"] == encoder.attention and recorded["passes"] == ALONE_RULE  # a CPU's
+    begun_batched = {**recorded, "passes": PASS_RULE}  # a shard begun before chunks went alone on a CPU
+    assert encoder_passes(encoder, pipeline, begun_batched, before)["passes"] == PASS_RULE
     assert (recorded["batch_seconds"], recorded["commit_files"]) == (60.0, 1000) and "compile" not in recorded
     assert made["model"] and made["checkpoint"] == str(w2v.resolve())
     # a shard begun under --compile on goes on under it, and a flag that names the other is refused

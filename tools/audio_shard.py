@@ -83,10 +83,11 @@ def add_input_args(p: argparse.ArgumentParser) -> None:
                         "this process may use, shared among a launcher's processes on the node (LOCAL_WORLD_SIZE), "
                         "less one for the model")
     p.add_argument("--batch_seconds", type=float,
-                   help="w2v-bert: padded audio per forward pass at most (rows x the longest chunk; a longer chunk "
-                        "goes alone); a window's chunks, sorted by length, are cut into the passes that cost least, "
-                        f"a pass costing its padding and {PASS_COST:g} of a full pass; default: "
-                        + by_device("batch_seconds"))
+                   help="w2v-bert on a GPU: padded audio per forward pass at most (rows x the longest chunk; a longer "
+                        "chunk goes alone); a window's chunks, sorted by length, are cut into the passes that cost "
+                        f"least, a pass costing its padding and {PASS_COST:g} of a full pass (on a CPU each chunk is "
+                        "a pass of its own: as fast, no padding, and its features the same bits in any company); "
+                        "default: " + by_device("batch_seconds"))
     p.add_argument("--commit_files", type=int,
                    help="files per commit (their output fsynced, progress recorded): what a killed run does again "
                         "at most, with --commit_seconds; w2v-bert sorts the chunks of these files into its passes; "

@@ -2,9 +2,12 @@
 
 - The codec's passes (models' encode, the device's fbank): `length_sorted_batches`, shortest first, each filled up
   to a budget of padded frames.
-- w2v-BERT's passes over a window's chunks: `least_cost_passes`, cut where padding and passes cost least
-  (`w2v_passes`, `PASS_RULE`); a shard begun before that rule was recorded keeps filling them in length order, with
-  transformers' own attention (`w2v_attention`).
+- w2v-BERT's passes over a window's chunks: on a GPU `least_cost_passes`, cut where padding and passes cost least
+  (`w2v_passes`, `PASS_RULE`); on a CPU each chunk is a pass of its own (`ALONE_RULE`), so that a chunk's features
+  are the same bits alone and in any company (a pass's padding and its size change the last bits of its
+  attention and its convolutions there: a code at a near tie flipped in 1 of 994 code frames), and no frame is
+  padding; a shard begun before that rule was recorded keeps filling them in length order, with transformers' own
+  attention (`w2v_attention`).
 - `DEVICE_DEFAULTS`: per kind of device, the default sizes of those passes, of a shard's windows, and where the
   fbank of the model's input is computed.
 
@@ -35,12 +38,15 @@ class DeviceDefaults:
     # within the caches; on a GPU longer passes spread the kernel launches over more frames
     codec_batch_frames: int
     fbank_on_device: bool  # the model's device computes the fbank of its input, the decoding workers only decode
+    # each w2v-BERT chunk its own pass (ALONE_RULE): on a CPU as fast as passes of many (none of their padding) and
+    # the same bits in any company; a GPU needs the rows of many to be busy
+    chunks_alone: bool
 
 
 DEVICE_DEFAULTS = {"cpu": DeviceDefaults(batch_seconds=60.0, commit_seconds=600.0, codec_batch_frames=2048,
-                                         fbank_on_device=False),
+                                         fbank_on_device=False, chunks_alone=True),
                    "cuda": DeviceDefaults(batch_seconds=600.0, commit_seconds=3600.0, codec_batch_frames=32768,
-                                          fbank_on_device=True)}
+                                          fbank_on_device=True, chunks_alone=False)}
 
 
 def device_defaults(kind: str) -> DeviceDefaults:
@@ -60,6 +66,8 @@ PASS_COST = 0.05
 PASS_RULE = f"least_cost_passes, a pass costing {PASS_COST:g} of --batch_seconds"
 # the same in graph mode (data/audio/w2v_graphs.py), whose passes are planned on the chunks' padded lengths
 GRAPH_PASS_RULE = f"{PASS_RULE}, each chunk padded to a multiple of {GRAPH_FRAMES} frames"
+# each chunk a pass of its own (DeviceDefaults.chunks_alone)
+ALONE_RULE = "each chunk alone"
 
 
 def length_sorted_batches(lengths: np.ndarray, batch_frames: int) -> list[np.ndarray]:
@@ -107,12 +115,20 @@ def w2v_attention(before_pass_rules: bool) -> str:
     return "stock" if before_pass_rules else "fast"
 
 
-def w2v_passes(seconds: float, *, before_pass_rules: bool = False,
-               graphs: bool = False) -> Callable[[np.ndarray], list[np.ndarray]]:
-    """w2v-BERT's forward passes over a window's chunks: sorted by length, at most `seconds` of padded audio each,
-    cut where padding and passes cost least, a pass costing PASS_COST of a full one (least_cost_passes), in graph
-    mode on the lengths each chunk is padded to (data/audio/w2v_graphs.py); or, for a shard begun before pass rules were
-    recorded, filled in that order (length_sorted_batches)."""
+def alone_passes(lengths: np.ndarray) -> list[np.ndarray]:
+    """Each chunk a pass of its own, shortest first (ALONE_RULE)."""
+    return [order[None] for order in np.argsort(lengths, kind="stable")]
+
+
+def w2v_passes(seconds: float, *, before_pass_rules: bool = False, graphs: bool = False,
+               alone: bool = False) -> Callable[[np.ndarray], list[np.ndarray]]:
+    """w2v-BERT's forward passes over a window's chunks: with `alone` each chunk its own (alone_passes); else sorted by
+    length, at most `seconds` of padded audio each, cut where padding and passes cost least, a pass costing
+    PASS_COST of a full one (least_cost_passes), in graph mode on the lengths each chunk is padded to
+    (data/audio/w2v_graphs.py); or, for a shard begun before pass rules were recorded, filled in that order
+    (length_sorted_batches)."""
+    if alone:
+        return alone_passes
     frames = max(1, int(seconds * FRAME_RATE))
     if before_pass_rules:
         return functools.partial(length_sorted_batches, batch_frames=frames)
@@ -122,7 +138,14 @@ def w2v_passes(seconds: float, *, before_pass_rules: bool = False,
     return plan
 
 
+def pass_rule(device_kind: str, graphs: bool) -> str:
+    """The rule a new shard's passes follow on this kind of device, as its settings record it."""
+    if graphs:
+        return GRAPH_PASS_RULE
+    return ALONE_RULE if device_defaults(device_kind).chunks_alone else PASS_RULE
+
+
 def shard_passes(settings: dict) -> Callable[[np.ndarray], list[np.ndarray]]:
     """w2v_passes for a shard of these settings (pass_settings)."""
     return w2v_passes(settings["batch_seconds"], before_pass_rules="passes" not in settings,
-                      graphs=settings.get("graphs") == "on")
+                      graphs=settings.get("graphs") == "on", alone=settings.get("passes") == ALONE_RULE)
