@@ -58,7 +58,7 @@ CODECS = {
     "50 Hz x 4": ["--num_quantizers", "4"],
     "25 Hz x 4": ["--downsample", "2", "--num_quantizers", "4"],
     "25 Hz x 8": ["--downsample", "2", "--num_quantizers", "8"],
-    "50 Hz x 8, quantizer dropout": ["--quantize_dropout"],
+    "50 Hz x 8 with quantizer dropout": ["--quantize_dropout"],
 }
 KBPS = (0.5, 1.0, 2.0, 4.0)
 FRAME_RATE = 50  # feature frames per second
@@ -171,7 +171,7 @@ def plot(paths: list[Path], out: Path) -> None:
         ax.set_xticks(KBPS, [f"{k:g}" for k in KBPS])
         ax.set_xlabel("kbps (bits per second of audio / 1000)")
         ax.set_ylabel("rel_mse (held-out frames)")
-        ax.set_title(f"{report['corpus']}: {report['budget']}")
+        ax.set_title(f"{report['corpus']}: each codec {report['budget'].split(' on ')[0]}", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()

@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from data.dump_writer import DUMP_DTYPES
-from data.shard_layout import FEATURE_DUMP
 from data.setting_changes import changes
+from data.shard_layout import FEATURE_DUMP
 
 FEATURE_KEYS = ("feature", "dim", "frame_rate_hz", "sample_rate", "front_end", "checkpoint", "model", "layer",
                 "max_chunk_seconds", "precision", "dtype")

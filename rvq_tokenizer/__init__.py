@@ -9,15 +9,16 @@
 from the folder its checkpoint records (or `w2v_bert=`), at the recorded layer, chunk length and precision. Then
 (each method's help() gives its arguments, results, errors and an example):
 
-- `encode(audio, sample_rate, *, lengths=None, levels=None)`: the codes of one utterance, of a list of them, or of a
-  batch [batch, channels, samples] with `lengths` (each utterance's samples); `levels=` keeps the codec's first
-  few levels (a lower bitrate), as `tools.tokenize --num_quantizers` does;
+- `encode(audio, sample_rate, *, lengths=None, levels=None, kbps=None)`: the codes of one utterance, of a list of
+  them, or of a batch [batch, channels, samples] with `lengths` (each utterance's samples); `levels=` keeps the
+  codec's first few levels (a lower bitrate), as `tools.tokenize --num_quantizers` does, `kbps=` those that make
+  that many kilobits per second, as `--kbps` does;
 - `encode_files(paths)`: the same for audio files, read by decoding worker processes as tools.tokenize reads them;
 - `features(audio, sample_rate)`: the features tools.extract writes for that audio with the codec's settings;
 - `decode(codes, frames=None)`: codes (all the codec's levels or its first few; -1 adds nothing) -> features, as
   `python -m tools.encode decode` writes them: cut to an utterance's `frames` when given;
 - `sample_rate` (16000, what every waveform is resampled to), `frame_rate` (code frames per second), `levels`,
-  `device`, and `info` (CodecInfo: the codec and its codes, as code shards record them).
+  `kbps_per_level`, `device`, and `info` (CodecInfo: the codec and its codes, as code shards record them).
 
 **Audio** is a numpy array or a torch tensor of float samples in [-1, 1] or integer PCM (int16, int32: scaled as
 soundfile reads such a file), at any rate from 1,000 to 384,000 Hz (resampled to 16 kHz as tools.extract resamples a

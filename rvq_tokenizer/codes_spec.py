@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from data.audio.features import FRAME_RATE
 from data.audio.pass_plan import device_defaults
 from errors import COMMAND_LINE, Asker, BadInputError
 from models.codec import RVQCodec
@@ -27,6 +28,7 @@ class CodesRequest:
     batch_frames: int | None  # None: the device's default (data/audio/pass_plan.py DEVICE_DEFAULTS)
     km: int | None  # the level also written as NAME.km
     parquet: bool
+    kbps: float | None = None  # the levels by the bitrate they make (never with num_quantizers)
 
 
 @dataclasses.dataclass
@@ -69,12 +71,32 @@ def kept_levels(asked, levels: int, asker: Asker) -> int:
     return int(asked)
 
 
+def kbps_per_level(config) -> float:
+    """Kilobits per second of audio one level of a codec's codes makes: log2(codebook) bits at its code frame rate."""
+    return math.log2(config.codebook_size) * FRAME_RATE / config.downsample / 1000
+
+
+def levels_for_kbps(kbps: float, config, asker: Asker) -> int:
+    """The levels whose codes make `kbps` kilobits per second of audio; BadInputError, in the `asker`'s words,
+    naming the rates this codec's levels make when none makes that one."""
+    step = kbps_per_level(config)
+    levels = kbps / step
+    if not (isinstance(kbps, (int, float)) and math.isfinite(levels) and abs(levels - round(levels)) < 1e-6
+            and 1 <= round(levels) <= config.num_quantizers):
+        rates = ", ".join(f"{step * k:g}" for k in range(1, config.num_quantizers + 1))
+        raise BadInputError(f"{asker.option('kbps', kbps)}: this codec's levels make {rates} kbps ({step:g} kbps a "
+                            f"level: {math.log2(config.codebook_size):g} bits at {FRAME_RATE / config.downsample:g} "
+                            "code frames a second)")
+    return int(round(levels))
+
+
 def codes_spec(request: CodesRequest, model: RVQCodec, state: dict, ckpt_path: Path,
                device: torch.device, asker: Asker = COMMAND_LINE) -> CodesSpec:
     """The codes asked for (the flags of add_codes_args, or rvq_tokenizer's keywords); BadInputError, in the
     `asker`'s words, for levels or a beam this codec lacks."""
     config = model.config
-    q = kept_levels(request.num_quantizers, config.num_quantizers, asker)
+    asked = request.num_quantizers if request.kbps is None else levels_for_kbps(request.kbps, config, asker)
+    q = kept_levels(asked, config.num_quantizers, asker)
     if request.km is not None and request.km > q:
         raise BadInputError(f"--km {request.km}: the codes have levels 1 to {q}")
     beam, dtype = request.beam_size or config.beam_size, code_dtype(config.codebook_size)

@@ -22,7 +22,7 @@ from errors import PYTHON, BadInputError
 from models.codes import code_frames, decode_utterance
 from rvq_tokenizer.audio_codec import AudioCodec, audio_codec
 from rvq_tokenizer.codec_files import open_codec
-from rvq_tokenizer.codes_spec import CodesRequest
+from rvq_tokenizer.codes_spec import CodesRequest, kbps_per_level, levels_for_kbps
 from rvq_tokenizer.pipeline_settings import default_pipeline
 from rvq_tokenizer.trained_features import PRECISION_NAMES, FeatureFlags
 from training.device import select_device
@@ -95,7 +95,8 @@ class RVQTokenizer:
     """Audio -> codes -> features with one trained codec; made by `rvq_tokenizer.load`.
 
     Attributes: `sample_rate` (16000: the rate every waveform is resampled to, as tools.extract resamples a file),
-    `frame_rate` (code frames per second of audio: 50 / downsample), `levels` (the codec's), `device`, and `info`
+    `frame_rate` (code frames per second of audio: 50 / downsample), `levels` (the codec's), `kbps_per_level`,
+    `device`, and `info`
     (CodecInfo: what a code shard records of the codec and its codes).
 
     Audio, wherever a method takes it, is one of (numpy arrays or torch tensors, float samples in [-1, 1] or int16
@@ -134,6 +135,11 @@ class RVQTokenizer:
         return self.info.levels
 
     @property
+    def kbps_per_level(self) -> float:
+        """Kilobits per second of audio each level's codes make (log2(codebook) bits at `frame_rate`)."""
+        return kbps_per_level(self._codec.spec.model.config)
+
+    @property
     def device(self) -> torch.device:
         """Where the codec (and w2v-BERT) computes, and where torch results are put."""
         return self._codec.spec.model.feature_mean.device
@@ -143,7 +149,7 @@ class RVQTokenizer:
         return (f"RVQTokenizer({i.feature} features -> {i.levels} levels x {i.codebook_size} codes at "
                 f"{i.frame_rate_hz:g} Hz, codec {i.codec_digest}, on {self.device})")
 
-    def encode(self, audio, sample_rate, *, lengths=None, levels: int | None = None):
+    def encode(self, audio, sample_rate, *, lengths=None, levels: int | None = None, kbps: float | None = None):
         """The codes of audio: tools.tokenize's codes for files holding it, bit for bit.
 
         Args:
@@ -152,6 +158,8 @@ class RVQTokenizer:
             lengths: with a batch, each utterance's samples (a list, array or tensor); without it, every row whole.
             levels: keep the codec's first `levels` levels (a lower bitrate), picked as `tools.tokenize
                 --num_quantizers levels` picks them; None: all of them (`self.levels`).
+            kbps: instead of levels, the first levels that make this many kilobits per second of audio
+                (`self.kbps_per_level` a level), as `tools.tokenize --kbps` keeps them.
 
         Returns:
             [code frames, levels] integer codes (`info.dtype`) of one utterance, or a list of them, one per
@@ -161,19 +169,22 @@ class RVQTokenizer:
         Raises:
             ValueError: audio of another type, shape or dtype, empty or shorter than 35 ms, with NaN or Inf
                 samples, float samples of integer PCM's scale, a sample rate outside 1,000-384,000 Hz, lengths
-                that do not fit the batch, levels the codec lacks. Nothing is encoded then.
+                that do not fit the batch, levels the codec lacks (or a rate none of its level counts makes).
+                Nothing is encoded then.
 
         Example:
             >>> tokenizer = rvq_tokenizer.load("runs/mine")
             >>> codes = tokenizer.encode(wave, 44100)                      # [code frames, levels]
             >>> batch = tokenizer.encode(waves, 16000, lengths=n)          # waves: [batch, 1, samples]
             >>> coarse = tokenizer.encode(wave, 44100, levels=2)           # the first two levels
+            >>> at_1k = tokenizer.encode(wave, 44100, kbps=1)              # the levels of 1 kbps
         """
         waves = audio_inputs(audio, sample_rate, lengths)
-        codec = self._codec_keeping(levels)
+        codec = self._codec_keeping(levels, kbps)
         return self._results(waves, self._codes(codec, waves.utterances(), num_workers=0))
 
-    def encode_files(self, paths, *, num_workers: int | None = None, levels: int | None = None):
+    def encode_files(self, paths, *, num_workers: int | None = None, levels: int | None = None,
+                     kbps: float | None = None):
         """The codes of audio files, decoded by worker processes as tools.tokenize decodes them.
 
         Args:
@@ -181,7 +192,7 @@ class RVQTokenizer:
                 list of them.
             num_workers: decoding processes (default: tools.tokenize's, the CPUs this process may use less one);
                 0 decodes on a thread of this process, as inside a DataLoader worker, which cannot start processes.
-            levels: as `encode`'s.
+            levels, kbps: as `encode`'s.
 
         Returns:
             numpy codes [code frames, levels] of one file, or a list of them, one per path in order: tools.tokenize's
@@ -189,7 +200,7 @@ class RVQTokenizer:
 
         Raises:
             ValueError: a path that is no file, a file that cannot be read (naming it and why; nothing is encoded
-                then), num_workers below 0, levels the codec lacks.
+                then), num_workers below 0, levels the codec lacks (or a rate none of its level counts makes).
 
         Example:
             >>> codes = tokenizer.encode_files(sorted(Path("/data/audio").glob("*.flac")))
@@ -208,7 +219,7 @@ class RVQTokenizer:
         workers = self._codec.pipeline.num_workers if num_workers is None else num_workers
         if isinstance(workers, bool) or not isinstance(workers, numbers.Integral) or workers < 0:
             raise ValueError(f"num_workers={num_workers!r}: give 0 or more")
-        codec = self._codec_keeping(levels)
+        codec = self._codec_keeping(levels, kbps)
         codes = self._codes(codec, Utterances.listed(keys, files, FileReader(Path("/"))), num_workers=workers,
                             named=lambda item: f"{item.key} ({files[item.index]})")
         return codes[0] if single else codes
@@ -285,9 +296,14 @@ class RVQTokenizer:
         tensors = [isinstance(item, torch.Tensor) for item in items]
         return self._results(Waves(keys, [], tensors, single), out)
 
-    def _codec_keeping(self, levels) -> AudioCodec:
-        """The codec, its codes cut to their first `levels` (None: all); ValueError naming levels= it lacks."""
+    def _codec_keeping(self, levels, kbps) -> AudioCodec:
+        """The codec, its codes cut to their first `levels`, or to those that make `kbps` (None: all); ValueError
+        naming levels= or kbps= it lacks."""
+        if levels is not None and kbps is not None:
+            raise ValueError(f"levels={levels!r} and kbps={kbps!r}: give one of them (a bitrate is a count of levels)")
         try:
+            if kbps is not None:
+                levels = levels_for_kbps(kbps, self._codec.spec.model.config, PYTHON)
             return dataclasses.replace(self._codec, spec=self._codec.spec.with_levels(levels, PYTHON))
         except BadInputError as e:
             raise ValueError(str(e)) from None

@@ -131,6 +131,23 @@ def test_the_codes_tools_write_for_the_files_and_the_levels_kept_per_call(door):
         sorted((root / "audio").iterdir()), num_workers=0, levels=1), first, strict=True))
     for bad in (0, 4, 1.5, True):
         refused(lambda: tokenizer.encode(waves[0], RATE, levels=bad), f"levels={bad!r}: this codec has levels 1 to 3")
+    assert tokenizer.kbps_per_level == 0.25  # 5 bits at 50 Hz
+    assert all(np.array_equal(c, w) for c, w in zip(tokenizer.encode(waves, RATE, kbps=0.25), first, strict=True))
+    refused(lambda: tokenizer.encode(waves[0], RATE, kbps=0.3), "kbps=0.3: this codec's levels make 0.25, 0.5, 0.75")
+    refused(lambda: tokenizer.encode(waves[0], RATE, levels=1, kbps=0.25), "give one of them")
+
+
+def test_tools_keep_the_levels_a_bitrate_makes(door, tmp_path, caplog):
+    """--kbps keeps the levels that make that bitrate (5 bits a level at 50 Hz: 0.25 kbps a level here), as
+    --num_quantizers keeps them; a rate no count of levels makes exits 2 naming those the codec makes."""
+    root, run, _, _ = door
+    assert tokenize.main([root / "audio", "train", 1, 0, tmp_path / "k", "--checkpoint", run, "--num_workers", 0,
+                          "--kbps", 0.25]) == 0
+    assert all(np.array_equal(c, w) for c, w in zip(tokenized(tmp_path / "k"), tokenized(root / "codes_1"),
+                                                    strict=True))
+    assert tokenize.main([root / "audio", "train", 1, 0, tmp_path / "bad", "--checkpoint", run, "--kbps", 0.3]) == 2
+    assert "--kbps 0.3: this codec's levels make 0.25, 0.5, 0.75 kbps (0.25 kbps a level: 5 bits at 50 code " \
+           "frames a second)" in caplog.text and not (tmp_path / "bad").exists()
 
 
 def test_tensors_in_give_tensors_out_on_the_tokenizer_s_device_and_its_rates_are_attributes(door):

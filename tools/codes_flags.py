@@ -12,7 +12,12 @@ from rvq_tokenizer.codes_spec import CodesRequest
 
 def add_codes_args(p: argparse.ArgumentParser, km: bool = True) -> None:
     """The flags of tools.encode and tools.tokenize that choose the codes (tools.evaluate's, without --km)."""
-    p.add_argument("--num_quantizers", type=int, help="keep the first q levels (default: all)")
+    levels = p.add_mutually_exclusive_group()
+    levels.add_argument("--num_quantizers", type=int, help="keep the first q levels (default: all)")
+    levels.add_argument("--kbps", type=float,
+                        help="keep the first levels that make this many kilobits per second of audio (each level "
+                             "log2(codebook) bits at the codec's code frame rate: 0.5 kbps for 1024 codes at 50 Hz); "
+                             "the shard records the levels (default: all)")
     p.add_argument("--beam_size", type=int,
                    help="partial code sequences kept per frame by the quantizer's beam search over the levels "
                         "(1: the nearest code at each level, several times faster); default: the codec's "
@@ -41,4 +46,4 @@ def codes_request(p: argparse.ArgumentParser, args: argparse.Namespace) -> Codes
     parquet = getattr(args, "parquet", False)
     if parquet:
         require_pyarrow()  # before any work: exit 2 naming the install line
-    return CodesRequest(args.num_quantizers, args.beam_size, args.batch_frames, km, parquet)
+    return CodesRequest(args.num_quantizers, args.beam_size, args.batch_frames, km, parquet, args.kbps)

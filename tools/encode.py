@@ -24,7 +24,8 @@ in fairseq's simple_kmeans, and opens only the shards of the store that share re
   tab, the reason): each keeps its place in the files above with codes of -1 (no code), and is named in a
   warning.
 
-`--num_quantizers q` keeps the first q levels (a lower bitrate). An utterance of T frames gives
+`--num_quantizers q` keeps the first q levels (a lower bitrate); `--kbps R` the first levels that make R kilobits
+per second of audio (rvq_tokenizer/codes_spec.py levels_for_kbps). An utterance of T frames gives
 ceil(T / downsample) code frames (models/codes.py). Utterances are encoded in chunks of about
 --commit_frames feature frames, each in length-sorted batches of at most --batch_frames padded frames
 (the progress bar moves with each batch); each chunk's codes are appended to NAME.codes.npy.partial and

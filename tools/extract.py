@@ -13,8 +13,8 @@ cuts), as in fairseq's examples/hubert/simple_kmeans (under torchrun, each proce
 its part of that share: tools/audio_shard.py). The audio is read by --num_workers processes ahead of
 the model, which turn it into fbank too on a CPU (on a GPU the device computes it); the features (`fbank`:
 the Seamless front-end, 160-d; `w2v-bert`: a Wav2Vec2BertModel layer, in chunks of at most
---max_chunk_seconds, length-sorted into passes of --batch_seconds) are data/audio/pipeline.py's; --device
-and --precision are resolved by training/device.py.
+--max_chunk_seconds, on a GPU length-sorted into passes of --batch_seconds, on a CPU each chunk a pass of its own)
+are data/audio/pipeline.py's; --device and --precision are resolved by training/device.py.
 The fbank (the features themselves, or w2v-BERT's input) is computed by --front_end: `torch` (data/audio/fbank.py)
 or `transformers` (SeamlessM4TFeatureExtractor), the same features within 1e-4 (data/feature_settings.py);
 NAME.json records which.

@@ -10,8 +10,8 @@ as its checkpoint records them (the trainer notes tools.extract's settings: fban
 layer, chunk length and precision, the fbank's front-end, and the dump's dtype); computed as tools.extract
 computes them (data/audio/pipeline.py), with the codec's fbank front-end (transformers' extractor where the
 checkpoint names none), and encoded as tools.encode encodes a dump, so that the codes are those of tools.extract
-followed by tools.encode, bit for bit on a CPU with the same
---batch_seconds and commit sizes. --feature, --layer and --precision, when given, must be the checkpoint's:
+followed by tools.encode, bit for bit on a CPU (whatever the commit sizes: each chunk is a pass of
+its own there; on a GPU with the same --batch_seconds and commit sizes). --feature, --layer and --precision, when given, must be the checkpoint's:
 another value exits 2, naming both. --w2v_bert gives the w2v-BERT folder where it is not where it was at training; its
 files must be the same model.
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from data.bad_crops import finite_crops
 from data.audio.pass_plan import length_sorted_batches
+from data.bad_crops import finite_crops
 from data.row_gather import packed_rows, padded_index, valid_positions
 from data.transfers import to_device, torch_dtype
 from models.codec import RVQCodec

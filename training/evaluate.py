@@ -27,14 +27,14 @@ import numpy as np
 import torch
 
 from data.alignments import labels_at_code_rate
+from data.audio.pass_plan import length_sorted_batches
 from data.training_data import EvalPhones, EvalWindows
 from errors import BadInputError
 from models.codebook_ops import dead_code_counts
 from models.codec import RVQCodec
-from data.audio.pass_plan import length_sorted_batches
 from models.codes import code_frames, decode_utterance
-from training.codec_passes import encode_batch
 from models.metrics import EvalSums
+from training.codec_passes import encode_batch
 from training.distributed import DistContext, agree, all_reduce_sum, exchange, raise_together
 from training.signals import Chunks, Interrupted, Stopped, StopRequest, stop_reason
 

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from data.audio import w2v_attention
+from data.audio.w2v_attention_triton import triton_available
 from data.dump_writer import cache_folder, write_temporary
 from data.transfers import dtype_name
-from data.audio.w2v_attention_triton import triton_available
 
 log = logging.getLogger(__name__)
 

@@ -25,16 +25,16 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import BinaryIO
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
 
 from data.audio.fbank import FRAME_LENGTH, HOP_LENGTH, NUM_MEL_BINS, SAMPLE_RATE, STRIDE, TorchFbank
+from data.audio.w2v_graphs import Capture, GraphedPasses, padded_frames
 from data.row_gather import packed_rows, padded_index, valid_positions
 from data.transfers import to_device
-from data.audio.w2v_graphs import Capture, GraphedPasses, padded_frames
 from errors import COMMAND_LINE, Asker, BadInputError
 
 log = logging.getLogger(__name__)

@@ -54,12 +54,12 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from data.audio.features import SAMPLE_RATE, BadAudio, SeamlessFbank, W2vBertLayer
-from data.manifests import name_problem, shown_name
-from data.audio.sources import Utterances, read_group
 from data.audio.fbank import TorchFbank, feature_frames
-from data.transfers import host_copy, to_device, torch_dtype
+from data.audio.features import SAMPLE_RATE, BadAudio, SeamlessFbank, W2vBertLayer
 from data.audio.pass_plan import DEVICE_DEFAULTS, length_sorted_batches
+from data.audio.sources import Utterances, read_group
+from data.manifests import name_problem, shown_name
+from data.transfers import host_copy, to_device, torch_dtype
 
 WORKER_PREFETCH = 4  # files decoded ahead per worker; the window thread bounds the rest by files and seconds
 # the kinds of device that compute the fbank of the model's input (module doc)

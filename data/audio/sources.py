@@ -48,8 +48,8 @@ from pathlib import Path
 import numpy as np
 
 from data.audio.features import BadAudio, load_audio, model_input, read_audio
-from data.manifests import AUDIO_SUFFIXES, list_audio_folder, read_manifest
 from data.dump_writer import shard_range
+from data.manifests import AUDIO_SUFFIXES, list_audio_folder, read_manifest
 from errors import SOURCES_INSTALL, BadInputError
 
 AUDIO_EXTENSIONS = ("flac", "wav", "mp3", "ogg", "opus")  # a WebDataset sample's audio member, the first found
