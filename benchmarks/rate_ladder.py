@@ -13,14 +13,15 @@ k levels x log2(codebook) bits x the code frame rate, 50 / downsample Hz), as `t
 
 Beside them, at the same bits per second and 50 Hz: faiss ResidualQuantizer with as many levels of the same
 codebook size, beam 1 and beam 8 (quality.py run_faiss; 1 level is plain k-means), trained on every training
-frame. Prints a table and writes JSON; `--plot A.json B.json --out ladder.png` draws rel_mse against kbps, one panel
-per corpus.
+frame. Prints a table and writes JSON after each codec; started again with the same --out, a run stopped part-way
+goes on where it stopped (the codecs and baselines the report holds are kept). `--plot A.json B.json --out
+ladder.png` draws rel_mse against kbps, one panel per report.
 
     python benchmarks/rate_ladder.py --data_dir .cache/speech_corpus --alignments .cache/speech_corpus/valid.phn \\
         --out benchmarks/results/rate_ladder_speech.json
     python benchmarks/rate_ladder.py --out benchmarks/results/rate_ladder_demo.json                 # demo corpus
-    python benchmarks/rate_ladder.py --plot benchmarks/results/rate_ladder_demo.json \\
-        benchmarks/results/rate_ladder_speech.json --out benchmarks/results/rate_ladder.png
+
+The committed reports' commands, the budget in steps and the plot: benchmarks/README.md, "The rate ladder".
 """
 from __future__ import annotations
 
@@ -41,9 +42,9 @@ sys.path.insert(0, str(REPO))
 from benchmarks.demo_run import machine  # noqa: E402
 from benchmarks.quality import all_frames, run_codec, run_faiss, score, stats, unpack_codes  # noqa: E402
 from data.alignments import labels_at_code_rate, read_alignments  # noqa: E402
+from data.audio.pass_plan import device_defaults  # noqa: E402
 from data.demo_corpus import ensure_demo_corpus  # noqa: E402
 from data.stores import open_stores  # noqa: E402
-from data.audio.pass_plan import device_defaults  # noqa: E402
 from models.codec import CodecConfig  # noqa: E402
 from models.codes import code_dtype, code_frames, decode_utterance  # noqa: E402
 from models.unit_quality import unit_quality  # noqa: E402
@@ -59,7 +60,10 @@ CODECS = {
     "25 Hz x 4": ["--downsample", "2", "--num_quantizers", "4"],
     "25 Hz x 8": ["--downsample", "2", "--num_quantizers", "8"],
     "50 Hz x 8 with quantizer dropout": ["--quantize_dropout"],
+    "25 Hz x 8, dead-code threshold 0.25": ["--downsample", "2", "--dead_code_threshold", "0.25"],
 }
+TRIALS = ("25 Hz x 8, dead-code threshold 0.25",)  # run when named; not a codec of the ladder
+LADDER = [n for n in CODECS if n not in TRIALS]
 KBPS = (0.5, 1.0, 2.0, 4.0)
 FRAME_RATE = 50  # feature frames per second
 
@@ -133,6 +137,20 @@ def score_faiss(train_std, valid, mean, std, levels: int, size: int, beam: int, 
             4), "level_1_pnmi": pnmi, "train_seconds": result["train_seconds"]}
 
 
+def resumed(report: dict, out: Path) -> dict:
+    """The report already at `out` when it is of the same corpus, budget and machine (its rows kept, this command
+    added to its commands), else `report`: a ladder stopped part-way goes on where it stopped."""
+    if not out.exists():
+        return report
+    old = json.loads(out.read_text())
+    same = ("corpus", "budget", "machine", "valid_frames", "train_frames")
+    if any(old.get(k) != report[k] for k in same):
+        sys.exit(f"{out} holds another ladder ({', '.join(f'{k}={old.get(k)}' for k in same)}): "
+                 f"give another --out")
+    commands = old.pop("commands", None) or [old.pop("command")]
+    return {**old, "commands": [*commands, *report["commands"]]}
+
+
 def table(report: dict) -> str:
     rows = ["| codes | kbps | rel_mse | x faiss beam 8 | lowest level's usage | level-1 PNMI | steps |",
             "|---|---:|---:|---:|---:|---:|---:|"]
@@ -149,8 +167,9 @@ def table(report: dict) -> str:
     return "\n".join(rows)
 
 
-def plot(paths: list[Path], out: Path) -> None:
-    """rel_mse against kbps, a panel per report (corpus and budget): each codec's rungs joined, faiss dashed."""
+def plot(paths: list[Path], out: Path, names: list[str]) -> None:
+    """rel_mse against kbps, a panel per report (corpus and budget): each codec of `names` that the report holds,
+    its rungs joined; faiss dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -159,9 +178,10 @@ def plot(paths: list[Path], out: Path) -> None:
     reports = [json.loads(p.read_text()) for p in paths]
     fig, axes = plt.subplots(1, len(reports), figsize=(6.5 * len(reports), 4.6), squeeze=False)
     for ax, report in zip(axes[0], reports):
-        for name in dict.fromkeys(r["codec"] for r in report["codecs"]):
+        for name in [n for n in dict.fromkeys(r["codec"] for r in report["codecs"]) if n in names]:
             rows = sorted((r for r in report["codecs"] if r["codec"] == name), key=lambda r: r["kbps"])
-            ax.plot([r["kbps"] for r in rows], [r["rel_mse"] for r in rows], marker="o", label=name)
+            ax.plot([r["kbps"] for r in rows], [r["rel_mse"] for r in rows], marker="o", label=name,
+                    color=f"C{list(CODECS).index(name) % 10}")  # a codec's colour the same in every panel
         for beam, style in ((1, ":"), (8, "--")):
             rows = sorted((r for r in report["baselines"] if r["beam"] == beam), key=lambda r: r["kbps"])
             ax.plot([r["kbps"] for r in rows], [r["rel_mse"] for r in rows], "k" + style, marker="x",
@@ -182,37 +202,46 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data_dir", type=Path, help="a feature store with train and valid splits (default: demo corpus)")
     p.add_argument("--alignments", type=Path, help="the valid split's frame labels (.phn), for level 1's PNMI")
-    p.add_argument("--codecs", default=",".join(CODECS), help=f"comma-separated, of: {'; '.join(CODECS)}")
+    p.add_argument("--codecs", default=",".join(LADDER),
+                   help=f"comma-separated, of: {'; '.join(CODECS)} (with --plot: the codecs drawn)")
     p.add_argument("--kbps", default=",".join(f"{k:g}" for k in KBPS), help="the rungs, kilobits per second")
     p.add_argument("--max_minutes", type=float, default=10.0, help="each codec's budget, start to exit")
     p.add_argument("--max_steps", type=int, help="each codec's budget in steps instead (the trainer's --max_steps)")
     p.add_argument("--no_baselines", action="store_true", help="leave out faiss (another report of the corpus has it)")
+    p.add_argument("--baselines_from", type=Path,
+                   help="take the faiss rows from this report of the same corpus (faiss trains to convergence, not "
+                        "to a budget) instead of training them again")
     p.add_argument("--plot", type=Path, nargs="+", help="draw these reports into --out (a .png) and stop")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
-    if args.plot:
-        plot(args.plot, args.out)
-        print(f"written {args.out}")
-        return 0
     names = [n for n in args.codecs.split(",") if n]
     unknown = [n for n in names if n not in CODECS]
     if unknown:
         p.error(f"unknown codecs {unknown}: give some of {list(CODECS)}")
+    if args.plot:
+        plot(args.plot, args.out, names)
+        print(f"written {args.out}")
+        return 0
     kbps = tuple(float(k) for k in args.kbps.split(","))
     data_dir = args.data_dir or ensure_demo_corpus()
     train, valid, _ = open_stores(data_dir, "train", "valid", seed=0)
     labels = phone_labels(args.alignments, valid)
     budget = (f"{args.max_steps} steps" if args.max_steps else f"{args.max_minutes:g} minutes") + " on " + machine()
+    command = "python benchmarks/rate_ladder.py " + " ".join(sys.argv[1:])
     report = {"corpus": "demo" if args.data_dir is None else args.data_dir.name, "budget": budget,
               "machine": machine(), "valid_frames": int(valid.total_frames), "train_frames": int(train.total_frames),
-              "command": "python benchmarks/rate_ladder.py " + " ".join(sys.argv[1:]), "codecs": [], "baselines": []}
+              "commands": [command], "codecs": [], "baselines": []}
+    report = resumed(report, args.out)
+    done = {r["codec"] for r in report["codecs"]}
+    if done:
+        print(f"{args.out}: kept {sorted(done)} and {len(report['baselines'])} baseline rows", file=sys.stderr)
 
     def write() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1) + "\n")
 
     with tempfile.TemporaryDirectory() as tmp:
-        for name in names:
+        for name in [n for n in names if n not in done]:
             flags = [*CODECS[name], *(["--max_steps", str(args.max_steps)] if args.max_steps else [])]
             began = time.perf_counter()
             trained, model = run_codec(args.data_dir, Path(tmp) / name.replace(" ", "_"),
@@ -221,15 +250,24 @@ def main() -> int:
             ladder = rungs(c.num_quantizers, c.codebook_size, c.downsample, kbps)
             for row in score_codec(model, valid, ladder, labels):
                 report["codecs"].append({"codec": name, "flags": flags, "steps": trained["steps"],
-                                         "train_seconds": trained["train_seconds"], **row})
+                                         "train_seconds": trained["train_seconds"],
+                                         "dead_code_threshold": c.dead_code_threshold, **row})
             print(f"{name}: {trained['steps']} steps in {time.perf_counter() - began:.0f} s", file=sys.stderr)
             write()
-    if not args.no_baselines:
+    if args.baselines_from:
+        other = json.loads(args.baselines_from.read_text())
+        if (other["corpus"], other["valid_frames"]) != (report["corpus"], report["valid_frames"]):
+            sys.exit(f"{args.baselines_from} is of another corpus ({other['corpus']}, {other['valid_frames']} "
+                     f"held-out frames)")
+        report["baselines"], report["baselines_from"] = other["baselines"], str(args.baselines_from)
+        write()
+    elif not args.no_baselines:
         mean, std = stats(train)
         train_std = ((all_frames(train) - mean) / std).astype(np.float32)
         size = CodecConfig(train.dim).codebook_size  # the codecs' (the default)
+        scored = {(r["kbps"], r["beam"]) for r in report["baselines"]}
         for rate, k in rungs(64, size, 1, kbps).items():
-            for beam in (1, 8):
+            for beam in [b for b in (1, 8) if (rate, b) not in scored]:
                 row = score_faiss(train_std, valid, mean, std, k, size, beam, labels)
                 report["baselines"].append({"kbps": rate, "levels": k, "beam": beam, **row})
                 print(f"faiss {k} levels, beam {beam}: rel_mse {row['rel_mse']:.5f}", file=sys.stderr)

@@ -1,0 +1,52 @@
+"""benchmarks/rate_ladder.py's bookkeeping: which levels make a rung, a stopped ladder going on, the table."""
+import json
+
+import pytest
+
+from benchmarks.rate_ladder import resumed, rungs, table
+
+
+def test_rungs_are_the_levels_that_make_each_kbps_at_the_code_frame_rate():
+    # 10 bits a level: 0.5 kbps a level at 50 Hz, 0.25 at 25 Hz, 0.125 at 12.5 Hz
+    assert rungs(8, 1024, 1, (0.5, 1.0, 2.0, 4.0)) == {0.5: 1, 1.0: 2, 2.0: 4, 4.0: 8}
+    assert rungs(4, 1024, 2, (0.5, 1.0, 2.0, 4.0)) == {0.5: 2, 1.0: 4}  # 2 and 4 kbps need 8 and 16 levels
+    assert rungs(32, 1024, 4, (0.5, 4.0)) == {0.5: 4, 4.0: 32}
+    assert rungs(8, 512, 1, (1.0,)) == {}  # 9 bits a level: 1 kbps is no whole number of levels
+
+
+def report(**changed):
+    return {"corpus": "speech_corpus", "budget": "10 minutes on m", "machine": "m", "valid_frames": 10,
+            "train_frames": 90, "commands": ["python benchmarks/rate_ladder.py --out x"], "codecs": [],
+            "baselines": [], **changed}
+
+
+def test_a_stopped_ladder_goes_on_with_its_rows_and_both_commands(tmp_path):
+    out = tmp_path / "ladder.json"
+    assert resumed(report(), out) == report()  # nothing there yet
+    row = {"codec": "50 Hz x 2", "kbps": 0.5, "levels": 1, "rel_mse": 0.03}
+    first = report(codecs=[row])
+    del first["commands"]
+    first["command"] = "python benchmarks/rate_ladder.py --first"  # a report written before "commands"
+    out.write_text(json.dumps(first))
+    again = resumed(report(), out)
+    assert again["codecs"] == [row]
+    assert again["commands"] == ["python benchmarks/rate_ladder.py --first", "python benchmarks/rate_ladder.py --out x"]
+    assert "command" not in again
+
+
+@pytest.mark.parametrize("changed", [{"corpus": "demo"}, {"budget": "2000 steps on m"}, {"valid_frames": 11}])
+def test_a_report_of_another_ladder_is_refused_not_mixed(tmp_path, changed):
+    out = tmp_path / "ladder.json"
+    out.write_text(json.dumps(report(**changed)))
+    with pytest.raises(SystemExit, match="holds another ladder"):
+        resumed(report(), out)
+
+
+def test_the_table_gives_each_rung_against_faiss_beam_8_of_the_same_kbps():
+    rows = [{"codec": "25 Hz x 4", "kbps": 1.0, "levels": 4, "rel_mse": 0.018, "lowest_usage": 0.9,
+             "level_1_pnmi": 0.78, "steps": 4580}]
+    base = [{"kbps": 1.0, "levels": 2, "beam": b, "rel_mse": m, "lowest_usage": 0.95, "level_1_pnmi": None}
+            for b, m in ((1, 0.0225), (8, 0.0200))]
+    lines = table(report(codecs=rows, baselines=base)).splitlines()
+    assert "| 25 Hz x 4, first 4 | 1 | 0.01800 | 0.90 | 90.0% | 0.780 | 4,580 |" in lines
+    assert "| faiss RQ 50 Hz x 2, beam 1 | 1 | 0.02250 | 1.12 | 95.0% |  | |" in lines
