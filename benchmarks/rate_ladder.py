@@ -42,12 +42,14 @@ sys.path.insert(0, str(REPO))
 from benchmarks.demo_run import machine  # noqa: E402
 from benchmarks.quality import all_frames, run_codec, run_faiss, score, stats, unpack_codes  # noqa: E402
 from data.alignments import labels_at_code_rate, read_alignments  # noqa: E402
+from data.audio.features import FRAME_RATE  # noqa: E402
 from data.audio.pass_plan import device_defaults  # noqa: E402
 from data.demo_corpus import ensure_demo_corpus  # noqa: E402
 from data.stores import open_stores  # noqa: E402
 from models.codec import CodecConfig  # noqa: E402
 from models.codes import code_dtype, code_frames, decode_utterance  # noqa: E402
 from models.unit_quality import unit_quality  # noqa: E402
+from rvq_tokenizer.codes_spec import kbps_per_level  # noqa: E402
 from training.codec_passes import encode_in_batches  # noqa: E402
 
 # a codec of the ladder: its trainer flags beside the defaults (8 levels x 1024 codes at 50 Hz)
@@ -65,12 +67,11 @@ CODECS = {
 TRIALS = ("25 Hz x 8, dead-code threshold 0.25",)  # run when named; not a codec of the ladder
 LADDER = [n for n in CODECS if n not in TRIALS]
 KBPS = (0.5, 1.0, 2.0, 4.0)
-FRAME_RATE = 50  # feature frames per second
 
 
 def rungs(levels: int, size: int, downsample: int, kbps: tuple[float, ...]) -> dict[float, int]:
     """kbps -> the levels k (of `levels`) whose codes make that many kilobits per second of audio."""
-    per_level = math.log2(size) * FRAME_RATE / downsample / 1000
+    per_level = kbps_per_level(size, downsample)
     found = {}
     for rate in kbps:
         k = rate / per_level

@@ -71,15 +71,15 @@ def kept_levels(asked, levels: int, asker: Asker) -> int:
     return int(asked)
 
 
-def kbps_per_level(config) -> float:
+def kbps_per_level(codebook_size: int, downsample: int) -> float:
     """Kilobits per second of audio one level of a codec's codes makes: log2(codebook) bits at its code frame rate."""
-    return math.log2(config.codebook_size) * FRAME_RATE / config.downsample / 1000
+    return math.log2(codebook_size) * FRAME_RATE / downsample / 1000
 
 
 def levels_for_kbps(kbps: float, config, asker: Asker) -> int:
     """The levels whose codes make `kbps` kilobits per second of audio; BadInputError, in the `asker`'s words,
     naming the rates this codec's levels make when none makes that one."""
-    step = kbps_per_level(config)
+    step = kbps_per_level(config.codebook_size, config.downsample)
     levels = kbps / step
     if not (isinstance(kbps, (int, float)) and math.isfinite(levels) and abs(levels - round(levels)) < 1e-6
             and 1 <= round(levels) <= config.num_quantizers):

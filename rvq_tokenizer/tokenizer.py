@@ -137,7 +137,8 @@ class RVQTokenizer:
     @property
     def kbps_per_level(self) -> float:
         """Kilobits per second of audio each level's codes make (log2(codebook) bits at `frame_rate`)."""
-        return kbps_per_level(self._codec.spec.model.config)
+        config = self._codec.spec.model.config
+        return kbps_per_level(config.codebook_size, config.downsample)
 
     @property
     def device(self) -> torch.device:
