@@ -80,9 +80,10 @@ def levels_for_kbps(kbps: float, config, asker: Asker) -> int:
     """The levels whose codes make `kbps` kilobits per second of audio; BadInputError, in the `asker`'s words,
     naming the rates this codec's levels make when none makes that one."""
     step = kbps_per_level(config.codebook_size, config.downsample)
-    levels = kbps / step
-    if not (isinstance(kbps, (int, float)) and math.isfinite(levels) and abs(levels - round(levels)) < 1e-6
-            and 1 <= round(levels) <= config.num_quantizers):
+    number = isinstance(kbps, numbers.Real) and not isinstance(kbps, bool)  # before any arithmetic: "1" or True
+    levels = kbps / step if number else math.nan
+    whole = math.isfinite(levels) and abs(levels - round(levels)) < 1e-6
+    if not (whole and 1 <= round(levels) <= config.num_quantizers):
         rates = ", ".join(f"{step * k:g}" for k in range(1, config.num_quantizers + 1))
         raise BadInputError(f"{asker.option('kbps', kbps)}: this codec's levels make {rates} kbps ({step:g} kbps a "
                             f"level: {math.log2(config.codebook_size):g} bits at {FRAME_RATE / config.downsample:g} "

@@ -133,7 +133,9 @@ def test_the_codes_tools_write_for_the_files_and_the_levels_kept_per_call(door):
         refused(lambda: tokenizer.encode(waves[0], RATE, levels=bad), f"levels={bad!r}: this codec has levels 1 to 3")
     assert tokenizer.kbps_per_level == 0.25  # 5 bits at 50 Hz
     assert all(np.array_equal(c, w) for c, w in zip(tokenizer.encode(waves, RATE, kbps=0.25), first, strict=True))
-    refused(lambda: tokenizer.encode(waves[0], RATE, kbps=0.3), "kbps=0.3: this codec's levels make 0.25, 0.5, 0.75")
+    for bad in (0.3, "0.25", True, float("nan")):  # no count of levels makes it, or no number
+        refused(lambda: tokenizer.encode(waves[0], RATE, kbps=bad), f"kbps={bad!r}: this codec's levels make 0.25, "
+                                                                     "0.5, 0.75")
     refused(lambda: tokenizer.encode(waves[0], RATE, levels=1, kbps=0.25), "give one of them")
 
 
