@@ -7,7 +7,9 @@ of the held-out utterances for each of its first k levels that make a rung of --
 k levels x log2(codebook) bits x the code frame rate, 50 / downsample Hz), as `tools.encode --num_quantizers k` and
 `rvq_tokenizer`'s `levels=k` give them (the first k levels of the full search), decoded as `tools.encode decode`:
 
-- rel_mse (models/metrics.py EvalSums, as the trainer's evals), and the lowest level's share of codes in use;
+- rel_mse (models/metrics.py EvalSums, as the trainer's evals), and the lowest level's share of codes in use on
+  the held-out code frames (with its ceiling: what an evenly used level would show in that many frames) and on
+  every training utterance's codes (a code no training frame takes is dead);
 - level 1's PNMI against phone labels (--alignments: a .phn of frame labels, as speech_corpus.py writes them),
   at the code frame rate (models/unit_quality.py, as tools.evaluate scores it).
 
@@ -62,9 +64,11 @@ CODECS = {
     "25 Hz x 4": ["--downsample", "2", "--num_quantizers", "4"],
     "25 Hz x 8": ["--downsample", "2", "--num_quantizers", "8"],
     "50 Hz x 8 with quantizer dropout": ["--quantize_dropout"],
-    "25 Hz x 8, dead-code threshold 0.25": ["--downsample", "2", "--dead_code_threshold", "0.25"],
+    "25 Hz x 8 with dead-code threshold 0.25": ["--downsample", "2", "--dead_code_threshold", "0.25"],
+    "25 Hz x 8 with a 320-d latent": ["--downsample", "2", "--latent_dim", "320"],
 }
-TRIALS = ("25 Hz x 8, dead-code threshold 0.25",)  # run when named; not a codec of the ladder
+# run when named, not codecs of the ladder
+TRIALS = ("25 Hz x 8 with dead-code threshold 0.25", "25 Hz x 8 with a 320-d latent")
 LADDER = [n for n in CODECS if n not in TRIALS]
 KBPS = (0.5, 1.0, 2.0, 4.0)
 
@@ -97,13 +101,30 @@ def level_one_pnmi(codes: list[np.ndarray], labels: list[np.ndarray] | None, dow
     return round(unit_quality(phones, units)["pnmi"], 4)
 
 
-def score_codec(model, valid, ladder: dict[float, int], labels) -> list[dict]:
+def usage_per_level(codes: np.ndarray, size: int) -> np.ndarray:
+    """Each level's share of its `size` codes that some code frame of `codes` ([frames, levels]) uses."""
+    return np.array([len(np.unique(codes[:, q])) / size for q in range(codes.shape[1])])
+
+
+def even_use_ceiling(frames: int, size: int) -> float:
+    """The share of `size` codes that `frames` draws at random from an evenly used codebook are expected to show:
+    the most a usage measured on that many code frames can read for a codec with no dead code."""
+    return 1 - (1 - 1 / size) ** frames
+
+
+def score_codec(model, valid, ladder: dict[float, int], labels, train=None) -> list[dict]:
     """Each rung of the trained codec: the codes tools.encode writes of the held-out utterances (every level, its
     own beam, each utterance's tail padded to a code frame), their first k levels decoded as `tools.encode decode`
-    decodes them (cut to the utterance's frames), scored on every held-out frame."""
+    decodes them (cut to the utterance's frames), scored on every held-out frame. With `train`, the lowest of the
+    first k levels' usage is also counted over the codes of every training utterance: whether a code is dead (no
+    frame the codebooks were fit on takes it), free of the held-out count's ceiling (even_use_ceiling)."""
     c = model.config
-    everything = encode_in_batches(model, valid, c.num_quantizers, device_defaults("cpu").codec_batch_frames,
-                                   code_dtype(c.codebook_size))
+    batch = device_defaults("cpu").codec_batch_frames
+    everything = encode_in_batches(model, valid, c.num_quantizers, batch, code_dtype(c.codebook_size))
+    train_usage = None
+    if train is not None:
+        train_usage = usage_per_level(encode_in_batches(model, train, c.num_quantizers, batch,
+                                                        code_dtype(c.codebook_size)), c.codebook_size)
     codes = np.split(everything, np.cumsum(code_frames(valid.lengths, c.downsample))[:-1])
     pnmi = level_one_pnmi(codes, labels, c.downsample)
     out = []
@@ -117,8 +138,12 @@ def score_codec(model, valid, ladder: dict[float, int], labels) -> list[dict]:
 
         with torch.no_grad():
             result = score(valid, reconstruct, k, c.codebook_size)
-        out.append({"kbps": rate, "levels": k, "rel_mse": result["rel_mse"], "cosine": result["cosine"],
-                    "lowest_usage": round(min(result["code_usage"]), 4), "level_1_pnmi": pnmi})
+        row = {"kbps": rate, "levels": k, "rel_mse": result["rel_mse"], "cosine": result["cosine"],
+               "lowest_usage": round(min(result["code_usage"]), 4),
+               "usage_ceiling": round(even_use_ceiling(len(everything), c.codebook_size), 4), "level_1_pnmi": pnmi}
+        if train_usage is not None:
+            row["lowest_usage_train"] = round(float(train_usage[:k].min()), 4)
+        out.append(row)
     return out
 
 
@@ -153,32 +178,38 @@ def resumed(report: dict, out: Path) -> dict:
 
 
 def table(report: dict) -> str:
-    rows = ["| codes | kbps | rel_mse | x faiss beam 8 | lowest level's usage | level-1 PNMI | steps |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| codes | kbps | rel_mse | x faiss beam 8 | lowest level's usage, held out (its ceiling) | "
+            "on training frames | level-1 PNMI | steps |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     beam8 = {r["kbps"]: r["rel_mse"] for r in report["baselines"] if r["beam"] == 8}
     for r in sorted(report["codecs"], key=lambda r: (r["kbps"], r["codec"])):
         ratio = f"{r['rel_mse'] / beam8[r['kbps']]:.2f}" if r["kbps"] in beam8 else ""
         pnmi = "" if r["level_1_pnmi"] is None else f"{r['level_1_pnmi']:.3f}"
+        ceiling = f" ({r['usage_ceiling']:.1%})" if "usage_ceiling" in r else ""
+        on_train = f"{r['lowest_usage_train']:.1%}" if "lowest_usage_train" in r else ""
         rows.append(f"| {r['codec']}, first {r['levels']} | {r['kbps']:g} | {r['rel_mse']:.5f} | {ratio} | "
-                    f"{r['lowest_usage']:.1%} | {pnmi} | {r['steps']:,} |")
+                    f"{r['lowest_usage']:.1%}{ceiling} | {on_train} | {pnmi} | {r['steps']:,} |")
     for r in sorted(report["baselines"], key=lambda r: (r["kbps"], r["beam"])):
         pnmi = "" if r["level_1_pnmi"] is None else f"{r['level_1_pnmi']:.3f}"
         rows.append(f"| faiss RQ 50 Hz x {r['levels']}, beam {r['beam']} | {r['kbps']:g} | {r['rel_mse']:.5f} | "
-                    f"{r['rel_mse'] / beam8[r['kbps']]:.2f} | {r['lowest_usage']:.1%} | {pnmi} | |")
+                    f"{r['rel_mse'] / beam8[r['kbps']]:.2f} | {r['lowest_usage']:.1%} | | {pnmi} | |")
     return "\n".join(rows)
 
 
 def plot(paths: list[Path], out: Path, names: list[str]) -> None:
-    """rel_mse against kbps, a panel per report (corpus and budget): each codec of `names` that the report holds,
-    its rungs joined; faiss dashed."""
+    """rel_mse against kbps, a panel per report (corpus and budget), two to a row: each codec of `names` that the
+    report holds, its rungs joined; faiss dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     reports = [json.loads(p.read_text()) for p in paths]
-    fig, axes = plt.subplots(1, len(reports), figsize=(6.5 * len(reports), 4.6), squeeze=False)
-    for ax, report in zip(axes[0], reports):
+    columns = min(len(reports), 2)
+    lines = math.ceil(len(reports) / columns)
+    fig, axes = plt.subplots(lines, columns, figsize=(6.5 * columns, 4.6 * lines), squeeze=False)
+    for ax in axes.flat[len(reports):]:
+        ax.set_visible(False)
+    for ax, report in zip(axes.flat, reports):
         for name in [n for n in dict.fromkeys(r["codec"] for r in report["codecs"]) if n in names]:
             rows = sorted((r for r in report["codecs"] if r["codec"] == name), key=lambda r: r["kbps"])
             ax.plot([r["kbps"] for r in rows], [r["rel_mse"] for r in rows], marker="o", label=name,
@@ -249,7 +280,7 @@ def main() -> int:
                                        10_000 if args.max_steps else args.max_minutes, flags, valid)
             c = model.config
             ladder = rungs(c.num_quantizers, c.codebook_size, c.downsample, kbps)
-            for row in score_codec(model, valid, ladder, labels):
+            for row in score_codec(model, valid, ladder, labels, train):
                 report["codecs"].append({"codec": name, "flags": flags, "steps": trained["steps"],
                                          "train_seconds": trained["train_seconds"],
                                          "dead_code_threshold": c.dead_code_threshold, **row})

@@ -1,9 +1,10 @@
 """benchmarks/rate_ladder.py's bookkeeping: which levels make a rung, a stopped ladder going on, the table."""
 import json
 
+import numpy as np
 import pytest
 
-from benchmarks.rate_ladder import resumed, rungs, table
+from benchmarks.rate_ladder import even_use_ceiling, resumed, rungs, table, usage_per_level
 
 
 def test_rungs_are_the_levels_that_make_each_kbps_at_the_code_frame_rate():
@@ -48,5 +49,26 @@ def test_the_table_gives_each_rung_against_faiss_beam_8_of_the_same_kbps():
     base = [{"kbps": 1.0, "levels": 2, "beam": b, "rel_mse": m, "lowest_usage": 0.95, "level_1_pnmi": None}
             for b, m in ((1, 0.0225), (8, 0.0200))]
     lines = table(report(codecs=rows, baselines=base)).splitlines()
-    assert "| 25 Hz x 4, first 4 | 1 | 0.01800 | 0.90 | 90.0% | 0.780 | 4,580 |" in lines
-    assert "| faiss RQ 50 Hz x 2, beam 1 | 1 | 0.02250 | 1.12 | 95.0% |  | |" in lines
+    assert "| 25 Hz x 4, first 4 | 1 | 0.01800 | 0.90 | 90.0% |  | 0.780 | 4,580 |" in lines  # an older row
+    assert "| faiss RQ 50 Hz x 2, beam 1 | 1 | 0.02250 | 1.12 | 95.0% | |  | |" in lines
+    rows[0].update(usage_ceiling=0.983, lowest_usage_train=0.951)
+    lines = table(report(codecs=rows, baselines=base)).splitlines()
+    assert "| 25 Hz x 4, first 4 | 1 | 0.01800 | 0.90 | 90.0% (98.3%) | 95.1% | 0.780 | 4,580 |" in lines
+
+
+def test_usage_counts_each_level_apart_and_its_ceiling_is_that_of_an_evenly_used_codebook():
+    codes = np.array([[0, 5], [1, 5], [2, 5], [2, 6]])
+    assert usage_per_level(codes, 4).tolist() == [0.75, 0.5]
+    assert even_use_ceiling(1, 1024) == pytest.approx(1 / 1024)
+    # 4,142 code frames (the speech corpus's held-out frames at 25 Hz) of an evenly used 1,024-code level: 98.3%
+    assert even_use_ceiling(4142, 1024) == pytest.approx(0.983, abs=5e-4)
+    rng = np.random.default_rng(0)  # the ceiling is what random draws of an even codebook show
+    drawn = np.mean([len(np.unique(rng.integers(0, 1024, 4142))) / 1024 for _ in range(200)])
+    assert drawn == pytest.approx(even_use_ceiling(4142, 1024), abs=2e-3)
+
+
+def test_every_codec_can_be_named_on_the_command_line():
+    from benchmarks.rate_ladder import CODECS, TRIALS
+
+    assert not [n for n in CODECS if "," in n]  # --codecs is comma-separated
+    assert set(TRIALS) <= set(CODECS)
