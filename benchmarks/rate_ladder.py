@@ -51,7 +51,7 @@ from data.stores import open_stores  # noqa: E402
 from models.codec import CodecConfig  # noqa: E402
 from models.codes import code_dtype, code_frames, decode_utterance  # noqa: E402
 from models.unit_quality import unit_quality  # noqa: E402
-from rvq_tokenizer.codes_spec import kbps_per_level  # noqa: E402
+from rvq_tokenizer.codes_spec import levels_making  # noqa: E402
 from training.codec_passes import encode_in_batches  # noqa: E402
 
 # a codec of the ladder: its trainer flags beside the defaults (8 levels x 1024 codes at 50 Hz)
@@ -74,14 +74,10 @@ KBPS = (0.5, 1.0, 2.0, 4.0)
 
 
 def rungs(levels: int, size: int, downsample: int, kbps: tuple[float, ...]) -> dict[float, int]:
-    """kbps -> the levels k (of `levels`) whose codes make that many kilobits per second of audio."""
-    per_level = kbps_per_level(size, downsample)
-    found = {}
-    for rate in kbps:
-        k = rate / per_level
-        if abs(k - round(k)) < 1e-9 and 1 <= round(k) <= levels:
-            found[rate] = int(round(k))
-    return found
+    """kbps -> the levels k (of `levels`) whose codes make that many kilobits per second of audio: what
+    `tools.encode --kbps` keeps (rvq_tokenizer.codes_spec levels_making)."""
+    found = {rate: levels_making(rate, size, downsample, levels) for rate in kbps}
+    return {rate: k for rate, k in found.items() if k is not None}
 
 
 def phone_labels(path: Path | None, valid) -> list[np.ndarray] | None:

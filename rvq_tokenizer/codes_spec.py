@@ -76,19 +76,26 @@ def kbps_per_level(codebook_size: int, downsample: int) -> float:
     return math.log2(codebook_size) * FRAME_RATE / downsample / 1000
 
 
+def levels_making(kbps, codebook_size: int, downsample: int, num_quantizers: int) -> int | None:
+    """The first k levels (1 <= k <= num_quantizers) whose codes make `kbps` kilobits per second of audio, or None
+    when no whole number of them does (or `kbps` is no number)."""
+    number = isinstance(kbps, numbers.Real) and not isinstance(kbps, bool)  # before any arithmetic: "1" or True
+    levels = kbps / kbps_per_level(codebook_size, downsample) if number else math.nan
+    whole = math.isfinite(levels) and abs(levels - round(levels)) < 1e-6
+    return int(round(levels)) if whole and 1 <= round(levels) <= num_quantizers else None
+
+
 def levels_for_kbps(kbps: float, config, asker: Asker) -> int:
     """The levels whose codes make `kbps` kilobits per second of audio; BadInputError, in the `asker`'s words,
     naming the rates this codec's levels make when none makes that one."""
-    step = kbps_per_level(config.codebook_size, config.downsample)
-    number = isinstance(kbps, numbers.Real) and not isinstance(kbps, bool)  # before any arithmetic: "1" or True
-    levels = kbps / step if number else math.nan
-    whole = math.isfinite(levels) and abs(levels - round(levels)) < 1e-6
-    if not (whole and 1 <= round(levels) <= config.num_quantizers):
+    levels = levels_making(kbps, config.codebook_size, config.downsample, config.num_quantizers)
+    if levels is None:
+        step = kbps_per_level(config.codebook_size, config.downsample)
         rates = ", ".join(f"{step * k:g}" for k in range(1, config.num_quantizers + 1))
         raise BadInputError(f"{asker.option('kbps', kbps)}: this codec's levels make {rates} kbps ({step:g} kbps a "
                             f"level: {math.log2(config.codebook_size):g} bits at {FRAME_RATE / config.downsample:g} "
                             "code frames a second)")
-    return int(round(levels))
+    return levels
 
 
 def codes_spec(request: CodesRequest, model: RVQCodec, state: dict, ckpt_path: Path,
