@@ -66,9 +66,12 @@ CODECS = {
     "50 Hz x 8 with quantizer dropout": ["--quantize_dropout"],
     "25 Hz x 8 with dead-code threshold 0.25": ["--downsample", "2", "--dead_code_threshold", "0.25"],
     "25 Hz x 8 with a 320-d latent": ["--downsample", "2", "--latent_dim", "320"],
+    "25 Hz x 8 with lr 3e-3 decaying to 1%": ["--downsample", "2", "--lr", "3e-3", "--min_lr_ratio", "0.01"],
+    "50 Hz x 8 with lr 3e-3 decaying to 1%": ["--lr", "3e-3", "--min_lr_ratio", "0.01"],
 }
 # run when named, not codecs of the ladder
-TRIALS = ("25 Hz x 8 with dead-code threshold 0.25", "25 Hz x 8 with a 320-d latent")
+TRIALS = ("25 Hz x 8 with dead-code threshold 0.25", "25 Hz x 8 with a 320-d latent",
+          "25 Hz x 8 with lr 3e-3 decaying to 1%", "50 Hz x 8 with lr 3e-3 decaying to 1%")
 LADDER = [n for n in CODECS if n not in TRIALS]
 KBPS = (0.5, 1.0, 2.0, 4.0)
 

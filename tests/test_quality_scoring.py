@@ -30,3 +30,11 @@ def test_a_downsampling_codec_is_scored_on_the_frames_it_codes_of_odd_length_utt
     result = score_encoded(model, valid, beam=1, trained={})
     assert result["frames"] == 32 + 40 + 34  # the last frame of an odd utterance is not coded
     assert np.isfinite(result["rel_mse"]) and result["rel_mse"] > 0
+
+
+def test_a_scored_run_is_named_by_the_flags_it_changed_from_the_defaults():
+    from benchmarks.score_runs import changed_flags
+    from training.config import parse_args
+
+    config = parse_args(["--downsample", "2", "--lr", "3e-3", "--threads", "1", "--output_dir", "/tmp/x"]).to_dict()
+    assert changed_flags(config) == {"downsample": 2, "lr": 0.003}  # where it ran and on how many threads aside

@@ -1,0 +1,85 @@
+"""Score finished trainer runs as benchmarks/quality.py scores its codec: side-by-side trials of the trainer's flags.
+
+Each RUN is a trainer --output_dir; its last checkpoint is encoded as tools.encode writes codes (the codec's own
+beam) and scored on every frame of the held-out utterances of --data_dir (quality.py score_encoded). A run's row
+names the flags in which its config.json differs from the trainer's defaults (output_dir, data_dir and threads
+aside), its steps and its time from the first metrics event to the stop. A run trained with `--max_steps N` and
+the same flags gives the same codes whatever else runs beside it, so trials can share the cores:
+
+    python rvq_seamless_gpu_cache_nccl.py --data_dir .cache/speech_corpus --output_dir /tmp/trials/lr3 \\
+        --resume none --max_minutes 60 --max_steps 2000 --threads 1 --downsample 2 --lr 3e-3 &
+    python rvq_seamless_gpu_cache_nccl.py ... --output_dir /tmp/trials/base ... --downsample 2 &
+    wait
+    python benchmarks/score_runs.py --data_dir .cache/speech_corpus /tmp/trials/base /tmp/trials/lr3 --out x.json
+
+The row of a run is what `quality.py --methods codec --max_minutes 60 -- FLAGS` gives for the same flags.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.demo_run import machine  # noqa: E402
+from benchmarks.quality import score_encoded  # noqa: E402
+from data.demo_corpus import ensure_demo_corpus  # noqa: E402
+from data.stores import open_stores  # noqa: E402
+from models.codec import CodecConfig, RVQCodec  # noqa: E402
+from training import checkpoint as ckpt  # noqa: E402
+from training.config import parse_args  # noqa: E402
+from training.metrics_log import run_events  # noqa: E402
+from training.run_folder import RunFolder  # noqa: E402
+
+NOT_TRIAL_FLAGS = {"output_dir", "data_dir", "threads", "resume", "max_minutes", "nccl_timeout"}
+
+
+def changed_flags(config: dict) -> dict:
+    """The flags of a run's config.json whose values differ from the trainer's defaults."""
+    defaults = parse_args([]).to_dict()
+    return {k: v for k, v in config.items() if k not in NOT_TRIAL_FLAGS and k in defaults and defaults[k] != v}
+
+
+def score_run(run: Path, valid) -> dict:
+    config = json.loads((RunFolder(run).root / "config.json").read_text())
+    _, state = ckpt.load_latest(RunFolder(run).checkpoints)
+    model = RVQCodec(CodecConfig(**state["codec"]))
+    model.load_state_dict(state["model"])
+    model.eval()
+    events = run_events(run)
+    stop = [e for e in events if e["event"] == "stop"]
+    if not stop:
+        sys.exit(f"{run}: the run has not stopped (no stop event in its metrics.jsonl)")
+    row = score_encoded(model, valid, model.config.beam_size, {})
+    return {"run": run.name, "flags": changed_flags(config), "steps": stop[-1]["step"],
+            "stop_reason": stop[-1]["reason"], "train_seconds": round(stop[-1]["time"] - events[0]["time"], 1),
+            "rel_mse": row["rel_mse"], "lowest_usage": min(row["code_usage"]), "frames": row["frames"]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", type=Path, help="trainer output dirs")
+    p.add_argument("--data_dir", default=None, help="the store the runs trained on (none: the demo corpus)")
+    p.add_argument("--out", type=Path, required=True, help="JSON path")
+    args = p.parse_args()
+    torch.set_num_threads(2)
+    _, valid, _ = open_stores(args.data_dir or ensure_demo_corpus(), "train", "valid", seed=parse_args([]).optim.seed)
+    rows = []
+    for run in args.runs:
+        rows.append(score_run(run, valid))
+        print(f"{run.name}: {rows[-1]['steps']} steps, rel_mse {rows[-1]['rel_mse']:.5f}, "
+              f"lowest usage {rows[-1]['lowest_usage']:.1%}, flags {rows[-1]['flags']}", file=sys.stderr)
+    report = {"data_dir": args.data_dir or "demo corpus", "machine": machine(),
+              "command": "python benchmarks/score_runs.py " + " ".join(sys.argv[1:]), "runs": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
