@@ -1,5 +1,6 @@
 """The training step under torch.compile (--compile): one graph with no break, the same numbers as eager, exact
 resume, the same codebooks on every rank, and the quantizer's bookkeeping outside the step."""
+import re
 import time
 from pathlib import Path
 
@@ -347,7 +348,9 @@ def test_the_compiled_trainer_on_two_ranks_agrees_with_eager_and_names_a_peer_ki
     finally:
         job.close()
     assert codes[0] == 3 and job.ended[0] - killed <= sync_timeout + 10, logs[0]
-    assert "rank 0 at step 6 (forward): " in logs[0] and "rank(s) [1] lost: the process is gone" in logs[0], logs[0]
+    # named by the main thread's error path or by the watchdog, whichever sees the lost peer first
+    assert re.search(r"rank 0 (stopping )?at step 6 \(forward\): ", logs[0]), logs[0]
+    assert "rank(s) [1] lost: the process is gone" in logs[0], logs[0]
     assert "training failed" not in logs[0]
 
     # steps 1-5 trained and every sync check passed (a failed one ends the run with exit 3 at once)
