@@ -80,6 +80,19 @@ def score(valid, reconstruct, levels: int, size: int) -> dict:
 # ---------------------------------------------------------------- (a) our codec
 
 
+def finished_run(out_dir: Path) -> tuple[dict, float, dict, RVQCodec]:
+    """A stopped trainer run: (its last stop event, the seconds from its first metrics event to that stop, its last
+    checkpoint, the codec of that checkpoint in eval mode)."""
+    events = run_events(out_dir)
+    stops = [e for e in events if e["event"] == "stop"]
+    if not stops:
+        sys.exit(f"{out_dir}: the run has not stopped (no stop event in its metrics.jsonl)")
+    _, state = ckpt.load_latest(RunFolder(out_dir).checkpoints)
+    model = RVQCodec(CodecConfig(**state["codec"]))
+    model.load_state_dict(state["model"])
+    return stops[-1], stops[-1]["time"] - events[0]["time"], state, model.eval()
+
+
 def run_codec(data_dir, out_dir: Path, max_minutes: float, extra: list[str], valid) -> tuple[dict, RVQCodec]:
     """Train with the defaults and `extra` flags; (what the run did, the codec from its last checkpoint)."""
     cmd = [sys.executable, str(TRAINER), "--output_dir", str(out_dir), "--resume", "none",
@@ -92,13 +105,7 @@ def run_codec(data_dir, out_dir: Path, max_minutes: float, extra: list[str], val
     seconds = time.perf_counter() - start
     if run.returncode != 0:
         sys.exit(f"the trainer failed ({run.returncode}):\n{run.stderr[-3000:]}")
-    events = run_events(out_dir)
-    stop = [e for e in events if e["event"] == "stop"][-1]
-    train_seconds = stop["time"] - events[0]["time"] if events else seconds
-    _, state = ckpt.load_latest(RunFolder(out_dir).checkpoints)
-    model = RVQCodec(CodecConfig(**state["codec"]))
-    model.load_state_dict(state["model"])
-    model.eval()
+    stop, train_seconds, state, model = finished_run(out_dir)
     if len(valid.utterance(0)) % model.config.downsample:
         print(f"note: utterances are cut to a multiple of downsample {model.config.downsample}", file=sys.stderr)
     trained = dict(train_seconds=round(seconds, 1), trainer_seconds=round(train_seconds, 1), steps=stop["step"],

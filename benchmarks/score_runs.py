@@ -27,13 +27,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.demo_run import machine  # noqa: E402
-from benchmarks.quality import score_encoded  # noqa: E402
+from benchmarks.quality import finished_run, score_encoded  # noqa: E402
 from data.demo_corpus import ensure_demo_corpus  # noqa: E402
 from data.stores import open_stores  # noqa: E402
-from models.codec import CodecConfig, RVQCodec  # noqa: E402
-from training import checkpoint as ckpt  # noqa: E402
 from training.config import parse_args  # noqa: E402
-from training.metrics_log import run_events  # noqa: E402
 from training.run_folder import RunFolder  # noqa: E402
 
 NOT_TRIAL_FLAGS = {"output_dir", "data_dir", "threads", "resume", "max_minutes", "nccl_timeout"}
@@ -47,18 +44,11 @@ def changed_flags(config: dict) -> dict:
 
 def score_run(run: Path, valid) -> dict:
     config = json.loads((RunFolder(run).root / "config.json").read_text())
-    _, state = ckpt.load_latest(RunFolder(run).checkpoints)
-    model = RVQCodec(CodecConfig(**state["codec"]))
-    model.load_state_dict(state["model"])
-    model.eval()
-    events = run_events(run)
-    stop = [e for e in events if e["event"] == "stop"]
-    if not stop:
-        sys.exit(f"{run}: the run has not stopped (no stop event in its metrics.jsonl)")
+    stop, seconds, _, model = finished_run(run)
     row = score_encoded(model, valid, model.config.beam_size, {})
-    return {"run": run.name, "flags": changed_flags(config), "steps": stop[-1]["step"],
-            "stop_reason": stop[-1]["reason"], "train_seconds": round(stop[-1]["time"] - events[0]["time"], 1),
-            "rel_mse": row["rel_mse"], "lowest_usage": min(row["code_usage"]), "frames": row["frames"]}
+    return {"run": run.name, "flags": changed_flags(config), "steps": stop["step"], "stop_reason": stop["reason"],
+            "train_seconds": round(seconds, 1), "rel_mse": row["rel_mse"], "lowest_usage": min(row["code_usage"]),
+            "frames": row["frames"]}
 
 
 def main() -> int:
