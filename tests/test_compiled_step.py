@@ -323,7 +323,8 @@ def test_the_compiled_trainer_on_two_ranks_agrees_with_eager_and_names_a_peer_ki
     forward: each rank compiles one graph a length with the reduction inside it (no break); the ranks' codebooks
     agree at every step's sync check; the step-4 checkpoint is eager's within float noise. Then rank 1 stalls and is
     SIGKILLed while rank 0 waits in that all-reduce inside the compiled graph: rank 0's error comes in the
-    compiler's words, which name no collective; it is judged by which peers are alive: exit 3, rank 1 named. The
+    compiler's words, which name no collective; it is judged by which peers are alive: exit 3, rank 1 named (by
+    that judgment, or by the watchdog first while rank 0's main thread is still blocked in the all-reduce). The
     same command, launched again, resumes from step 4, compiles again and ends cleanly where eager does."""
     sync_timeout = 10
     common = ["--data_dir", small_data, *TINY, "--max_steps", "8", "--save_every", "4", "--eval_every", "100",
