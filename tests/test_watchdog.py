@@ -6,6 +6,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
@@ -215,3 +216,42 @@ def test_where_is_unknown_when_the_stacks_cannot_be_dumped_and_the_beat_goes_on(
 
     monkeypatch.setattr(faulthandler, "dump_traceback", no_file)
     assert where(threading.get_ident()) == "unknown"
+
+
+class _Watchdog:
+    """The one answer of PeerWatchdog.lost_peers a test gives the trainer."""
+
+    def __init__(self, silent: list[int]):
+        self.silent = silent
+
+    def lost_peers(self, max_wait_s=None, beats=3):
+        return self.silent
+
+
+@pytest.mark.parametrize("error, silent, expected", [
+    (RuntimeError("compiled graph failed"), [1], "rank 0 stopped at step 6: rank(s) [1] not seen alive for 10s "
+                                                 "after RuntimeError: compiled graph failed"),
+    (dist.DistError("gloo: connection reset"), [], "rank 0 stopped at step 6: a collective failed with every peer "
+                                                    "alive (a network fault or a timeout): gloo: connection reset"),
+    (RuntimeError("a bug of this rank"), [], None),
+])
+def test_the_trainer_judges_an_exception_by_which_peers_are_alive_not_by_its_text(error, silent, expected, caplog):
+    """The judgment of the trainer's error path, whichever thread would have seen the lost peer first in a run:
+    a compiled step's error names no collective, so a silent peer makes it a lost peer (exit 3); a collective's
+    own error with every peer alive is a network fault (exit 3); any other error with every peer alive is this
+    rank's own (None: it is raised with its traceback, exit 1)."""
+    import rvq_seamless_gpu_cache_nccl as trainer
+    from errors import DistributedFailure
+
+    progress = Progress()
+    progress.step, progress.phase = 6, "forward"
+    judge = SimpleNamespace(progress=progress, ctx=SimpleNamespace(rank=0), watchdog=_Watchdog(silent),
+                            cfg=SimpleNamespace(dist=SimpleNamespace(sync_timeout=10)))
+    with caplog.at_level("ERROR"):
+        lost = trainer.Trainer.lost_peer(judge, error)
+    assert f"rank 0 at step 6 (forward): {type(error).__name__}: {error}; asking the watchdog" in caplog.text
+    assert progress.phase == FAILED
+    if expected is None:
+        assert lost is None and "every peer is alive: the error is this rank's own" in caplog.text
+    else:
+        assert isinstance(lost, DistributedFailure) and str(lost) == expected
