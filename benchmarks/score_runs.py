@@ -6,11 +6,11 @@ names the flags in which its config.json differs from the trainer's defaults (ou
 aside), its steps and its time from the first metrics event to the stop. A run trained with `--max_steps N` and
 the same flags gives the same codes whatever else runs beside it, so trials can share the cores:
 
-    python rvq_seamless_gpu_cache_nccl.py --data_dir .cache/speech_corpus --output_dir /tmp/trials/lr3 \\
-        --resume none --max_minutes 60 --max_steps 2000 --threads 1 --downsample 2 --lr 3e-3 &
+    python rvq_seamless_gpu_cache_nccl.py --data_dir .cache/speech_corpus --output_dir /tmp/trials/lr4 \\
+        --resume none --max_minutes 60 --max_steps 2000 --threads 1 --downsample 2 --lr 4e-3 &
     python rvq_seamless_gpu_cache_nccl.py ... --output_dir /tmp/trials/base ... --downsample 2 &
     wait
-    python benchmarks/score_runs.py --data_dir .cache/speech_corpus /tmp/trials/base /tmp/trials/lr3 --out x.json
+    python benchmarks/score_runs.py --data_dir .cache/speech_corpus /tmp/trials/base /tmp/trials/lr4 --out x.json
 
 The row of a run is what `quality.py --methods codec --max_minutes 60 -- FLAGS` gives for the same flags.
 """
@@ -21,6 +21,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,6 +35,7 @@ from training.config import parse_args  # noqa: E402
 from training.run_folder import RunFolder  # noqa: E402
 
 NOT_TRIAL_FLAGS = {"output_dir", "data_dir", "threads", "resume", "max_minutes", "nccl_timeout"}
+EDGE_BANDS = (0, 8, 16, 32, 64)  # --by_edge: frames from the utterance's nearer end, [0, 8) ... [64, its middle]
 
 
 def changed_flags(config: dict) -> dict:
@@ -42,26 +44,54 @@ def changed_flags(config: dict) -> dict:
     return {k: v for k, v in config.items() if k not in NOT_TRIAL_FLAGS and k in defaults and defaults[k] != v}
 
 
-def score_run(run: Path, valid) -> dict:
+def error_by_edge(model, valid) -> list[dict]:
+    """The held-out error by a frame's distance from its utterance's nearer end, in EDGE_BANDS: each band's share of
+    the frames and its squared error over the variance of all held-out frames (rel_mse's denominator, so the
+    bands' rel_mse weighted by their shares is the whole rel_mse)."""
+    c, errors, distances, frames = model.config, [], [], []
+    with torch.no_grad():
+        for i in range(len(valid)):
+            x = torch.from_numpy(np.array(valid.utterance(i), dtype=np.float32))
+            x = x[: len(x) // c.downsample * c.downsample]
+            x_hat = model.decode(model.encode(x, beam_size=c.beam_size))
+            errors.append(((x_hat - x) ** 2).sum(1).numpy())
+            t = np.arange(len(x))
+            distances.append(np.minimum(t, len(x) - 1 - t))
+            frames.append(x.numpy().astype(np.float64))
+    x = np.concatenate(frames)
+    error, distance = np.concatenate(errors) / ((x - x.mean(0)) ** 2).sum(1).mean(), np.concatenate(distances)
+    bands = []
+    for low, high in zip(EDGE_BANDS, [*EDGE_BANDS[1:], None]):
+        inside = (distance >= low) & (True if high is None else distance < high)
+        bands.append({"from_end": f"{low}-{high}" if high else f"{low}+", "share": round(float(inside.mean()), 4),
+                      "rel_mse": float(error[inside].mean())})
+    return bands
+
+
+def score_run(run: Path, valid, by_edge: bool = False) -> dict:
     config = json.loads((RunFolder(run).root / "config.json").read_text())
     stop, seconds, _, model = finished_run(run)
     row = score_encoded(model, valid, model.config.beam_size, {})
-    return {"run": run.name, "flags": changed_flags(config), "steps": stop["step"], "stop_reason": stop["reason"],
-            "train_seconds": round(seconds, 1), "rel_mse": row["rel_mse"], "lowest_usage": min(row["code_usage"]),
-            "frames": row["frames"]}
+    result = {"run": run.name, "flags": changed_flags(config), "steps": stop["step"], "stop_reason": stop["reason"],
+              "train_seconds": round(seconds, 1), "rel_mse": row["rel_mse"], "lowest_usage": min(row["code_usage"]),
+              "frames": row["frames"]}
+    if by_edge:
+        result["by_edge"] = error_by_edge(model, valid)
+    return result
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", type=Path, help="trainer output dirs")
     p.add_argument("--data_dir", default=None, help="the store the runs trained on (none: the demo corpus)")
+    p.add_argument("--by_edge", action="store_true", help="also the error by distance from the utterance's ends")
     p.add_argument("--out", type=Path, required=True, help="JSON path")
     args = p.parse_args()
     torch.set_num_threads(2)
     _, valid, _ = open_stores(args.data_dir or ensure_demo_corpus(), "train", "valid", seed=parse_args([]).optim.seed)
     rows = []
     for run in args.runs:
-        rows.append(score_run(run, valid))
+        rows.append(score_run(run, valid, args.by_edge))
         print(f"{run.name}: {rows[-1]['steps']} steps, rel_mse {rows[-1]['rel_mse']:.5f}, "
               f"lowest usage {rows[-1]['lowest_usage']:.1%}, flags {rows[-1]['flags']}", file=sys.stderr)
     report = {"data_dir": args.data_dir or "demo corpus", "machine": machine(),
