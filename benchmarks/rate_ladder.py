@@ -66,12 +66,14 @@ CODECS = {
     "50 Hz x 8 with quantizer dropout": ["--quantize_dropout"],
     "25 Hz x 8 with dead-code threshold 0.25": ["--downsample", "2", "--dead_code_threshold", "0.25"],
     "25 Hz x 8 with a 320-d latent": ["--downsample", "2", "--latent_dim", "320"],
-    "25 Hz x 8 with lr 3e-3 decaying to 1%": ["--downsample", "2", "--lr", "3e-3", "--min_lr_ratio", "0.01"],
-    "50 Hz x 8 with lr 3e-3 decaying to 1%": ["--lr", "3e-3", "--min_lr_ratio", "0.01"],
 }
+# The trainer's schedule before its defaults became lr 3e-3 decaying to 1% (2026-11-29): every codec above with
+# it, by the name its rows made then carry in the committed reports, so that each of them can be run again
+BEFORE = ("lr 2e-3 decaying to 10%", ["--lr", "2e-3", "--min_lr_ratio", "0.1"])
+CODECS.update({f"{n.removesuffix(' (defaults)')} ({BEFORE[0]})": [*flags, *BEFORE[1]] for n, flags in CODECS.items()})
 # run when named, not codecs of the ladder
 TRIALS = ("25 Hz x 8 with dead-code threshold 0.25", "25 Hz x 8 with a 320-d latent",
-          "25 Hz x 8 with lr 3e-3 decaying to 1%", "50 Hz x 8 with lr 3e-3 decaying to 1%")
+          *[n for n in CODECS if n.endswith(f"({BEFORE[0]})")])
 LADDER = [n for n in CODECS if n not in TRIALS]
 KBPS = (0.5, 1.0, 2.0, 4.0)
 
@@ -194,6 +196,12 @@ def table(report: dict) -> str:
     return "\n".join(rows)
 
 
+def ladder_codec(name: str) -> str:
+    """The codec that `name` is, or is with the schedule before (the name of its colour)."""
+    base = name.removesuffix(f" ({BEFORE[0]})")
+    return name if base == name else next(n for n in CODECS if n.removesuffix(" (defaults)") == base)
+
+
 def plot(paths: list[Path], out: Path, names: list[str]) -> None:
     """rel_mse against kbps, a panel per report (corpus and budget), two to a row: each codec of `names` that the
     report holds, its rungs joined; faiss dashed."""
@@ -211,8 +219,9 @@ def plot(paths: list[Path], out: Path, names: list[str]) -> None:
     for ax, report in zip(axes.flat, reports):
         for name in [n for n in dict.fromkeys(r["codec"] for r in report["codecs"]) if n in names]:
             rows = sorted((r for r in report["codecs"] if r["codec"] == name), key=lambda r: r["kbps"])
+            codec = ladder_codec(name)  # a codec's colour the same in every panel, dash-dotted with the old schedule
             ax.plot([r["kbps"] for r in rows], [r["rel_mse"] for r in rows], marker="o", label=name,
-                    color=f"C{list(CODECS).index(name) % 10}")  # a codec's colour the same in every panel
+                    color=f"C{list(CODECS).index(codec) % 10}", linestyle="-" if name == codec else "-.")
         for beam, style in ((1, ":"), (8, "--")):
             rows = sorted((r for r in report["baselines"] if r["beam"] == beam), key=lambda r: r["kbps"])
             ax.plot([r["kbps"] for r in rows], [r["rel_mse"] for r in rows], "k" + style, marker="x",

@@ -36,5 +36,5 @@ def test_a_scored_run_is_named_by_the_flags_it_changed_from_the_defaults():
     from benchmarks.score_runs import changed_flags
     from training.config import parse_args
 
-    config = parse_args(["--downsample", "2", "--lr", "3e-3", "--threads", "1", "--output_dir", "/tmp/x"]).to_dict()
-    assert changed_flags(config) == {"downsample": 2, "lr": 0.003}  # where it ran and on how many threads aside
+    config = parse_args(["--downsample", "2", "--lr", "4e-3", "--threads", "1", "--output_dir", "/tmp/x"]).to_dict()
+    assert changed_flags(config) == {"downsample": 2, "lr": 0.004}  # where it ran and on how many threads aside

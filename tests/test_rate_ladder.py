@@ -68,7 +68,15 @@ def test_usage_counts_each_level_apart_and_its_ceiling_is_that_of_an_evenly_used
 
 
 def test_every_codec_can_be_named_on_the_command_line():
-    from benchmarks.rate_ladder import CODECS, TRIALS
+    from benchmarks.rate_ladder import BEFORE, CODECS, LADDER, TRIALS, ladder_codec
 
     assert not [n for n in CODECS if "," in n]  # --codecs is comma-separated
     assert set(TRIALS) <= set(CODECS)
+    # each codec again with the schedule before, by a name its rows in the committed reports carry, and drawn in
+    # its codec's colour
+    before = [n for n in CODECS if n.endswith(f"({BEFORE[0]})")]
+    assert len(before) == len(CODECS) / 2 and set(before) <= set(TRIALS)
+    assert {ladder_codec(n) for n in before} == set(CODECS) - set(before)
+    assert CODECS["25 Hz x 4 (lr 2e-3 decaying to 10%)"] == [*CODECS["25 Hz x 4"], *BEFORE[1]]
+    assert BEFORE[1] == ["--lr", "2e-3", "--min_lr_ratio", "0.1"]
+    assert ladder_codec("50 Hz x 8 (lr 2e-3 decaying to 10%)") == LADDER[0] == "50 Hz x 8 (defaults)"

@@ -116,8 +116,8 @@ class OptimConfig:
               "rank 0's clock decides; a resumed run has what its checkpoint left of it)")
     epochs: int | None = flag(None, "passes over the training frames (used when --max_steps is not given)")
     grad_accum: int = flag(1, "micro-batches per step; gradients are all-reduced on the last one only")
-    lr: float = flag(2e-3, "peak learning rate (AdamW), reached after --warmup_steps", kind="positive")
-    min_lr_ratio: float = flag(0.1, "cosine decay ends at lr x this", kind="fraction")
+    lr: float = flag(3e-3, "peak learning rate (AdamW), reached after --warmup_steps", kind="positive")
+    min_lr_ratio: float = flag(0.01, "cosine decay ends at lr x this", kind="fraction")
     warmup_steps: int = flag(50, "steps of linear warmup to --lr, before the cosine decay", kind="nonnegative")
     weight_decay: float = flag(0.0, "AdamW's decoupled weight decay", kind="nonnegative")
     grad_clip: float = flag(1.0, "gradients are scaled down to this total norm when above it (0: no clipping)",
