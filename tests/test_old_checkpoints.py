@@ -2,19 +2,24 @@
 
 tests/data/checkpoint_c2e2232/ was written by the trainer of commit c2e2232 on the `small_data` dump (conftest.py),
 with TINY and `--max_steps 8 --save_every 4 --eval_every 100 --refit_iters 0`: its checkpoint at step 4, and the
-model weights of its step 8 (that run unbroken, the refit and the final eval done)."""
+model weights of its step 8 (that run unbroken, the refit and the final eval done). Its learning rate was that
+trainer's default, 2e-3 decaying to 10%; the resume gives it as flags (EARLIER_SCHEDULE), since a resumed run
+takes its schedule from the flags and the defaults have changed since."""
 import torch
 
 from tests.helpers import REPO, TINY, events, newest_checkpoint, trainer_in_process
 
 EARLIER = REPO / "tests" / "data" / "checkpoint_c2e2232"
+EARLIER_SCHEDULE = ["--lr", "2e-3", "--min_lr_ratio", "0.1"]  # the defaults of c2e2232, in its config
 
 
 def test_a_checkpoint_of_an_earlier_trainer_resumes_to_the_weights_of_its_unbroken_run(tmp_path, small_data):
+    config = torch.load(EARLIER / "step_00000004.pt", weights_only=False, map_location="cpu")["config"]
+    assert (config["lr"], config["min_lr_ratio"]) == (2e-3, 0.1)  # EARLIER_SCHEDULE is the run's own
     out = tmp_path / "run"
     r = trainer_in_process(["--data_dir", small_data, "--output_dir", out, *TINY, "--max_steps", "8",
                             "--save_every", "4", "--eval_every", "100", "--refit_iters", "0",
-                            "--resume", EARLIER / "step_00000004.pt"])
+                            *EARLIER_SCHEDULE, "--resume", EARLIER / "step_00000004.pt"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stderr and "at step 4" in r.stderr
     assert events(out, "stop")[-1]["step"] == 8 and events(out, "stop")[-1]["reason"] == "max_steps"
