@@ -43,7 +43,7 @@ from models.codec import CodecConfig, RVQCodec
 from models.compiled_step import check_compile, compile_mode, graphs_and_breaks
 from training.checkpoint import Checkpointer, Resume
 from training.codebooks import feature_stats, init_codebooks, refit
-from training.config import TrainConfig, parse_args, save_config
+from training.config import OptimConfig, TrainConfig, parse_args, resumed_optim, save_config
 from training.device import cache_dtype, compute_dtype, make_deterministic, select_device
 from training.distributed import (DistContext, all_reduce_sum, destroy, detect_launch, dump_flight_recorder,
                                   final_barrier, free_destroyed_groups, init_distributed,
@@ -104,6 +104,9 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
         destroy()
         raise
     set_threads(cfg.run.threads, device, resume)  # once the resume is known: a resumed run computes as its run did
+    if resume is not None:  # and trains on its own schedule: a new default never changes it mid-run
+        optim = keep_schedule(cfg, resume)
+        cfg, given = dataclasses.replace(cfg, optim=optim), dataclasses.replace(given, optim=optim)
     data.save_manifests()  # the output dir is this run's from here on
     make_flight_recorder_dir(ctx, Path(cfg.run.output_dir))
     trainer = Trainer(cfg, ctx, data, codec, stop, faults, output, given)
@@ -191,6 +194,8 @@ class Trainer:
         torch.manual_seed(cfg.optim.seed + ctx.rank)
         if resume is not None:
             self.checkpointer.restore(resume, self.model, self.optimizer, self.scaler, p)
+            for group in self.optimizer.param_groups:  # the state dict brings the checkpoint's; the flag decides
+                group["weight_decay"] = cfg.optim.weight_decay
             if resume.new_data:  # --finetune: the codec standardises the features it now trains on by their own
                 self.model.set_feature_stats(*(t.to(ctx.device) for t in feature_stats(self.data.train)))
             self.saved = (p.step, tuple(p.end_of_schedule))
@@ -651,6 +656,14 @@ def set_threads(flag: int | None, device: torch.device, resume: Resume | None) -
     choice = choose_threads(flag, default=torch.get_num_threads(), recorded=recorded)
     set_torch_threads(choice)
     log.info("threads: %d (%s)", choice.threads, choice.why)
+
+
+def keep_schedule(cfg: TrainConfig, resume: Resume) -> OptimConfig:
+    """The resumed run's optimisation settings: its checkpoint's, but for the flags given (training/config.py)."""
+    optim, said = resumed_optim(cfg.optim, resume.state.get("config") or {}, cfg.typed)
+    for line in said:
+        log.info("resumed run: %s", line)
+    return optim
 
 
 def setup_logging(rank: int) -> None:

@@ -171,3 +171,16 @@ def test_the_default_batch_depends_on_the_device_and_a_given_one_is_kept():
     assert DEFAULT_BATCH["cpu"] < DEFAULT_BATCH["cuda"]
     given = DataConfig(batch_size=5, segment_length=32).fit_to(lengths, 1, "cuda")
     assert (given.batch_size, given.segment_length) == (5, 32)
+
+
+def test_a_resumed_run_keeps_its_checkpoints_optimisation_settings_unless_their_flags_are_given():
+    from training.config import parse_args, resumed_optim
+
+    saved = {"lr": 2e-3, "min_lr_ratio": 0.1, "warmup_steps": 50, "seed": 7, "max_steps": 100}  # no weight_decay
+    typed = parse_args(["--min_lr_ratio", "0.2", "--grad_clip", "0.5", "--max_steps", "300"])
+    optim, said = resumed_optim(typed.optim, saved, typed.typed)
+    assert (optim.lr, optim.min_lr_ratio, optim.warmup_steps, optim.grad_clip) == (2e-3, 0.2, 50, 0.5)
+    assert optim.weight_decay == typed.optim.weight_decay  # a setting the checkpoint predates: this run's
+    assert (optim.seed, optim.max_steps) == (typed.optim.seed, 300)  # not kept: the budget is the relaunch's
+    assert said == ["--lr 0.002, the checkpoint's run's (this version's default: 0.003)",
+                    "--min_lr_ratio 0.2 as given (the checkpoint's run trained with 0.1)"]

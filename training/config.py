@@ -86,8 +86,14 @@ def on_off(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+KEPT_ON_RESUME = "a resumed run keeps its checkpoint's unless given"
+
+
 def flag(default, help: str | None = None, **metadata):
-    """A field that is also a flag, with its default and help text (metadata: see _argparse_options)."""
+    """A field that is also a flag, with its default and help text (metadata: see _argparse_options; "kept": a
+    resumed run keeps its checkpoint's value unless the flag is given, `resumed_optim`)."""
+    if metadata.get("kept"):
+        help = f"{help}; {KEPT_ON_RESUME}"
     return field(default=default, metadata={"help": help, **metadata})
 
 
@@ -116,12 +122,13 @@ class OptimConfig:
               "rank 0's clock decides; a resumed run has what its checkpoint left of it)")
     epochs: int | None = flag(None, "passes over the training frames (used when --max_steps is not given)")
     grad_accum: int = flag(1, "micro-batches per step; gradients are all-reduced on the last one only")
-    lr: float = flag(3e-3, "peak learning rate (AdamW), reached after --warmup_steps", kind="positive")
-    min_lr_ratio: float = flag(0.01, "cosine decay ends at lr x this", kind="fraction")
-    warmup_steps: int = flag(50, "steps of linear warmup to --lr, before the cosine decay", kind="nonnegative")
-    weight_decay: float = flag(0.0, "AdamW's decoupled weight decay", kind="nonnegative")
+    lr: float = flag(3e-3, "peak learning rate (AdamW), reached after --warmup_steps", kind="positive", kept=True)
+    min_lr_ratio: float = flag(0.01, "cosine decay ends at lr x this", kind="fraction", kept=True)
+    warmup_steps: int = flag(50, "steps of linear warmup to --lr, before the cosine decay", kind="nonnegative",
+                             kept=True)
+    weight_decay: float = flag(0.0, "AdamW's decoupled weight decay", kind="nonnegative", kept=True)
     grad_clip: float = flag(1.0, "gradients are scaled down to this total norm when above it (0: no clipping)",
-                            kind="nonnegative")
+                            kind="nonnegative", kept=True)
     max_bad_steps: int = flag(10, "non-finite steps in a row (each skipped on every rank) before the run stops",
                               kind="nonnegative")
     precision: str = flag("auto", "auto: bf16 on a GPU that supports it, else fp32",
@@ -191,6 +198,7 @@ class TrainConfig:
     run: RunConfig
     dist: DistConfig
     local_rank: int | None = None  # from torch.distributed.launch's flag; not saved
+    typed: frozenset[str] = frozenset()  # the flags on the command line, by field name; not saved
 
     def codec_config(self, feature_dim: int) -> CodecConfig:
         return CodecConfig(feature_dim=feature_dim, **self.codec)
@@ -281,6 +289,7 @@ def parse_args(argv=None) -> TrainConfig:
         run=_section(RunConfig, values),
         dist=_section(DistConfig, values),
         local_rank=values["local_rank"],
+        typed=typed_flags(argv),
     )
     downsample = config.codec["downsample"]
     bad = [L for L in config.data.train_lengths if L is not None and L % downsample]
@@ -296,6 +305,32 @@ def parse_args(argv=None) -> TrainConfig:
     if not config.run.output_dir.strip():  # "" would be the current folder
         parser.error("argument --output_dir: expected a folder, got an empty name")
     return config
+
+
+def typed_flags(argv=None) -> frozenset[str]:
+    """The fields whose flags `argv` gives (at their default value too): a parse with every default left out."""
+    bare = build_parser()
+    for action in bare._actions:
+        action.default = argparse.SUPPRESS
+    return frozenset(vars(bare.parse_args(argv)))
+
+
+def resumed_optim(optim: OptimConfig, saved: dict, typed: frozenset[str]) -> tuple[OptimConfig, list[str]]:
+    """The optimisation settings of a resumed run: each "kept" field (the learning-rate schedule, the update's
+    settings) as its checkpoint's run had it (`saved`: the checkpoint's "config"), unless its flag is typed; a
+    field the checkpoint predates keeps this run's value. A new default then never changes a running job's
+    schedule mid-run. Returns the settings and one line per field that differs from the flags or defaults."""
+    kept, said = {}, []
+    for f in dataclasses.fields(OptimConfig):
+        if not f.metadata.get("kept") or f.name not in saved or saved[f.name] == getattr(optim, f.name):
+            continue
+        ours = getattr(optim, f.name)
+        if f.name in typed:
+            said.append(f"--{f.name} {ours:g} as given (the checkpoint's run trained with {saved[f.name]:g})")
+        else:
+            kept[f.name] = saved[f.name]
+            said.append(f"--{f.name} {saved[f.name]:g}, the checkpoint's run's (this version's default: {ours:g})")
+    return dataclasses.replace(optim, **kept), said
 
 
 def command_line(values: dict) -> list[str]:
