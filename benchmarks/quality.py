@@ -67,13 +67,17 @@ def all_frames(store) -> np.ndarray:
     return np.concatenate([store.utterance(i) for i in range(len(store))]).astype(np.float32)
 
 
-def score(valid, reconstruct, levels: int, size: int) -> dict:
-    """EvalSums over every held-out frame; reconstruct(utterance [T, D]) -> (x_hat [T, D], codes [T, Q])."""
+def score(valid, reconstruct, levels: int, size: int, each=None) -> dict:
+    """EvalSums over every held-out frame; reconstruct(utterance [T, D]) -> (x_hat [T, D], codes [T, Q]);
+    each(x, x_hat), if given, sees every utterance's frames and their reconstruction."""
     sums = EvalSums(valid.dim, levels, size, "cpu")
     for i in range(len(valid)):
         x = torch.from_numpy(np.array(valid.utterance(i), dtype=np.float32))  # a writable copy
         x_hat, codes = reconstruct(x)
-        sums.add(x[: len(x_hat)], x_hat, codes)  # a codec of --downsample s codes the first multiple of s frames
+        x = x[: len(x_hat)]  # a codec of --downsample s codes the first multiple of s frames
+        sums.add(x, x_hat, codes)
+        if each is not None:
+            each(x, x_hat)
     return sums.result(downsample=1)
 
 
@@ -113,8 +117,9 @@ def run_codec(data_dir, out_dir: Path, max_minutes: float, extra: list[str], val
     return trained, model
 
 
-def score_encoded(model: RVQCodec, valid, beam: int, trained: dict) -> dict:
-    """The trained codec scored through encode and decode, as tools.encode --beam_size BEAM gives its codes."""
+def score_encoded(model: RVQCodec, valid, beam: int, trained: dict, each=None) -> dict:
+    """The trained codec scored through encode and decode, as tools.encode --beam_size BEAM gives its codes (each:
+    see `score`)."""
     c = model.config
 
     def reconstruct(x):
@@ -123,7 +128,7 @@ def score_encoded(model: RVQCodec, valid, beam: int, trained: dict) -> dict:
 
     start = time.perf_counter()
     with torch.no_grad():
-        result = score(valid, reconstruct, c.num_quantizers, c.codebook_size)
+        result = score(valid, reconstruct, c.num_quantizers, c.codebook_size, each)
     seconds = time.perf_counter() - start
     how = "the nearest code at each level" if beam == 1 else f"a beam search {beam} wide"
     result.update(trained, method=f"codec (ours), codes from {how}", beam_size=beam,

@@ -44,39 +44,40 @@ def changed_flags(config: dict) -> dict:
     return {k: v for k, v in config.items() if k not in NOT_TRIAL_FLAGS and k in defaults and defaults[k] != v}
 
 
-def error_by_edge(model, valid) -> list[dict]:
-    """The held-out error by a frame's distance from its utterance's nearer end, in EDGE_BANDS: each band's share of
-    the frames and its squared error over the variance of all held-out frames (rel_mse's denominator, so the
-    bands' rel_mse weighted by their shares is the whole rel_mse)."""
-    c, errors, distances, frames = model.config, [], [], []
-    with torch.no_grad():
-        for i in range(len(valid)):
-            x = torch.from_numpy(np.array(valid.utterance(i), dtype=np.float32))
-            x = x[: len(x) // c.downsample * c.downsample]
-            x_hat = model.decode(model.encode(x, beam_size=c.beam_size))
-            errors.append(((x_hat - x) ** 2).sum(1).numpy())
-            t = np.arange(len(x))
-            distances.append(np.minimum(t, len(x) - 1 - t))
-            frames.append(x.numpy().astype(np.float64))
-    x = np.concatenate(frames)
-    error, distance = np.concatenate(errors) / ((x - x.mean(0)) ** 2).sum(1).mean(), np.concatenate(distances)
-    bands = []
-    for low, high in zip(EDGE_BANDS, [*EDGE_BANDS[1:], None]):
-        inside = (distance >= low) & (True if high is None else distance < high)
-        bands.append({"from_end": f"{low}-{high}" if high else f"{low}+", "share": round(float(inside.mean()), 4),
-                      "rel_mse": float(error[inside].mean())})
-    return bands
+class EdgeErrors:
+    """The held-out error by a frame's distance from its utterance's nearer end, in EDGE_BANDS (--by_edge): `add`
+    is quality.score's `each`. A band's rel_mse is its frames' squared error over the variance of all held-out
+    frames, rel_mse's denominator: the bands' rel_mse weighted by their shares is the whole rel_mse."""
+
+    def __init__(self):
+        self.errors, self.distances = [], []
+
+    def add(self, x: torch.Tensor, x_hat: torch.Tensor) -> None:
+        self.errors.append(((x_hat.double() - x.double()) ** 2).sum(1).numpy())
+        t = np.arange(len(x))
+        self.distances.append(np.minimum(t, len(x) - 1 - t))
+
+    def bands(self, rel_mse: float) -> list[dict]:
+        error, distance = np.concatenate(self.errors), np.concatenate(self.distances)
+        error = error * rel_mse / error.mean()  # a frame's error over the mean variance of a frame
+        bands = []
+        for low, high in zip(EDGE_BANDS, [*EDGE_BANDS[1:], None]):
+            inside = (distance >= low) & (True if high is None else distance < high)
+            bands.append({"from_end": f"{low}-{high}" if high else f"{low}+",
+                          "share": round(float(inside.mean()), 4), "rel_mse": float(error[inside].mean())})
+        return bands
 
 
 def score_run(run: Path, valid, by_edge: bool = False) -> dict:
     config = json.loads((RunFolder(run).root / "config.json").read_text())
     stop, seconds, _, model = finished_run(run)
-    row = score_encoded(model, valid, model.config.beam_size, {})
+    edges = EdgeErrors() if by_edge else None
+    row = score_encoded(model, valid, model.config.beam_size, {}, edges.add if by_edge else None)
     result = {"run": run.name, "flags": changed_flags(config), "steps": stop["step"], "stop_reason": stop["reason"],
               "train_seconds": round(seconds, 1), "rel_mse": row["rel_mse"], "lowest_usage": min(row["code_usage"]),
               "frames": row["frames"]}
     if by_edge:
-        result["by_edge"] = error_by_edge(model, valid)
+        result["by_edge"] = edges.bands(row["rel_mse"])
     return result
 
 
