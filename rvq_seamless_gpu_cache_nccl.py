@@ -82,7 +82,8 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
     data = open_training_data(cfg.data, rank=launch.rank, world_size=launch.world_size, seed=cfg.optim.seed,
                               multiple_of=cfg.codec["downsample"], device_type=device.type,
                               manifest_dir=Path(cfg.run.output_dir), save_manifests=False)
-    given = cfg  # config.json's and the checkpoints' flags: as given (the automatic choices are logged)
+    given = cfg  # config.json's and the checkpoints' flags: as given (the automatic choices are logged; a resumed
+    # run's kept settings are its checkpoint's, below)
     cfg = dataclasses.replace(cfg, data=data.config)  # the batch size and automatic segment length decided
     codec = cfg.codec_config(data.train.dim)
     # ---- one run per output dir: rank 0 locks it for the run's life (a refusal is raised once every rank knows it)
@@ -142,7 +143,8 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, ctx: DistContext, data: TrainingData, codec: CodecConfig,
                  stop: StopRequest, faults: FaultInjector, output: OutputDirLock, given: TrainConfig):
-        """given: the configuration as the flags gave it, before the automatic choices that `cfg` holds."""
+        """given: the configuration as the flags gave it (a resumed run's kept settings its checkpoint's), before the
+        automatic choices that `cfg` holds."""
         self.cfg, self.ctx, self.data, self.codec, self.stop, self.faults = cfg, ctx, data, codec, stop, faults
         self.output, self.given = output, given
         self.main_rank = ctx.rank == 0

@@ -5,7 +5,8 @@ distributed), with its default and help text beside it: the dataclasses are the
 single source of truth, and `build_parser` makes one flag per field. The codec's
 fields are `models.codec.CodecConfig`'s, so a new codec knob is one edit there.
 `config.json` and a checkpoint's "config" hold every field under its flag name, as given (None for an
-automatic one: the log says what was chosen).
+automatic one: the log says what was chosen), but that a resumed run's "kept" settings are those it keeps from its
+checkpoint (`resumed_optim`).
 
 A bad flag or value ends in argparse's message and exit code 2. `--local_rank`
 and `--local-rank` are both accepted, for the older `torch.distributed.launch`;
