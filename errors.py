@@ -49,14 +49,17 @@ class Asker:
     # a command-line flag -> the keyword rvq_tokenizer takes for it, where the two names differ
     KEYWORDS = {"checkpoint": "source", "num_quantizers": "levels"}
 
-    def __init__(self, python: bool):
+    def __init__(self, python: bool, positional: tuple[str, ...] = ()):
         self.python = python
+        self.positional = positional  # options a command takes as positional arguments: named as `name value`
 
     def option(self, name: str, value=None) -> str:
         """Option `name` (a flag's name, without dashes) with `value`, as the asker types it: `--name value`, or
-        `keyword=value` in Python (a string or path quoted)."""
+        `keyword=value` in Python (a string or path quoted); `name value` for one the command takes as a
+        positional argument."""
         if not self.python:
-            return f"--{name}" if value is None else f"--{name} {value}"
+            flag = name if name in self.positional else f"--{name}"
+            return flag if value is None else f"{flag} {value}"
         keyword = self.KEYWORDS.get(name, name)
         if value is None:
             return f"{keyword}="

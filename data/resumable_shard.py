@@ -186,7 +186,6 @@ def claim_shard(folder: Path, name: str, layout: ShardLayout, settings: dict, *,
         lock.release()
         raise
     log.info("%s is complete (%s); nothing to do (--overwrite: %s)", name, array, redo)
-    log.info("finished successfully")
     lock.release()
     return None
 

@@ -30,21 +30,22 @@ TRUSTED_STEPS = 100
 TRUSTED_REL_MSE = 0.5
 
 
-def load_codec(path: str | Path, device: str | torch.device = "cpu",
-               asker: Asker = COMMAND_LINE) -> tuple[RVQCodec, dict, Path]:
+def load_codec(path: str | Path, device: str | torch.device = "cpu", asker: Asker = COMMAND_LINE,
+               exports: bool = False) -> tuple[RVQCodec, dict, Path]:
     """(model in eval mode, checkpoint dict, checkpoint file) from a checkpoint file or a run folder (its newest, once
     the run has ended); the codec's step and last eval are logged, and a schedule too short to trust warned about.
-    BadInputError, in the `asker`'s words, for a path that holds no codec."""
+    BadInputError, in the `asker`'s words, for a path that holds no codec (naming an export folder among what to
+    give when the caller takes one: `exports`, open_codec)."""
     path = Path(path)
     given = asker.option("checkpoint", path)
-    sources = ("a run's folder (the trainer's output folder), one of its checkpoint files, or a folder python -m "
-               "tools.export wrote" if asker.python else "a checkpoint file or a run's --output_dir")
+    sources = ("a run's folder (the trainer's output folder), one of its checkpoint files" if asker.python
+               else "a checkpoint file or a run's --output_dir") + (
+        ", or a folder python -m tools.export wrote" if exports else "")
     if path.is_dir():
         refuse_a_run_in_progress(path, asker)
         found = load_latest(RunFolder(path).checkpoints) or load_latest(path)
         if found is None:
-            raise BadInputError(f"{given}: no readable step_*.pt in {path}/checkpoints or {path}"
-                                + (f": give {sources}" if asker.python else ""))
+            raise BadInputError(f"{given}: no readable step_*.pt in {path}/checkpoints or {path}: give {sources}")
         path, state = found
     elif path.is_file():
         try:
@@ -97,9 +98,12 @@ def load_exported(folder: Path, device: str | torch.device = "cpu") -> tuple[RVQ
     return model.to(device).eval(), state, weights
 
 
-def open_codec(path: Path, device: str | torch.device, asker: Asker) -> tuple[RVQCodec, dict, Path]:
-    """load_exported for a folder tools.export wrote, else load_codec: what rvq_tokenizer.load takes."""
-    return load_exported(path, device) if is_export(path) else load_codec(path, device, asker)
+def open_codec(path: str | Path, device: str | torch.device = "cpu",
+               asker: Asker = COMMAND_LINE) -> tuple[RVQCodec, dict, Path]:
+    """load_exported for a folder tools.export wrote, else load_codec: what rvq_tokenizer.load and the commands'
+    --checkpoint take (the state of an export holds its step, codec_digest and features, no weights)."""
+    path = Path(path)
+    return load_exported(path, device) if is_export(path) else load_codec(path, device, asker, exports=True)
 
 
 def refuse_a_run_in_progress(folder: Path, asker: Asker = COMMAND_LINE) -> None:

@@ -20,9 +20,9 @@ from data.audio import pass_plan
 from data.dump_writer import publish, shard_range
 from data.resumable_shard import ShardWriter
 from rvq_tokenizer.codec_files import load_codec
-from tests.audio_helpers import CORPUS, random_codec, tiny_w2v_bert, write_corpus
+from tests.audio_helpers import CORPUS, codec_checkpoint, random_codec, tiny_w2v_bert, write_corpus
 from tests.helpers import REPO, TINY, _state, env, run_trainer, tree
-from tools import encode, export, extract, report, tokenize
+from tools import encode, evaluate, export, extract, report, tokenize
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -106,6 +106,65 @@ def test_the_trainer_records_the_features_and_export_reads_them(corpus, tmp_path
     torch.save(state, tmp_path / "step_00000004.pt")
     assert export.main([tmp_path / "step_00000004.pt", tmp_path / "exported"]) == 0
     assert json.loads((tmp_path / "exported" / "codec.json").read_text())["feature"]["kind"] == "fbank"
+
+
+def test_export_replaces_only_its_own_export_of_the_same_codec(corpus, tmp_path, caplog):
+    out = tmp_path / "exported"
+    assert export.main([corpus.fbank_run, out]) == 0
+    first = (out / "codec.safetensors").read_bytes()
+    assert export.main([corpus.fbank_run, out]) == 0  # the same codec again: written again, the same tensors
+    assert (out / "codec.safetensors").read_bytes() == first
+    other = codec_checkpoint(tmp_path / "other.pt", {"feature": "fbank", "dim": 160}, 160)
+    cases = [  # (what out_dir holds, what the refusal names)
+        ("another codec", "holds the export of another codec"),
+        ("a foreign codec.json", "holds a codec.json that python -m tools.export did not write"),
+        ("a foreign codec.safetensors", "holds a codec.safetensors that python -m tools.export did not write"),
+    ]
+    for held, message in cases:
+        shutil.rmtree(out)
+        out.mkdir()
+        if held == "another codec":
+            assert export.main([other, out]) == 0
+        elif held == "a foreign codec.json":
+            (out / "codec.json").write_text('{"mine": 1}\n')
+        else:
+            (out / "codec.safetensors").write_bytes(b"junk")
+        before = tree(out)
+        caplog.clear()
+        assert export.main([corpus.fbank_run, out]) == 2, held
+        assert message in caplog.text and "--overwrite" in caplog.text, (held, caplog.text)
+        assert tree(out) == before, held  # nothing written
+        assert export.main([corpus.fbank_run, out, "--overwrite"]) == 0, held
+        assert (out / "codec.safetensors").read_bytes() == first, held
+    caplog.clear()  # a kind the checkpoint contradicts; the checkpoint named as the command's argument
+    assert export.main([corpus.fbank_run, tmp_path / "w2v", "--feature", "w2v-bert"]) == 2
+    assert "--feature w2v-bert: the checkpoint says the codec was trained on fbank" in caplog.text
+    assert not (tmp_path / "w2v").exists()
+    caplog.clear()
+    assert export.main([tmp_path / "w2v", tmp_path / "none"]) == 2
+    assert "checkpoint " in caplog.text and "--checkpoint" not in caplog.text, caplog.text
+
+
+def test_the_commands_take_an_exported_codec_as_they_take_its_run(corpus, tmp_path):
+    c, exported = corpus, tmp_path / "exported"
+    assert export.main([c.fbank_run, exported]) == 0
+    with_export = ["--checkpoint", exported, "--km", 2]
+    assert tokenize.main([c.manifest, "train", 1, 0, tmp_path / "tokenized", *with_export, *COMMIT,
+                          "--batch_seconds", 2.5]) == 0
+    assert files_of(tmp_path / "tokenized", SHARD, CODES) == files_of(c.root / "fbank_tokenized", SHARD, CODES)
+    assert encode.main([*with_export, "--data_dir", c.fbank_feats, "--output_dir", tmp_path / "encoded"]) == 0
+    assert files_of(tmp_path / "encoded", SHARD, CODES) == files_of(c.root / "fbank_encoded", SHARD, CODES)
+    for codec, out in ((c.fbank_run, "from_run"), (exported, "from_export")):  # the run's codes, decoded by either
+        assert encode.main(["decode", "--checkpoint", codec, "--codes_dir", c.root / "fbank_encoded",
+                            "--output_dir", tmp_path / out]) == 0
+    decoded = [(tmp_path / out / f"{SHARD}.npy").read_bytes() for out in ("from_run", "from_export")]
+    assert decoded[0] == decoded[1]
+    scored = []
+    for codec in (c.fbank_run, exported):
+        assert evaluate.main(["--checkpoint", codec, "--data_dir", c.fbank_feats, "--split", "train",
+                              "--json", tmp_path / "scores.json"]) == 0
+        scored.append(json.loads((tmp_path / "scores.json").read_text())["rel_mse"])
+    assert scored[0] == scored[1]
 
 
 def test_a_codec_refuses_to_tokenize_other_features(corpus, tmp_path, caplog):

@@ -113,6 +113,8 @@ def test_the_same_command_writes_the_parquet_a_killed_run_left_missing(small, tm
     caplog.clear()
     assert encode.main(command) == 0
     assert "is complete" in caplog.text and "codes.parquet is missing" in caplog.text
+    said = [r.getMessage() for r in caplog.records]  # the last word comes once the parquet is there
+    assert said.count("finished successfully") == 1 and said[-1] == "finished successfully", said
     assert loaded(out / f"{SHARD}.codes.parquet", tmp_path, monkeypatch) == shard_rows(out, SHARD)
     assert not list(out.glob("*.tmp"))
     caplog.clear()  # there now: left as it is

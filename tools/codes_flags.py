@@ -3,11 +3,19 @@ and --parquet), as the request rvq_tokenizer/codes_spec.py turns into codes."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from data.audio.pass_plan import by_device
 from data.codes_parquet import require_pyarrow
 from errors import SOURCES_INSTALL
 from rvq_tokenizer.codes_spec import CodesRequest
+
+
+def add_checkpoint_arg(p: argparse.ArgumentParser) -> None:
+    """--checkpoint, the codec, as tools.encode (and decode), tools.tokenize and tools.evaluate take it."""
+    p.add_argument("--checkpoint", type=Path, required=True,
+                   help="the codec: a checkpoint file, a run's --output_dir (its newest checkpoint), or a folder "
+                        "python -m tools.export wrote")
 
 
 def add_codes_args(p: argparse.ArgumentParser, km: bool = True) -> None:

@@ -74,11 +74,11 @@ from errors import EXIT_OK, BadInputError
 from models.codes import TAIL_PADDING, code_frames, decode_utterance, uncoded
 from models.metrics import EvalSums
 from rvq_tokenizer.code_shard import CodeShard
-from rvq_tokenizer.codec_files import codec_digest, load_codec
+from rvq_tokenizer.codec_files import open_codec, recorded_digest
 from rvq_tokenizer.codes_spec import CodesRequest, CodesSpec, codes_spec, describe_codes
 from rvq_tokenizer.feature_check import SplitShare, check_features, open_share
 from tools.cli import bad_input_exits_2, run
-from tools.codes_flags import add_codes_args, codes_request
+from tools.codes_flags import add_checkpoint_arg, add_codes_args, codes_request
 from training.codec_passes import encode_in_batches
 from training.device import select_device
 from training.faults import FaultInjector
@@ -91,7 +91,7 @@ log = logging.getLogger("encode")
 class EncodeSettings:
     """What tools.encode's flags ask for."""
 
-    checkpoint: Path  # a checkpoint file or a run's --output_dir
+    checkpoint: Path  # a checkpoint file, a run's --output_dir or an export folder
     data: SplitShare
     codes: CodesRequest
     allow_feature_mismatch: bool
@@ -124,7 +124,7 @@ def commit_chunks(lengths: np.ndarray, commit_frames: int, done: int) -> list[tu
 
 def encode_store(cfg: EncodeSettings) -> int:
     device = select_device(cfg.device)
-    model, state, ckpt_path = load_codec(cfg.checkpoint, device)
+    model, state, ckpt_path = open_codec(cfg.checkpoint, device)
     data = cfg.data
     store, start, end, total = open_share(data, model.config, ckpt_path)
     spec = codes_spec(cfg.codes, model, state, ckpt_path, device)
@@ -137,7 +137,8 @@ def encode_store(cfg: EncodeSettings) -> int:
                 "frames": store.total_frames, "code_frames": int(code_lengths.sum())}
     shard = CodeShard.begin(cfg.output_dir, name, spec, settings, overwrite=cfg.overwrite,
                             redo="encode the shard again", parquet=cfg.codes.parquet, rows=int(code_lengths.sum()))
-    if shard is None:
+    if shard is None:  # finished already (its parquet written if asked for and missing)
+        log.info("finished successfully")
         return EXIT_OK
     with shard:
         log.info("%s: utterances %d-%d of %d in %s -> %s/%s%s, %s", name, start, end - 1, total, data.folder,
@@ -186,7 +187,7 @@ def encode_chunks(spec: CodesSpec, store: FeatureStore, shard: CodeShard, *, nam
 
 
 def decode_codes(cfg: DecodeSettings) -> int:
-    model, state, ckpt_path = load_codec(cfg.checkpoint, select_device(cfg.device))
+    model, state, ckpt_path = open_codec(cfg.checkpoint, select_device(cfg.device))
     name, codes_dir, output_dir = cfg.codes.name, cfg.codes.folder, cfg.output_dir
     array, lens = codes_dir / (name + CODES.array), codes_dir / (name + CODES.lengths)
     if not array.is_file() or not lens.is_file():
@@ -200,7 +201,7 @@ def decode_codes(cfg: DecodeSettings) -> int:
                             f"{model.config.num_quantizers}")
     meta_path = codes_dir / (name + CODES.meta)
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-    if meta.get("codec_digest") not in (None, codec_digest(state["model"])):  # another codec's codes: noise
+    if meta.get("codec_digest") not in (None, recorded_digest(state)):  # another codec's codes: noise
         raise BadInputError(f"{array} holds codes of the codec {meta.get('checkpoint')} (step {meta.get('step')}); "
                             f"the codec in {ckpt_path} (step {state.get('step')}) is another: decode them with "
                             f"--checkpoint {meta.get('checkpoint')}")
@@ -288,8 +289,7 @@ def build_parser(decoding: bool) -> argparse.ArgumentParser:
                      "Encode a feature store to RVQ codes (`decode --help`: codes -> features)."),
         formatter_class=FlagHelpFormatter,
     )
-    p.add_argument("--checkpoint", type=Path, required=True, help="a checkpoint file, or a run's --output_dir "
-                                                                  "(its newest checkpoint)")
+    add_checkpoint_arg(p)
     if decoding:
         p.add_argument("--codes_dir", type=Path, required=True, help="where tools.encode wrote the codes")
         p.add_argument("--overwrite", action="store_true",

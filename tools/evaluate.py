@@ -57,11 +57,11 @@ from models.codes import code_frames
 from models.kmeans import KMEANS_ITERS, fit_kmeans, nearest_centroids
 from models.metrics import EvalSums
 from models.unit_quality import phone_information, unit_quality
-from rvq_tokenizer.codec_files import load_codec
+from rvq_tokenizer.codec_files import open_codec
 from rvq_tokenizer.codes_spec import CodesRequest, CodesSpec, codes_spec, describe_codes
 from rvq_tokenizer.feature_check import SplitShare, check_features, open_share
 from tools.cli import bad_input_exits_2, run
-from tools.codes_flags import add_codes_args, codes_request
+from tools.codes_flags import add_checkpoint_arg, add_codes_args, codes_request
 from training.codebooks import refit_utterances
 from training.codec_passes import encode_in_batches
 from training.device import select_device
@@ -262,7 +262,7 @@ def evaluate_codec(cfg: EvaluateSettings) -> int:
     if cfg.json is not None and (cfg.json.is_dir() or not cfg.json.parent.is_dir()):
         raise BadInputError(f"--json {cfg.json}: give a file in a folder that exists")
     device = select_device(cfg.device)
-    model, state, ckpt_path = load_codec(cfg.checkpoint, device)
+    model, state, ckpt_path = open_codec(cfg.checkpoint, device)
     data = cfg.data
     store = open_share(data, model.config, ckpt_path)[0]
     spec = codes_spec(cfg.codes, model, state, ckpt_path, device)
@@ -304,8 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Score a trained codec on whole utterances of a split: rel_mse, cosine, "
                                             "bits per frame, code usage and perplexity per level; with phone "
                                             "alignments PNMI and purities; beside a k-means baseline.")
-    p.add_argument("--checkpoint", type=Path, required=True,
-                   help="a checkpoint file, or a run's --output_dir (its newest checkpoint)")
+    add_checkpoint_arg(p)
     p.add_argument("--data_dir", type=Path, required=True, help="the feature store (as the trainer's --data_dir)")
     p.add_argument("--split", default="valid", help="the split scored")
     add_codes_args(p, km=False)

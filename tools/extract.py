@@ -199,7 +199,8 @@ def extract(cfg: ExtractSettings) -> int:
                                redo="extract the shard again", width=settings["dim"], dtype=cfg.features.dtype,
                                streams={dump.lengths: "", dump.keys: f"{share.root}\n", dump.skipped: ""},
                                inputs=len(share.keys))
-    if writer is None:
+    if writer is None:  # finished already
+        log.info("finished successfully")
         return EXIT_OK
     with writer:
         return extract_into(cfg, share, name, fbank, encoder, device, settings, writer)

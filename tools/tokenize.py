@@ -61,14 +61,14 @@ from errors import EXIT_FAILURE, EXIT_OK  # noqa: E402
 from models.codes import TAIL_PADDING  # noqa: E402
 from rvq_tokenizer.audio_codec import AudioCodec, audio_codec  # noqa: E402
 from rvq_tokenizer.code_shard import CodeShard  # noqa: E402
-from rvq_tokenizer.codec_files import load_codec  # noqa: E402
+from rvq_tokenizer.codec_files import open_codec  # noqa: E402
 from rvq_tokenizer.codes_spec import CodesRequest, describe_codes  # noqa: E402
 from rvq_tokenizer.pipeline_settings import PipelineSettings  # noqa: E402
 from rvq_tokenizer.trained_features import PRECISION_NAMES, FeatureFlags  # noqa: E402
 from tools.audio_shard import (AudioInput, AudioShare, ShardOutput, add_input_args, audio_share,  # noqa: E402
                                input_settings, model_device, progress_bar, shard_written)
 from tools.cli import bad_input_exits_2, run  # noqa: E402
-from tools.codes_flags import add_codes_args, codes_request  # noqa: E402
+from tools.codes_flags import add_checkpoint_arg, add_codes_args, codes_request  # noqa: E402
 from training.faults import FaultInjector  # noqa: E402
 from training.flag_help import FlagHelpFormatter  # noqa: E402
 
@@ -81,8 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Tokenize audio with a trained codec: the features its checkpoint names, then its codes "
                     "({split}_{rank}_{nshard}.codes.npy/.len/.json/.tsv), the features never written.")
     add_input_args(p)
-    p.add_argument("--checkpoint", type=Path, required=True,
-                   help="the codec: a checkpoint file, or a run's --output_dir (its newest checkpoint)")
+    add_checkpoint_arg(p)
     add_codes_args(p)
     p.add_argument("--w2v_bert", type=Path,
                    help="w2v-bert: the model's folder on this machine (default: the folder the checkpoint records)")
@@ -116,7 +115,7 @@ def parse_args(argv=None) -> TokenizeSettings:
 def tokenize(cfg: TokenizeSettings) -> int:
     share = audio_share(cfg.audio)
     device = model_device(cfg.pipeline.device, share)
-    model, state, ckpt_path = load_codec(cfg.checkpoint, device)
+    model, state, ckpt_path = open_codec(cfg.checkpoint, device)
     out_dir, overwrite = cfg.output.out_dir, cfg.output.overwrite
     name = f"{cfg.audio.split}_{share.rank}_{share.nshard}"
     recorded = None if overwrite else shard_settings(out_dir, name, CODES)
@@ -124,7 +123,8 @@ def tokenize(cfg: TokenizeSettings) -> int:
     settings = {**codec.codes, "split": cfg.audio.split, **share.settings, **codec.passes}
     shard = CodeShard.begin(out_dir, name, codec.spec, settings, overwrite=overwrite, redo="tokenize the shard again",
                             parquet=cfg.codes.parquet, root=share.root, inputs=len(share.keys))
-    if shard is None:
+    if shard is None:  # finished already (its parquet written if asked for and missing)
+        log.info("finished successfully")
         return EXIT_OK
     with shard:
         return tokenize_into(cfg, share, name, codec, settings, shard)
