@@ -4,7 +4,8 @@ one before resumes; a write that fails (disk full) removes its temporary file, l
 previous checkpoint the newest.
 
 The faults are injected by a `sitecustomize.py` on the subprocess's PYTHONPATH (as tests/exit_probe does), which
-patches torch.load or torch.save at start-up: the trainer's code runs unchanged."""
+patches torch.load, or makes the disk fill up while one checkpoint's temporary file is written (its writes refused
+with ENOSPC past its first 4 KiB), at start-up: the trainer's code runs unchanged."""
 import shutil
 
 import pytest
@@ -105,25 +106,30 @@ def test_a_torch_file_without_a_checkpoints_content_is_set_aside_and_the_one_bef
     assert events(out, "stop")[-1] == {**events(out, "stop")[-1], "step": 10, "reason": "max_steps"}
 
 
-SAVE_FAILS = """
-import errno, torch
-calls = []
-def save(obj, f, *args, **kwargs):
-    calls.append(1)
-    if len(calls) == 2:  # the second checkpoint: the disk fills up halfway through the write
-        f.write(b"x" * 1000)
-        raise OSError(errno.ENOSPC, "No space left on device")
-    return SAVE(obj, f, *args, **kwargs)
-SAVE, torch.save = torch.save, save
+DISK_FULL = """
+import builtins, errno, io
+class Full(io.FileIO):  # a disk with 4 KiB free: the first writes land, a short one, then ENOSPC
+    def write(self, b):
+        room = 4096 - self.tell()
+        if room <= 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().write(bytes(memoryview(b)[:room]))
+def full(file, mode="r", *args, **kwargs):  # the disk fills up while this checkpoint is written
+    if str(file).endswith("{name}.tmp") and mode == "wb":
+        return io.BufferedWriter(Full(file, "w"))
+    return OPEN(file, mode, *args, **kwargs)
+OPEN, builtins.open = builtins.open, full
 """
 
 
 def test_a_checkpoint_write_that_fails_removes_its_tmp_logs_a_stop_and_keeps_the_one_before(tmp_path, data):
+    """The disk fills up halfway through the write. torch's zip writer, given the file, would replace the ENOSPC
+    with a RuntimeError ("unexpected pos"): a traceback, the .tmp left on the full disk, and no stop event."""
     out = tmp_path / "run"
     r = run_trainer(flags(data, out, "--max_steps", 12, "--save_every", 4), timeout=120,
-                    extra_env=patched(tmp_path, SAVE_FAILS))
+                    extra_env=patched(tmp_path, DISK_FULL.format(name="step_00000008.pt")))
     assert r.returncode == 1, r.stderr[-3000:]
-    assert "Traceback" not in r.stderr
+    assert "Traceback" not in r.stderr and "unexpected pos" not in r.stderr, r.stderr[-3000:]
     assert f"writing checkpoint {out}/checkpoints/step_00000008.pt failed: [Errno 28] No space left on device" \
         in r.stderr
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000004.pt"]
@@ -133,13 +139,27 @@ def test_a_checkpoint_write_that_fails_removes_its_tmp_logs_a_stop_and_keeps_the
     assert [e["step"] for e in events(out, "train")][-1] == 8  # no step after the failed write
 
 
+def test_a_full_disk_under_rank_0s_checkpoint_ends_every_rank_with_exit_1_not_a_lost_rank(tmp_path, data):
+    out = tmp_path / "run"
+    job = Ranks(flags(data, out, "--max_steps", 12, "--save_every", 4),
+                extra_env=patched(tmp_path, DISK_FULL.format(name="step_00000008.pt")), log_dir=tmp_path / "logs")
+    try:
+        assert job.wait(timeout=150) == [1, 1], job.output(0)[-3000:] + job.output(1)[-3000:]
+    finally:
+        job.close()
+    for rank in (0, 1):
+        assert "step_00000008.pt failed: [Errno 28] No space left on device" in job.output(rank), job.output(rank)
+        assert "Traceback" not in job.output(rank) and "lost" not in job.output(rank), job.output(rank)[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000004.pt"]
+
+
 def test_a_failed_write_before_a_compile_ends_the_run_with_that_step_not_taken(tmp_path, data):
     """Step 1 runs eager (the k-means init in its forward); step 2 compiles, after a checkpoint of step 1. That
     write fails: exit 1 before any compile, step 2 not taken, no checkpoint."""
     out = tmp_path / "run"
     r = run_trainer(flags(data, out, "--max_steps", 4, "--kmeans_init_frames", 0, "--compile", "on",
                           "--refit_iters", 0), timeout=120,
-                    extra_env=patched(tmp_path, SAVE_FAILS.replace("len(calls) == 2", "len(calls) == 1")))
+                    extra_env=patched(tmp_path, DISK_FULL.format(name="step_00000001.pt")))
     assert r.returncode == 1, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
     assert "compile: saving step 1 first" in r.stderr

@@ -46,10 +46,14 @@ def save_checkpoint(folder: Path, step: int, state: dict, keep: int) -> Path:
     folder = Path(folder)
     final = checkpoint_path(folder, step)
     tmp = final.with_name(final.name + ".tmp")
+    # serialised in memory first: the file's write error (ENOSPC) then comes from this write as an OSError, never
+    # from inside torch's zip writer, which replaces it with a RuntimeError ("unexpected pos")
+    data = io.BytesIO()
+    torch.save(state, data)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            f.write(data.getbuffer())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
