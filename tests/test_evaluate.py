@@ -1,5 +1,7 @@
 """tools.evaluate: PNMI and purities as fairseq's measure_teacher_quality defines them, the three alignment formats
 read to the same frame labels, the k-means baseline, and bad alignments refused (exit 2, nothing written)."""
+import errno
+import io
 import json
 import logging
 import math
@@ -315,3 +317,27 @@ def test_the_kmeans_baseline_is_fitted_once_for_the_same_features_and_again_for_
     assert len(fits) == 2  # seed 0 once, seed 1 once
     assert figures[1] == figures[0] and "k-means baseline: read from the cache" in caplog.text
     assert list((tmp_path / "cache" / "rvq_seamless" / evaluate.KMEANS_CACHE).glob("*.pt"))
+
+
+@pytest.mark.timeout(90)
+def test_a_full_disk_under_the_kmeans_cache_costs_the_cache_not_the_scores(data, tmp_path, caplog, monkeypatch):
+    """The fitted centroids cannot be cached (the disk is full): a warning, no .tmp left, the scores still come."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    opened = io.open
+
+    class Full(io.FileIO):
+        def write(self, b):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def full(file, mode="r", *args, **kwargs):
+        if str(file).endswith(".pt.tmp") and "w" in mode:
+            return io.BufferedWriter(Full(file, "w"))
+        return opened(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(io, "open", full)
+    out = tmp_path / "eval.json"
+    assert run_evaluate(data, "--baseline", "kmeans", "--json", out) == 0
+    assert "k-means baseline: could not be cached" in caplog.text and "No space left on device" in caplog.text
+    assert json.loads(out.read_text())["baseline"]["method"] == "kmeans"
+    assert not list(cache.rglob("*.tmp")) and not list(cache.rglob("*.pt"))

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
 import logging
 import math
@@ -135,11 +136,14 @@ def fit_baseline(sample: torch.Tensor, size: int, seed: int, device: torch.devic
         log.warning("k-means baseline: %s cannot be read (%s): fitting it again", path, e)
     with tqdm(total=KMEANS_ITERS + 1, desc="k-means", unit="iter", dynamic_ncols=True, mininterval=1.0) as bar:
         centroids = fit_kmeans(sample.to(device), size, seed=seed, on_iteration=lambda: bar.update(1))
+    data, tmp = io.BytesIO(), path.with_name(path.name + ".tmp")
+    torch.save(centroids.cpu(), data)  # in memory: a full disk then fails in our write, as an OSError
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(centroids.cpu(), path.with_name(path.name + ".tmp"))
-        os.replace(path.with_name(path.name + ".tmp"), path)
-    except OSError as e:  # a read-only home: the next call fits again
+        tmp.write_bytes(data.getbuffer())
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only or full home: the next call fits again
+        tmp.unlink(missing_ok=True)
         log.warning("k-means baseline: could not be cached in %s (%s)", path, e)
         return centroids, "fitted"
     return centroids, f"fitted, cached in {path}"
