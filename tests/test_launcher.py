@@ -289,6 +289,17 @@ def test_a_rank_aborted_by_signal_6_is_reported_as_a_distributed_failure(tmp_pat
     assert f"{out}/nccl_traces/rank_<rank>" in r.stderr and "fr_trace" in r.stderr
 
 
+def test_a_stuck_rank_named_by_the_watchdog_ends_the_launcher_with_exit_3(tmp_path):
+    """Rank 1's main thread sleeps for good at step 4: every rank names it and exits 3, and so does the launcher
+    (torchrun alone exits 1), so that a requeue script can tell a distributed failure from a rank's own error."""
+    out = tmp_path / "run"
+    r = launch("basic", *TINY, *QUICK, "--max_steps", "20", "--sync_timeout", "10", timeout=240, OUTPUT_DIR=out,
+               NPROC_PER_NODE=2, RVQ_FAULT="stall:rank=1:step=4")
+    assert r.returncode == 3, r.stderr[-4000:]
+    assert re.search(r"exitcode\s*: 3", r.stderr), r.stderr[-4000:]  # torchrun's own summary passed through
+    assert "stuck" in r.stderr and "exited 3: a distributed failure" in r.stderr
+
+
 def test_the_launcher_reads_only_signal_6_in_torchruns_summary():
     from tools.launch import aborted_ranks
 
@@ -298,6 +309,18 @@ def test_the_launcher_reads_only_signal_6_in_torchruns_summary():
                b"Failures:\n[1]:\n  rank      : 3 (local_rank: 3)\n  exitcode  : -9 (pid: 77)\n")
     assert aborted_ranks(summary) == [12]
     assert aborted_ranks(b"rank      : 3 (local_rank: 3)\n  exitcode  : 1 (pid: 5)\n") == []
+
+
+def test_the_launcher_exits_3_when_the_failed_ranks_named_a_distributed_failure():
+    from tools.launch import distributed_ranks
+
+    summary = (b"Failures:\n[1]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : -15 (pid: 12)\n"
+               b"Root Cause (first observed failure):\n[0]:\n  rank      : 0 (local_rank: 0)\n"
+               b"  exitcode  : 3 (pid: 11)\n")
+    assert distributed_ranks(summary) == [0]  # rank 1 stuck (SIGSTOP), ended by torchrun after rank 0 named it
+    assert distributed_ranks(summary.replace(b"-15 (pid: 12)", b"3 (pid: 12)")) == [0, 1]
+    assert distributed_ranks(summary.replace(b"-15 (pid: 12)", b"1 (pid: 12)")) == []  # a rank's own error: 1
+    assert distributed_ranks(summary.replace(b"3 (pid: 11)", b"1 (pid: 11)")) == []
 
 
 def test_the_launcher_exits_2_when_every_failed_rank_exited_2():

@@ -12,8 +12,9 @@ which picks its own) unless you set them (yours are kept, and named). One proces
 becomes the trainer (os.execvpe, as bash's exec: signals reach the trainer directly).
 Several ranks: it runs torchrun and passes a stop signal to this node's ranks (see
 StopRelay), then exits with torchrun's code, or 3 when a rank was aborted (signal 6:
-what NCCL's watchdog does to a rank whose collective timed out), or 2 when every rank
-that failed exited 2 (bad input), which it says.
+what NCCL's watchdog does to a rank whose collective timed out) or the ranks that failed
+exited 3 (a rank lost, silent, stuck or out of sync, which they named), or 2 when every
+rank that failed exited 2 (bad input), which it says.
 With DRY_RUN=1 it prints the environment and the command instead, and exits 0.
 """
 from __future__ import annotations
@@ -355,7 +356,8 @@ TAIL_BYTES = 1 << 16  # the end of torchrun's output that is kept, for its failu
 
 def run_torchrun(cmd: list[str], env: dict, run_dir: str, relay: "StopRelay") -> int:
     """Run torchrun in a session of its own; pass a stop signal to the ranks it started (`relay`); return its exit
-    code, 3 when a rank was aborted (see aborted_ranks), 2 when the ranks found bad input (see bad_input_ranks).
+    code, 3 when a rank was aborted (see aborted_ranks) or the ranks named a distributed failure (distributed_ranks),
+    2 when the ranks found bad input (see bad_input_ranks).
 
     The output of torchrun and its ranks passes through, and its end is read for its failure summary.
     """
@@ -383,6 +385,10 @@ def run_torchrun(cmd: list[str], env: dict, run_dir: str, relay: "StopRelay") ->
             f"{run_dir}/{FLIGHT_RECORDER_DIR}/rank_<rank>; read them with: python -m "
             f"torch.distributed.flight_recorder.fr_trace {run_dir}/{FLIGHT_RECORDER_DIR} --prefix rank_. "
             f"Exit code {EXIT_DISTRIBUTED}; restart to resume from the last checkpoint")
+        return EXIT_DISTRIBUTED
+    if code != 0 and (lost := distributed_ranks(bytes(tail))):
+        say(f"rank(s) {lost} exited {EXIT_DISTRIBUTED}: a distributed failure (their message above names the rank "
+            f"and the step). Exit code {EXIT_DISTRIBUTED}; restart to resume from the last checkpoint")
         return EXIT_DISTRIBUTED
     if code != 0 and (bad := bad_input_ranks(bytes(tail))):
         say(f"rank(s) {bad} exited {EXIT_BAD_INPUT}: bad input or flags (their message is above); nothing was "
@@ -504,6 +510,15 @@ def failed_ranks(output: bytes) -> dict[int, int]:
 def aborted_ranks(output: bytes) -> list[int]:
     """The ranks torchrun's failure summary shows as ended by signal 6 (`exitcode : -6`)."""
     return sorted(rank for rank, code in failed_ranks(output).items() if code == -6)
+
+
+def distributed_ranks(output: bytes) -> list[int]:
+    """The ranks of torchrun's failure summary that exited 3 (a distributed failure they named), when every other one
+    there was ended by a signal (the stuck or lost rank, or one torchrun ended after them); else []. A rank that
+    exited 1 or 2 had an error of its own, which decides the exit code."""
+    failed = failed_ranks(output)
+    named = sorted(rank for rank, code in failed.items() if code == EXIT_DISTRIBUTED)
+    return named if named and all(code == EXIT_DISTRIBUTED or code < 0 for code in failed.values()) else []
 
 
 def bad_input_ranks(output: bytes) -> list[int]:
