@@ -100,6 +100,8 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
         with phase_timeout(ctx, cfg.dist.slow_phase_s):  # each side waits while the other reads a checkpoint
             resume = agree_on_resume(ctx, cfg.run.resume, RunFolder(cfg.run.output_dir).checkpoints, codec,
                                      data=data.identity, finetune=cfg.run.finetune)
+        # the features' mean and scale, when the codec takes them from this data: the same sample on every rank
+        stats = feature_stats(data.train) if resume is None or resume.new_data else None
     except (BadInputError, TransientFault):  # every rank raises it together: the groups go down here, not in the
         output.abandon()  # interpreter's exit
         destroy()
@@ -112,7 +114,7 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
     make_flight_recorder_dir(ctx, Path(cfg.run.output_dir))
     trainer = Trainer(cfg, ctx, data, codec, stop, faults, output, given)
     try:
-        trainer.build(resume)
+        trainer.build(resume, stats)
         # ---- the loop
         while trainer.progress.stop_reason is None:
             trainer.train_step()
@@ -179,13 +181,14 @@ class Trainer:
 
     # ---- set up
 
-    def build(self, resume: Resume | None) -> None:
-        """Model, optimizer, resume, outputs, batch source, k-means init; then the loop's clock starts."""
+    def build(self, resume: Resume | None, stats: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Model, optimizer, resume, outputs, batch source, k-means init; then the loop's clock starts. `stats`: the
+        features' mean and std, for a new run or --finetune (a resumed model brings its own in its state dict)."""
         cfg, ctx, p = self.cfg, self.ctx, self.progress
         torch.manual_seed(cfg.optim.seed)
         self.model = RVQCodec(self.codec).to(ctx.device)  # after the process group: the quantizer syncs on it
-        if resume is None:  # a resumed model brings its statistics in its state dict
-            self.model.set_feature_stats(*(t.to(ctx.device) for t in feature_stats(self.data.train)))
+        if stats is not None:
+            self.model.set_feature_stats(*(t.to(ctx.device) for t in stats))
         self.params = list(self.model.parameters())  # listed once: walking the modules every step is host time
         # AdamW fused into one kernel over every parameter (CUDA and CPU), not several ops per parameter
         fused = ctx.device.type in ("cuda", "cpu")
@@ -198,8 +201,8 @@ class Trainer:
             self.checkpointer.restore(resume, self.model, self.optimizer, self.scaler, p)
             for group in self.optimizer.param_groups:  # the state dict brings the checkpoint's; the flag decides
                 group["weight_decay"] = cfg.optim.weight_decay
-            if resume.new_data:  # --finetune: the codec standardises the features it now trains on by their own
-                self.model.set_feature_stats(*(t.to(ctx.device) for t in feature_stats(self.data.train)))
+            if stats is not None:  # --finetune: the codec standardises the features it now trains on by their own
+                self.model.set_feature_stats(*(t.to(ctx.device) for t in stats))
             self.saved = (p.step, tuple(p.end_of_schedule))
         self.schedule = Schedule(cfg.optim, steps_per_epoch=self.steps_per_epoch, world_size=ctx.world_size,
                                  frames_per_step=cfg.data.frames_per_step * cfg.optim.grad_accum,

@@ -25,10 +25,16 @@ def bad_data(tmp_path, case):
     if case == "too_short":
         write_fairseq(d, "train", [10, 20, 30])
         return d, "no training utterance is long enough"
+    if case == "all_nan":  # features that came out NaN throughout (a broken extraction), the held-out split fine
+        write_fairseq(d, "train", [40] * 6)
+        np.save(d / "train_0_1.npy", np.full((240, 16), np.nan, np.float32))
+        write_fairseq(d, "valid", [40] * 2)
+        return d, "240 of the 240 frames of 6 utterances read evenly across the split for the features' mean and " \
+                  "scale hold NaN or Inf; python -m tools.check"
     raise AssertionError(case)
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "bad_len", "mixed_dims", "too_short"])
+@pytest.mark.parametrize("case", ["missing", "empty", "bad_len", "mixed_dims", "too_short", "all_nan"])
 def test_bad_data_exits_2_names_it_and_writes_nothing(tmp_path, case):
     data, message = bad_data(tmp_path, case)
     out = tmp_path / "run"

@@ -20,6 +20,7 @@ import torch
 from data.bad_crops import finite_crops
 from data.crops import assemble_crops
 from data.stores import FeatureStore
+from errors import BadInputError
 from models.codec import RVQCodec
 from training.distributed import DistContext, all_reduce_sum
 from training.signals import Chunks, StopRequest
@@ -30,11 +31,17 @@ REFIT_SEED_OFFSET = 7919  # the refit draws its utterances from a stream of its 
 
 
 def feature_stats(store: FeatureStore, max_utterances: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-dimension mean and std over evenly spaced training utterances (the same on every rank)."""
+    """Per-dimension mean and std over evenly spaced training utterances (the same on every rank). BadInputError
+    when they hold fewer than 2 finite frames: features that are NaN or Inf throughout, which no step could use."""
     picks = sorted(set(int(i) for i in torch.linspace(0, len(store) - 1, min(len(store), max_utterances))))
     with store.scattered_reads():
         frames = torch.cat([torch.from_numpy(store.utterance(i).astype("float64")) for i in picks])
+    total = len(frames)
     frames = frames[torch.isfinite(frames).all(1)]  # a bad frame must not set every feature's scale
+    if len(frames) < 2:
+        raise BadInputError(f"{store.description}: {total - len(frames)} of the {total} frames of {len(picks)} "
+                            "utterances read evenly across the split for the features' mean and scale hold NaN or "
+                            "Inf; python -m tools.check on the --data_dir names every such utterance")
     return frames.mean(0).float(), frames.std(0).float()
 
 
