@@ -60,7 +60,7 @@ from training.schedule import REFIT_SHARE, Schedule, ScheduleEnd
 from training.signals import Interrupted, Stopped, StopRequest, agree_to_stop, stop_reason
 from training.step_guard import StepOutcome, guarded_step
 from training.sync_check import CheckSchedule, sync_check
-from training.threads import choose_threads, set_torch_threads
+from training.threads import set_cpu_threads
 from training.throughput import start_step_timer
 from training.watchdog import PeerWatchdog
 
@@ -655,12 +655,7 @@ class Trainer:
 def set_threads(flag: int | None, device: torch.device, resume: Resume | None) -> None:
     """torch's CPU threads: on a CPU the count the resumed run computed with, else the cores this run can get
     (training/threads.py); on a GPU --threads alone."""
-    if device.type != "cpu" and flag is None:
-        return
-    recorded = resume.state.get("threads") if resume is not None else None
-    choice = choose_threads(flag, default=torch.get_num_threads(), recorded=recorded)
-    set_torch_threads(choice)
-    log.info("threads: %d (%s)", choice.threads, choice.why)
+    set_cpu_threads(device, log, flag, recorded=resume.state.get("threads") if resume is not None else None)
 
 
 def keep_schedule(cfg: TrainConfig, resume: Resume) -> OptimConfig:

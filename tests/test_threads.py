@@ -167,3 +167,32 @@ def test_a_resumed_cpu_run_computes_with_its_runs_thread_count_unless_told_other
     assert decide(flag=3, environ={"OMP_NUM_THREADS": "5"}, recorded=2, **machine).threads == 3
     assert decide(flag=None, environ={"OMP_NUM_THREADS": "5"}, recorded=2, **machine).threads == 5
     assert decide(flag=None, environ={}, recorded=2, **machine).threads == 2
+
+
+@pytest.mark.timeout(150)
+def test_the_cpu_commands_pick_their_threads_and_their_codes_do_not_depend_on_the_count(tmp_path):
+    """tools.encode chooses its threads as the trainer does (the cores it can get; OMP_NUM_THREADS wins). A resumed
+    shard may so compute with another count than its start: the codes must be the same bits at any count."""
+    from tests.audio_helpers import codec_checkpoint
+    from tests.helpers import env, run_python, write_fairseq
+
+    data = tmp_path / "feats"
+    write_fairseq(data, "train", [300, 700, 1200, 50], dim=32)
+    codec = codec_checkpoint(tmp_path / "codec.pt", {}, 32, latent_dim=32, num_quantizers=4, codebook_size=64,
+                             beam_size=4)
+    codes = {}
+    for threads in (None, "1", "3"):
+        e = env(OMP_NUM_THREADS=threads or "")
+        if threads is None:
+            del e["OMP_NUM_THREADS"]
+        out = tmp_path / f"codes_{threads}"
+        r = run_python(["-m", "tools.encode", "--checkpoint", codec, "--data_dir", data, "--output_dir", out],
+                       env=e, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        said = next(line for line in r.stderr.splitlines() if "threads: " in line)
+        if threads is None:
+            assert "CPU(s) in this process's affinity" in said, said
+        else:
+            assert f"threads: {threads} (OMP_NUM_THREADS={threads} from the environment)" in said, said
+        codes[threads] = (out / "train_0_1.codes.npy").read_bytes()
+    assert codes["1"] == codes["3"] == codes[None]

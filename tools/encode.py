@@ -83,6 +83,7 @@ from training.codec_passes import encode_in_batches
 from training.device import select_device
 from training.faults import FaultInjector
 from training.flag_help import FlagHelpFormatter
+from training.threads import set_cpu_threads
 
 log = logging.getLogger("encode")
 
@@ -124,6 +125,7 @@ def commit_chunks(lengths: np.ndarray, commit_frames: int, done: int) -> list[tu
 
 def encode_store(cfg: EncodeSettings) -> int:
     device = select_device(cfg.device)
+    set_cpu_threads(device, log)  # the cores it can get: a busy neighbour's make extra threads wait
     model, state, ckpt_path = open_codec(cfg.checkpoint, device)
     data = cfg.data
     store, start, end, total = open_share(data, model.config, ckpt_path)
@@ -187,7 +189,9 @@ def encode_chunks(spec: CodesSpec, store: FeatureStore, shard: CodeShard, *, nam
 
 
 def decode_codes(cfg: DecodeSettings) -> int:
-    model, state, ckpt_path = open_codec(cfg.checkpoint, select_device(cfg.device))
+    device = select_device(cfg.device)
+    set_cpu_threads(device, log)
+    model, state, ckpt_path = open_codec(cfg.checkpoint, device)
     name, codes_dir, output_dir = cfg.codes.name, cfg.codes.folder, cfg.output_dir
     array, lens = codes_dir / (name + CODES.array), codes_dir / (name + CODES.lengths)
     if not array.is_file() or not lens.is_file():

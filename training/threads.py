@@ -203,3 +203,17 @@ def set_torch_threads(choice: ThreadChoice) -> None:
     import torch
 
     torch.set_num_threads(choice.threads)
+
+
+def set_cpu_threads(device, log, flag: int | None = None, recorded: int | None = None) -> ThreadChoice | None:
+    """On a CPU `device` (or with a `flag`), choose_threads and set it, said on `log`; on a GPU without a flag, torch's
+    default is kept and None returned. The trainer and the commands that compute on a CPU (tools.encode, its decode,
+    tools.evaluate) start with it."""
+    import torch
+
+    if device.type != "cpu" and flag is None:
+        return None
+    choice = choose_threads(flag, default=torch.get_num_threads(), recorded=recorded)
+    set_torch_threads(choice)
+    log.info("threads: %d (%s)", choice.threads, choice.why)
+    return choice
