@@ -86,17 +86,38 @@ class CodecOutput(NamedTuple):
 
 
 class Conv1d(nn.Conv1d):
-    """nn.Conv1d whose inference on the CPU always runs oneDNN's kernel. PyTorch otherwise picks oneDNN or its
-    own kernel by the input's batch size and length, and the two round differently: an utterance's codes would
-    depend on the batch it is encoded in. Training (autograd) keeps PyTorch's choice."""
+    """nn.Conv1d whose inference on the CPU always runs oneDNN's kernel, with stride 1. PyTorch otherwise picks
+    oneDNN or its own kernel by the input's batch size and length, and the two round differently: an utterance's
+    codes would depend on the batch it is encoded in. oneDNN's strided kernel varies its rounding with the batch
+    size and length too (stride 4 on an AVX2 AMD EPYC), so the downsampling conv (kernel 2 x stride) runs as the
+    stride-1 conv it equals on `stride` frames folded into the channels (`folded_conv`). Training (autograd) keeps
+    PyTorch's choice."""
 
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if (not self.training and not torch.is_grad_enabled() and input.device.type == "cpu"
                 and input.dtype == torch.float32 and self.padding_mode == "zeros" and isinstance(self.padding, tuple)
                 and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+            stride = self.stride[0]
+            if (stride > 1 and self.kernel_size[0] == 2 * stride and self.dilation[0] == 1 and self.groups == 1
+                    and input.shape[-1] + 2 * self.padding[0] >= 2 * stride):
+                return folded_conv(input, weight, bias, stride, self.padding[0])
             return torch.ops.aten.mkldnn_convolution(input.contiguous(), weight, bias, self.padding, self.stride,
                                                      self.dilation, self.groups)
         return super()._conv_forward(input, weight, bias)
+
+
+def folded_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: int,
+                padding: int) -> torch.Tensor:
+    """conv1d(x, weight, bias, stride, padding) for a kernel of 2 x stride, x [B, C, T], as oneDNN's stride-1 conv
+    of kernel 2 over the padded input's frames folded `stride` at a time into the channels: output frame t reads
+    padded frames stride x t ... stride x t + 2 stride - 1, which are folded frames t and t + 1."""
+    batch, channels, frames = x.shape
+    out = (frames + 2 * padding - 2 * stride) // stride + 1
+    x = F.pad(x, (padding, padding + (-(frames + 2 * padding)) % stride))
+    x = x.reshape(batch, channels, -1, stride).transpose(2, 3).reshape(batch, channels * stride, -1)
+    w = weight.reshape(weight.shape[0], channels, 2, stride).transpose(2, 3).reshape(weight.shape[0], -1, 2)
+    y = torch.ops.aten.mkldnn_convolution(x.contiguous(), w.contiguous(), bias, (0,), (1,), (1,), 1)
+    return y[..., :out]
 
 
 class ResidualBlock(nn.Module):

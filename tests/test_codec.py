@@ -349,3 +349,21 @@ def test_cosine_codebooks_keep_unit_codes_through_the_init_training_expiry_and_r
         torch.testing.assert_close(codebook.embed[0].norm(dim=-1), torch.ones(8), atol=1e-5, rtol=0)
     codes = model.encode(x[0])
     assert codes.shape == (32, 2) and 0 <= int(codes.min()) and int(codes.max()) < 8
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("stride", [2, 4])
+def test_the_folded_downsampling_conv_is_the_strided_conv(stride):
+    """The encoder's downsampling conv at inference on a CPU (frames folded into the channels, a stride-1 conv) gives
+    the strided conv's output, every length's (the last frames of an odd length dropped as the strided conv drops
+    them), within float32 rounding."""
+    from models.codec import folded_conv
+
+    torch.manual_seed(stride)
+    w, b = torch.randn(24, 16, 2 * stride), torch.randn(24)
+    for frames in (2 * stride - stride // 2 * 2, 2 * stride, 9, 10, 11, 64, 283):
+        x = torch.randn(3, 16, frames)
+        want = torch.nn.functional.conv1d(x, w, b, stride=stride, padding=stride // 2)
+        got = folded_conv(x, w, b, stride, stride // 2)
+        assert got.shape == want.shape, frames
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -20,6 +20,8 @@ def test_train_events_report_data_wait_and_mfu(tmp_path, source):
         assert 0 <= e["data_wait_frac"] <= 1
         assert e["mfu"] > 0 and e["frames_per_sec"] > 0
     assert "MFU:" in run.stderr
+    said = next(line for line in run.stderr.splitlines() if "MFU:" in line)  # a CPU's peak: in GFLOP/s, never 0.0
+    assert " GFLOP/s (timed fp32 GEMM on the CPU)" in said and "against 0 " not in said, said
 
 
 def test_flops_per_frame_counts_convs_and_codebook_distances():

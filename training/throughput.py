@@ -164,6 +164,6 @@ def start_step_timer(model, device: torch.device, amp_dtype, world_size: int, lo
     flops = training_flops_per_frame(model)
     peak, source = peak_flops(device, amp_dtype)
     if log is not None:
-        log.info("MFU: %.1f MFLOPs per frame (forward + backward) against %.1f TFLOP/s (%s)",
-                 flops / 1e6, peak / 1e12, source)
+        rate = f"{peak / 1e12:.1f} TFLOP/s" if peak >= 1e12 else f"{peak / 1e9:.0f} GFLOP/s"  # a CPU's: under 1 TFLOP/s
+        log.info("MFU: %.1f MFLOPs per frame (forward + backward) against %s (%s)", flops / 1e6, rate, source)
     return StepTimer(device, flops_per_frame=flops, peak=peak, world_size=world_size)
