@@ -100,13 +100,15 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
         with phase_timeout(ctx, cfg.dist.slow_phase_s):  # each side waits while the other reads a checkpoint
             resume = agree_on_resume(ctx, cfg.run.resume, RunFolder(cfg.run.output_dir).checkpoints, codec,
                                      data=data.identity, finetune=cfg.run.finetune)
+        # once the resume is known (a resumed run computes as its run did), and before the run's first torch work:
+        # the feature statistics below are computed with the run's own thread count, as every later step is
+        set_threads(cfg.run.threads, device, resume)
         # the features' mean and scale, when the codec takes them from this data: the same sample on every rank
         stats = feature_stats(data.train) if resume is None or resume.new_data else None
     except (BadInputError, TransientFault):  # every rank raises it together: the groups go down here, not in the
         output.abandon()  # interpreter's exit
         destroy()
         raise
-    set_threads(cfg.run.threads, device, resume)  # once the resume is known: a resumed run computes as its run did
     if resume is not None:  # and trains on its own schedule: a new default never changes it mid-run
         optim = keep_schedule(cfg, resume)
         cfg, given = dataclasses.replace(cfg, optim=optim), dataclasses.replace(given, optim=optim)
