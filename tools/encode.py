@@ -125,7 +125,7 @@ def commit_chunks(lengths: np.ndarray, commit_frames: int, done: int) -> list[tu
 
 def encode_store(cfg: EncodeSettings) -> int:
     device = select_device(cfg.device)
-    set_cpu_threads(device, log)  # the cores it can get: a busy neighbour's make extra threads wait
+    set_cpu_threads(device, log)  # the cores it can get: on cores a neighbour keeps busy, extra threads wait
     model, state, ckpt_path = open_codec(cfg.checkpoint, device)
     data = cfg.data
     store, start, end, total = open_share(data, model.config, ckpt_path)

@@ -267,7 +267,7 @@ def evaluate_codec(cfg: EvaluateSettings) -> int:
     if cfg.json is not None and (cfg.json.is_dir() or not cfg.json.parent.is_dir()):
         raise BadInputError(f"--json {cfg.json}: give a file in a folder that exists")
     device = select_device(cfg.device)
-    set_cpu_threads(device, log)  # the cores it can get: a busy neighbour's make extra threads wait
+    set_cpu_threads(device, log)  # the cores it can get: on cores a neighbour keeps busy, extra threads wait
     model, state, ckpt_path = open_codec(cfg.checkpoint, device)
     data = cfg.data
     store = open_share(data, model.config, ckpt_path)[0]
