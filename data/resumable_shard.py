@@ -137,17 +137,19 @@ LATER_SETTINGS = ("source_listing",)
 SETTING_FLAGS = {"km_level": "--km"}
 
 
-def changed_settings(recorded: dict, settings: dict) -> str:
-    """`key: recorded -> now` for each setting that differs from what was recorded ('' when none does); one of
-    SETTING_FLAGS as its flag, `--km 1 -> no --km`; one of LATER_SETTINGS that the record lacks is no change."""
+def changed_settings(recorded: dict, settings: dict, ignore: Iterable[str] = ()) -> str:
+    """`key: recorded -> now` for each setting that differs from what was recorded ('' when none does), those in
+    `ignore` aside; one of SETTING_FLAGS as its flag, `--km 1 -> no --km`; one of LATER_SETTINGS that the record
+    lacks is no change."""
     def word(key: str, was, now) -> str:
         if key not in SETTING_FLAGS:
             return f"{key}: {was!r} -> {now!r}"
         return " -> ".join(f"no {SETTING_FLAGS[key]}" if value is None else f"{SETTING_FLAGS[key]} {value}"
                            for value in (was, now))
 
+    ignore = set(ignore)
     return ", ".join(changes(recorded, settings, word=word,
-                             skip=lambda key: key in LATER_SETTINGS and key not in recorded))
+                             skip=lambda key: key in ignore or (key in LATER_SETTINGS and key not in recorded)))
 
 
 def remove_shard(folder: Path, name: str, layout: ShardLayout) -> None:
@@ -160,10 +162,12 @@ def remove_shard(folder: Path, name: str, layout: ShardLayout) -> None:
 
 
 def claim_shard(folder: Path, name: str, layout: ShardLayout, settings: dict, *, overwrite: bool,
-                log: logging.Logger, redo: str) -> WriterLock | None:
+                log: logging.Logger, redo: str, views: tuple[str, ...] = ()) -> WriterLock | None:
     """Lock shard NAME in `folder` (created) for this process, then: with `overwrite`, delete its files; a
     shard finished with these settings: None, said in the log (nothing to do); one finished with other
     settings, or whose array is there without its metadata: BadInputError naming the file and --overwrite.
+    Settings in `views` choose a file the caller writes again from a finished shard's rows (a code shard's .km
+    level: rvq_tokenizer/code_shard.py): a finished shard that differs in them only is finished too.
     Returns the held lock (the caller releases it). `redo`: what --overwrite does, in words."""
     output_folder(folder, "the output folder")
     array = folder / (name + layout.array)
@@ -178,14 +182,15 @@ def claim_shard(folder: Path, name: str, layout: ShardLayout, settings: dict, *,
         if not finished:
             raise BadInputError(f"{array} exists without its {name}{layout.meta}: it was not written by this tool, "
                                 f"and is left as it is; write elsewhere, or pass --overwrite to {redo}")
-        differ = changed_settings(finished, settings)
+        differ = changed_settings(finished, settings, ignore=views)
         if differ:
             raise BadInputError(f"{array} was written with other settings ({differ}); it is left as it is: write "
                                 f"elsewhere, or pass --overwrite to {redo}")
     except BaseException:
         lock.release()
         raise
-    log.info("%s is complete (%s); nothing to do (--overwrite: %s)", name, array, redo)
+    log.info("%s is complete (%s)%s", name, array,  # a view that differs: the caller says what it does
+             "" if changed_settings(finished, settings) else f"; nothing to do (--overwrite: {redo})")
     lock.release()
     return None
 
@@ -256,7 +261,7 @@ class ShardWriter:
         codes of one codec (check_one_codec): those checks and the shard's start are made under the folder's lock,
         and the shard's settings are on disk once it has started, so two writers started at one instant with two
         codecs, or two shard counts, cannot both pass.
-        `redo`: what --overwrite does, in words; `writer_args`: ShardWriter's."""
+        `redo`: what --overwrite does, in words; `writer_args`: ShardWriter's (its `views`, claim_shard's too)."""
         output_folder(folder, "the output folder")
         fd = None
         if layout.folder_lock is not None:
@@ -272,7 +277,8 @@ class ShardWriter:
                                name)
             if layout.folder_lock is not None:
                 check_one_codec(folder, name, layout, settings, overwrite=overwrite)
-            lock = claim_shard(folder, name, layout, settings, overwrite=overwrite, log=log, redo=redo)
+            lock = claim_shard(folder, name, layout, settings, overwrite=overwrite, log=log, redo=redo,
+                               views=writer_args.get("views", ()))
             if lock is not None:
                 try:
                     writer = cls(folder, name, layout, settings, **writer_args)
@@ -289,8 +295,8 @@ class ShardWriter:
     @_resumable_when_full
     def __init__(self, folder: Path, name: str, layout: ShardLayout, settings: dict, *, width: int,
                  dtype: np.dtype | str, streams: dict[str, str] | None = None, rows: int | None = None,
-                 inputs: int | None = None):
-        self.folder, self.name, self.layout, self.settings = folder, name, layout, settings
+                 inputs: int | None = None, views: tuple[str, ...] = ()):
+        self.folder, self.name, self.layout, self.settings, self.views = folder, name, layout, settings, views
         self.width, self.total_rows, self.inputs = width, rows, inputs
         self.done = self.rows = self.commits = 0
         self.dtype = np.dtype(dtype).newbyteorder("<")
@@ -319,7 +325,9 @@ class ShardWriter:
         if committed is not None and "done" in committed and all(p.is_file() for p in paths):
             differ = changed_settings(committed.get("settings", {}), self.settings)
             if differ:
-                raise BadInputError(f"{self.partial} was begun with other settings ({differ}): rerun with those, "
+                then = (", then with these, which a finished shard takes from its rows"
+                        if not changed_settings(committed.get("settings", {}), self.settings, self.views) else "")
+                raise BadInputError(f"{self.partial} was begun with other settings ({differ}): rerun with those{then}, "
                                     "or pass --overwrite to start the shard again")
             sizes = {**committed.get("sizes", {}), self.layout.array: self._offset(committed["rows"])}
             dropped = 0

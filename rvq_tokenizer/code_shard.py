@@ -10,6 +10,10 @@ tools.encode and tools.tokenize write with a codec, for NAME = {split}_{rank}_{n
 - `NAME.codes.parquet` when asked for: a row per utterance (data/codes_parquet.py), once the shard is finished, or
   when a finished shard is found without it.
 
+The .km level is a view of the codes, not a setting that makes them (KM_LEVEL, ShardWriter's `views`): a finished
+shard asked for another level has its .km written again from its codes (`complete_km`), one asked for none keeps
+the .km it has. A shard in progress finishes with the level it began with.
+
 A shard of audio (tools.tokenize) learns its utterances as they come: its lengths, keys and feature frames are
 streamed with each window (`root`, the source's, begins its manifest). A shard of a feature store (tools.encode)
 knows them from the store: they are written when it finishes. Either way the codes are committed with the inputs
@@ -19,18 +23,24 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterable
+import os
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 
 from data.codes_parquet import complete_codes_parquet, write_codes_parquet
-from data.resumable_shard import ShardWriter
+from data.dump_writer import fsync_folder, write_temporary
+from data.resumable_shard import DISK_FULL, ShardWriter, finished_meta
 from data.shard_layout import CODES
+from data.writer_lock import WriterLock
+from errors import BadInputError, TransientFault
 from models.codes import code_frames, km_lines
 from rvq_tokenizer.codes_spec import CodesSpec
 
 log = logging.getLogger(__name__)
+KM_LEVEL = "km_level"  # the setting of the .km's level (codes_spec.py): a view of the codes, written again from them
+KM_BLOCK_FRAMES = 1 << 20  # code frames read at a time when a finished shard's .km is written from its codes
 
 
 class CodeShard:
@@ -47,19 +57,21 @@ class CodeShard:
               parquet: bool = False, root: str | None = None, rows: int | None = None,
               inputs: int | None = None) -> CodeShard | None:
         """Start (or resume) shard NAME in `folder` with `settings` (ShardWriter.begin: the shard's lock, one codec
-        and one count of shards a folder); None when it is finished already, its parquet then written if asked for
-        and missing. `root`: the source's root, for a shard whose utterances are learnt as they come (their lines
-        streamed); None for one whose utterances are known (`finish` is given them). `rows` (the code frames) or
-        `inputs` (the utterances), when known, size what a full disk is told to free; `redo`: what --overwrite
-        does, in words."""
+        and one count of shards a folder); None when it is finished already, its .km then written from its codes
+        if another level is asked for (`complete_km`), and its parquet if asked for and missing. `root`: the
+        source's root, for a shard whose utterances are learnt as they come (their lines streamed); None for one
+        whose utterances are known (`finish` is given them). `rows` (the code frames) or `inputs` (the utterances),
+        when known, size what a full disk is told to free; `redo`: what --overwrite does, in words."""
         streams = ({CODES.lengths: "", CODES.keys: f"{root}\n", CODES.skipped: "", CODES.frames: ""}
                    if root is not None else {CODES.skipped: ""})
         if spec.km:
             streams[CODES.km] = ""
         writer = ShardWriter.begin(folder, name, CODES, settings, overwrite=overwrite, log=log, redo=redo,
-                                   width=spec.levels, dtype=spec.dtype, streams=streams, rows=rows, inputs=inputs)
-        if writer is None:
-            if parquet:  # after the folder's lock: a large shard's parquet takes a while
+                                   width=spec.levels, dtype=spec.dtype, streams=streams, rows=rows, inputs=inputs,
+                                   views=(KM_LEVEL,))
+        if writer is None:  # after the folder's lock: a large shard's .km or parquet takes a while
+            complete_km(folder, name, spec.km)
+            if parquet:
                 complete_codes_parquet(folder, name, CODES)
             return None
         return cls(writer, spec, streamed=root is not None, parquet=parquet)
@@ -143,3 +155,61 @@ class CodeShard:
 
     def __exit__(self, *exc) -> None:
         self.writer.close()
+
+
+def complete_km(folder: Path, name: str, level: int | None) -> Path | None:
+    """For a shard found finished: write NAME.km of `level` from its codes when the shard records another level (or
+    none) or the file is missing, under the shard's lock; returns its path, or None when nothing was written (the
+    level it has, or no level asked for: a .km there is kept). NAME.codes.json names the level the .km holds: it is
+    cleared before the file is replaced and set once the new one is in place, so a process killed between the two
+    leaves a record that asks for the file again, never one that names a level the file does not hold."""
+    meta_path, km = folder / (name + CODES.meta), folder / (name + CODES.km)
+    with WriterLock(CODES.lock_path(folder, name), f"shard {folder / (name + CODES.array)}"):
+        meta = finished_meta(folder, name, CODES)
+        if not meta:  # removed since by --overwrite (or a record this tool did not write: claim_shard refused it)
+            return None
+        had = meta.get(KM_LEVEL)
+        if level is None:
+            if had is not None:
+                log.info("%s (level %d) is kept as it is: no --km asks for none; nothing to do", km, had)
+            return None
+        if had == level and km.is_file():
+            return None
+        log.info("writing %s, level %d, from the finished codes (%s)", km, level,
+                 "it was missing" if had == level else f"it held level {had}" if had else "it had none")
+        if had is not None:
+            _record(meta_path, {**meta, KM_LEVEL: None})
+        try:
+            os.replace(write_temporary(km, _km_text(folder, name, level)), km)
+        except BaseException as e:
+            km.with_name(km.name + ".tmp").unlink(missing_ok=True)  # a full disk keeps no half-written file
+            if isinstance(e, OSError) and e.errno in DISK_FULL:
+                raise TransientFault(f"{e.strerror} writing {km}: free space in {folder} and run the same command "
+                                     "again; the shard's codes are kept") from None
+            raise
+        fsync_folder(folder)
+        _record(meta_path, {**meta, KM_LEVEL: level})
+    return km
+
+
+def _record(path: Path, meta: dict) -> None:
+    """Replace NAME.codes.json atomically."""
+    os.replace(write_temporary(path, json.dumps(meta) + "\n"), path)
+    fsync_folder(path.parent)
+
+
+def _km_text(folder: Path, name: str, level: int) -> Iterator[str]:
+    """The .km lines of finished shard NAME at `level`, a block of utterances at a time: its codes memory-mapped,
+    at most KM_BLOCK_FRAMES code frames read at once (one utterance longer than that alone)."""
+    array, len_path = folder / (name + CODES.array), folder / (name + CODES.lengths)
+    codes = np.load(array, mmap_mode="r")
+    lengths = np.loadtxt(len_path, dtype=np.int64, ndmin=1) if len_path.stat().st_size else np.zeros(0, np.int64)
+    if int(lengths.sum()) != codes.shape[0]:
+        raise BadInputError(f"{len_path} lists {int(lengths.sum())} code frames; {array} has {codes.shape[0]}")
+    ends = np.cumsum(lengths)
+    first = 0
+    while first < len(lengths):
+        start = int(ends[first] - lengths[first])
+        end = max(first + 1, int(np.searchsorted(ends, start + KM_BLOCK_FRAMES, side="right")))
+        yield km_lines(np.asarray(codes[start : int(ends[end - 1]), level - 1 : level]), lengths[first:end], 1)
+        first = end

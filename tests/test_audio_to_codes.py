@@ -19,6 +19,7 @@ import torch
 from data.audio import pass_plan
 from data.dump_writer import publish, shard_range
 from data.resumable_shard import ShardWriter
+from models.codes import km_lines
 from rvq_tokenizer.codec_files import load_codec
 from tests.audio_helpers import CORPUS, codec_checkpoint, random_codec, tiny_w2v_bert, write_corpus
 from tests.helpers import REPO, TINY, _state, env, run_trainer, tree
@@ -260,6 +261,15 @@ def test_a_killed_tokenization_resumes_to_the_bytes_of_one_never_stopped(corpus,
     caplog.clear()  # other settings: refused, the finished shard kept
     assert tokenize.main([*args, "--beam_size", 1]) == 2 and "beam_size: 4 -> 1" in caplog.text
     assert files_of(out, SHARD, CODES) == files_of(done, SHARD, CODES)
+    caplog.clear()  # another .km level: written from the finished codes, which are neither computed nor written
+    km = args.index("--km")
+    stamp = (out / f"{SHARD}.codes.npy").stat().st_mtime_ns
+    assert tokenize.main([*args[:km], "--km", 1, *args[km + 2:]]) == 0
+    assert "level 1, from the finished codes (it held level 2)" in caplog.text
+    codes, lengths = np.load(out / f"{SHARD}.codes.npy"), (out / f"{SHARD}.codes.len").read_text().split()
+    assert (out / f"{SHARD}.km").read_text() == km_lines(codes, np.array(lengths, dtype=np.int64), 1)
+    assert (out / f"{SHARD}.codes.npy").stat().st_mtime_ns == stamp and json.loads(
+        (out / f"{SHARD}.codes.json").read_text())["km_level"] == 1
 
 
 def stopped(proc: subprocess.Popen, timeout: float) -> None:

@@ -1,8 +1,11 @@
 """rvq_tokenizer/code_shard.py's CodeShard in this process: the files of a shard of codes, streamed (tools.tokenize's
 way) or of known utterances (tools.encode's), resumed from a commit to the bytes of an unbroken shard, a finished one
 left alone with its parquet completed, and one whose every file was skipped discarded."""
+import dataclasses
+import errno
 import json
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +14,9 @@ import torch
 
 from data.shard_layout import CODES, PARTIAL
 from models.codec import CodecConfig, RVQCodec
+from errors import BadInputError, TransientFault
 from models.codes import code_frames, km_lines
+from rvq_tokenizer import code_shard
 from rvq_tokenizer.code_shard import CodeShard
 from rvq_tokenizer.codes_spec import CodesRequest, codes_spec
 
@@ -39,7 +44,7 @@ def codes_of(i: int) -> np.ndarray:
 
 def settings(**more) -> dict:
     return {"split": "train", "nshard": 1, "rank": 0, "codec_digest": "sha256:0", "checkpoint": "c.pt", "step": 1,
-            **more}
+            "km_level": 1, **more}  # the spec's .km level
 
 
 def begin(folder: Path, spec, streamed: bool, **kwargs) -> CodeShard | None:
@@ -142,3 +147,108 @@ def test_a_streamed_shard_whose_every_file_was_skipped_is_discarded(tmp_path, sp
         assert shard.finish(meta, files="all 1 file(s) of shard 0/1") is None
     assert "nothing written: all 1 file(s) of shard 0/1 were skipped" in caplog.text
     assert not [p for p in tmp_path.iterdir() if p.name.endswith((CODES.array, CODES.meta, PARTIAL))]
+
+
+def km_shard(folder: Path, spec, level: int | None, *, streamed: bool = True, end: int = 5) -> CodeShard | None:
+    """Shard NAME begun (or resumed, or found finished) with `level` as its .km level, its first `end` utterances
+    written and committed, and finished when that is all of them."""
+    spec = dataclasses.replace(spec, km=level)
+    shard = CodeShard.begin(folder, NAME, spec, settings(km_level=level), overwrite=False, redo="do it again",
+                            root="/audio" if streamed else None)
+    if shard is None:
+        return None
+    with shard:
+        write(shard, shard.done, end, streamed)
+        shard.commit(end)
+        if end == len(FRAMES):
+            record = lambda frames, skipped: {**settings(km_level=level), "feature_frames": frames, "skipped": skipped}
+            if streamed:
+                shard.finish(record, files="all 5 file(s)")
+            else:
+                shard.finish(record, feature_frames=np.array(FRAMES),
+                             keys=iter(["/audio\n", *(k + "\n" for k in KEYS)]))
+    return shard
+
+
+def written_with(folder: Path, spec, level: int | None, streamed: bool = True) -> dict[str, bytes]:
+    """The files of shard NAME written with `level` as its .km level from the start."""
+    km_shard(folder, spec, level, streamed=streamed)
+    return files(folder)
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "known utterances"])
+def test_a_finished_shard_asked_for_another_km_level_has_it_written_from_its_codes(tmp_path, spec, streamed, caplog,
+                                                                                   monkeypatch):
+    """--km is a view of the codes: a finished shard asked for another level gets the files of a shard written with
+    that level from the start (its .km, its record), its codes untouched and not computed again; asked for none, it
+    keeps its .km; a .km gone missing is written again."""
+    monkeypatch.setattr(code_shard, "KM_BLOCK_FRAMES", 5)  # utterances of 4, 6, 2, 5 and 8 code frames: 4 blocks
+    folder = tmp_path / "shard"
+    km_shard(folder, spec, None, streamed=streamed)
+    codes = files(folder)[NAME + CODES.array]
+    caplog.set_level(logging.INFO)
+    for level, said in ((2, "level 2, from the finished codes (it had none)"),
+                        (1, "level 1, from the finished codes (it held level 2)")):
+        caplog.clear()
+        assert km_shard(folder, spec, level, streamed=streamed) is None
+        assert said in caplog.text and "nothing to do" not in caplog.text
+        written = files(folder)
+        assert written == written_with(tmp_path / f"with {level}", spec, level, streamed)
+        assert written[NAME + CODES.array] == codes
+    km = folder / (NAME + CODES.km)
+    stamp = km.stat().st_mtime_ns
+    caplog.clear()
+    assert km_shard(folder, spec, None, streamed=streamed) is None
+    assert f"{km} (level 1) is kept as it is: no --km asks for none; nothing to do" in caplog.text
+    assert files(folder) == written and km.stat().st_mtime_ns == stamp
+    caplog.clear()
+    assert km_shard(folder, spec, 1, streamed=streamed) is None
+    assert "nothing to do (--overwrite: do it again)" in caplog.text and km.stat().st_mtime_ns == stamp
+    km.unlink()
+    caplog.clear()
+    assert km_shard(folder, spec, 1, streamed=streamed) is None
+    assert "level 1, from the finished codes (it was missing)" in caplog.text and files(folder) == written
+
+
+def test_a_km_write_that_fails_leaves_a_record_that_asks_for_it_again(tmp_path, spec, monkeypatch, caplog):
+    """A full disk while a finished shard's .km is written again: one line to free space, no half-written file, the
+    record naming no level (never one the .km does not hold), and the next run writes it whole."""
+    folder = tmp_path / "shard"
+    km_shard(folder, spec, 1)
+    held = (folder / (NAME + CODES.km)).read_text()
+    lines = code_shard._km_text
+
+    def full_disk(*args):
+        yield next(lines(*args))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(code_shard, "_km_text", full_disk)
+    with pytest.raises(TransientFault, match=r"No space left on device writing .*train_0_1\.km: free space in "):
+        km_shard(folder, spec, 2)
+    record = json.loads((folder / (NAME + CODES.meta)).read_text())
+    assert record["km_level"] is None and (folder / (NAME + CODES.km)).read_text() == held
+    assert not list(folder.glob("*.tmp"))
+    monkeypatch.undo()
+    caplog.set_level(logging.INFO)
+    assert km_shard(folder, spec, 1) is None and "level 1, from the finished codes (it had none)" in caplog.text
+    assert files(folder) == written_with(tmp_path / "with 1", spec, 1)
+
+
+def test_a_shard_in_progress_keeps_its_km_level_and_the_refusal_says_how_to_get_another(tmp_path, spec):
+    """A .km level other than the one a shard in progress began with is refused, naming the flag as it is typed, and
+    saying that the finished shard takes the new level; any other setting is refused without that."""
+    folder = tmp_path / "shard"
+    km_shard(folder, spec, 1, end=2)
+    before = files(folder)
+    for level, change in ((2, "--km 1 -> --km 2"), (None, "--km 1 -> no --km")):
+        with pytest.raises(BadInputError, match=re.escape(
+                f"begun with other settings ({change}): rerun with those, then with these, which a finished shard "
+                "takes from its rows, or pass --overwrite")):
+            km_shard(folder, spec, level)
+    with pytest.raises(BadInputError, match=r"begun with other settings \(step: 1 -> 2\): rerun with those, or pass"):
+        CodeShard.begin(folder, NAME, spec, {**settings(km_level=1), "step": 2}, overwrite=False, redo="again",
+                        root="/audio")
+    assert files(folder) == before
+    km_shard(folder, spec, 1)  # the level it began with: it goes on and finishes
+    assert km_shard(folder, spec, 2) is None
+    assert files(folder) == written_with(tmp_path / "with 2", spec, 2)

@@ -338,16 +338,27 @@ def test_decode_says_the_reconstruction_error_against_the_features_it_was_encode
     assert "no reconstruction error: split 'train' of" in caplog.text and "rel_mse" not in caplog.text
 
 
-def test_a_rerun_without_km_names_the_flag_as_it_is_typed(tmp_path, caplog):
-    """A shard written with --km 1, asked for again without it: refused, naming --km, not the setting's key."""
+def test_a_finished_shard_rerun_with_another_km_writes_that_level_without_encoding_again(tmp_path, caplog):
+    """tools.encode --km 2 on a shard finished with --km: the files of a shard encoded with --km 2 from the start,
+    its codes neither encoded nor written again; without --km, it keeps its .km and says so."""
     feats, codes = tmp_path / "feats", tmp_path / "codes"
     write_fairseq(feats, "train", [40, 37, 50], dim=32)
-    args = ["--checkpoint", random_codec(tmp_path / "codec.pt", feats), "--data_dir", feats, "--output_dir", codes]
-    assert encode.main([*args, "--km"]) == 0
+    args = ["--checkpoint", random_codec(tmp_path / "codec.pt", feats), "--data_dir", feats, "--beam_size", 1]
+    assert encode.main([*args, "--output_dir", codes, "--km"]) == 0
+    array = codes / "train_0_1.codes.npy"
+    stamp = array.stat().st_mtime_ns
     caplog.clear()
-    assert encode.main(args) == 2
-    assert "train_0_1.codes.npy was written with other settings (--km 1 -> no --km)" in caplog.text
-    assert "km_level" not in caplog.text
+    assert encode.main([*args, "--output_dir", codes]) == 0
+    assert "train_0_1.km (level 1) is kept as it is: no --km asks for none" in caplog.text
+    caplog.clear()
+    assert encode.main([*args, "--output_dir", codes, "--km", 2]) == 0
+    assert "level 2, from the finished codes (it held level 1)" in caplog.text and "encoded" not in caplog.text
+    assert encode.main([*args, "--output_dir", tmp_path / "with 2", "--km", 2]) == 0
+    assert read_files(codes) == read_files(tmp_path / "with 2") and array.stat().st_mtime_ns == stamp
+
+
+def read_files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if not p.name.startswith(".")}
 
 
 def test_a_float16_dump_is_read_as_float32_by_a_codec_trained_on_float32_features_and_said_once(tmp_path, caplog):

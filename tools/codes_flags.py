@@ -38,7 +38,8 @@ def add_codes_args(p: argparse.ArgumentParser, km: bool = True) -> None:
         return
     p.add_argument("--km", type=int, nargs="?", const=1, metavar="LEVEL",
                    help="also write NAME.km, fairseq's label file (HuBERT's dump_km_label.py): one line per "
-                        "utterance, its codes at level LEVEL (from 1; --km alone: 1) (default: no .km)")
+                        "utterance, its codes at level LEVEL (from 1; --km alone: 1); a finished shard asked for "
+                        "another level has its .km written again from its codes (default: no .km)")
     p.add_argument("--parquet", action="store_true",
                    help="also write NAME.codes.parquet once the shard is finished (or found finished without it): "
                         "a row per utterance, its key and its codes at each level, as datasets.load_dataset"

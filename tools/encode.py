@@ -31,8 +31,9 @@ ceil(T / downsample) code frames (models/codes.py). Utterances are encoded in ch
 (the progress bar moves with each batch); each chunk's codes are appended to NAME.codes.npy.partial and
 committed (data/resumable_shard.py), so that the same command run again after a crash goes on from the last
 commit and writes the same bytes as an uninterrupted run. A finished shard is not encoded again: the
-command says so and exits 0 (--overwrite starts it over); one written with other settings is refused. A
-second process on the same shard exits 2, naming the first. Decoding writes a fairseq dump (`NAME.npy/.len`)
+command says so and exits 0 (--overwrite starts it over), its .km written again from its codes when --km
+names another level; one written with other settings is refused. A second process on the same shard exits 2,
+naming the first. Decoding writes a fairseq dump (`NAME.npy/.len`)
 of the reconstructed features, cut back to each utterance's T frames when the .codes.json gives them, with the
 codec that wrote them (another exits 2, naming both); it refuses an output folder where NAME.npy or NAME.len
 exists (the features it would shadow) unless --overwrite. When the features the codes were encoded from are

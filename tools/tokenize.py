@@ -23,7 +23,8 @@ data/codes_parquet.py; written also when the shard is found finished without it)
 `NAME.codes.skipped`, the files skipped and why, as tools.extract lists them. Committed every --commit_files
 files or --commit_seconds of audio (data/resumable_shard.py): the same command run again after a crash goes
 on from the last commit and writes the same bytes as a run never stopped; a finished shard is said to be
-complete (exit 0); one with other settings is refused unless --overwrite. A second process on the same shard
+complete (exit 0), its .km written again from its codes when --km names another level; one with other
+settings is refused unless --overwrite. A second process on the same shard
 exits 2, naming the first. Exit codes: 0 done; 1 no file could be tokenized (nothing written); 2 bad
 arguments or input, features other than the codec's, or an output that is another's.
 """
