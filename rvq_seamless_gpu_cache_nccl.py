@@ -214,7 +214,15 @@ class Trainer:
         if self.schedule.stop_reason(p.step) is None:  # training goes on: the end-of-schedule work is to come
             p.end_of_schedule = []
         self.ddp_model = wrap_ddp(self.model, ctx)
-        self.open_outputs()
+        finished = (resume is not None and self.schedule.stop_reason(p.step) is not None
+                    and set(END_OF_SCHEDULE) <= set(p.end_of_schedule))
+        self.open_outputs(training=not finished)
+        if finished:  # nothing to train, refit or evaluate: no batches, compile, bar or timing, on every rank alike
+            p.stop_reason = self.schedule.stop_reason(p.step)
+            log.warning("%s holds a finished run (step %d, %s; its refit and final eval done): nothing is left to "
+                        "do. To train afresh, give another --output_dir; to train on from it, a larger budget "
+                        "(--max_steps, --max_minutes)", self.folder.root, p.step, self.schedule.describe())
+            return
         if self.stop_before_the_first_step():
             return
         self.batches = batch_source(cfg.data, self.data.shard, self.data.plan, ctx.device,
@@ -242,10 +250,6 @@ class Trainer:
         p.phase = "train"
         if p.stop_reason is None:  # a run resumed at the end of its schedule goes to what is left of its end
             p.stop_reason = self.schedule.stop_reason(p.step)
-        if resume is not None and p.stop_reason and set(END_OF_SCHEDULE) <= set(p.end_of_schedule):
-            log.warning("%s holds a finished run (step %d, %s; its refit and final eval done): nothing is left to "
-                        "do. To train afresh, give another --output_dir; to train on from it, a larger budget "
-                        "(--max_steps, --max_minutes)", self.folder.root, p.step, self.schedule.describe())
 
     def stop_before_the_first_step(self) -> bool:
         """A stop requested during the set-up (a signal during the imports included: StopRequest.install), agreed
@@ -328,8 +332,9 @@ class Trainer:
             self.model.restore_codebook_state(current)
             p.samples_seen = running
 
-    def open_outputs(self) -> None:
-        """Rank 0 alone writes: config.json, metrics.jsonl (and TensorBoard), checkpoints/."""
+    def open_outputs(self, training: bool = True) -> None:
+        """Rank 0 alone writes: config.json, metrics.jsonl (and TensorBoard), checkpoints/. `training`: the loop
+        is to run (its budget and batches said in the log)."""
         cfg, codec = self.cfg, self.codec
         if self.main_rank:
             self.folder.checkpoints.mkdir(parents=True, exist_ok=True)
@@ -340,6 +345,8 @@ class Trainer:
                  codec.num_quantizers, codec.codebook_size, codec.latent_dim, codec.downsample,
                  codec.num_quantizers * math.log2(codec.codebook_size) / codec.downsample,
                  sum(p.numel() for p in self.model.parameters()) / 1e6)
+        if not training:
+            return
         log.info("training for %s; %d steps per epoch, %d frames per rank per step in %d micro-batch(es), "
                  "lengths %s, on %s x %d", self.schedule.describe(), self.steps_per_epoch,
                  cfg.data.frames_per_step * cfg.optim.grad_accum, cfg.optim.grad_accum,
@@ -507,7 +514,8 @@ class Trainer:
         job may have seconds left); one during them ends them at their next chunk, and a resume does the rest."""
         p = self.progress
         start, done_before = time.monotonic(), list(p.end_of_schedule)
-        self.bar.close()  # the training bar ends before the refit's and the final eval's start
+        if self.bar is not None:  # the training bar ends before the refit's and the final eval's start
+            self.bar.close()
         if p.stop_reason == ScheduleEnd.MAX_MINUTES:  # the budget is spent: a relaunch does only what is left here
             self.schedule.ran_out = True
         if "refit" not in p.end_of_schedule:

@@ -468,6 +468,8 @@ def test_stop_and_resume_gives_identical_weights(tmp_path, small_data):
     r = trainer_in_process([*common, "--output_dir", split])
     assert r.returncode == 0 and "holds a finished run (step 24" in r.stderr, r.stderr[-3000:]
     assert "give another --output_dir" in r.stderr and len(events(split, "train")) == trained
+    # nor does it read batches, time a GEMM, show a train bar or say it trains
+    assert not [said for said in ("MFU:", "step/s", "training for", "compile:") if said in r.stderr], r.stderr[-3000:]
 
 
 def test_first_sigint_requests_a_stop_and_the_second_exits_at_once():
