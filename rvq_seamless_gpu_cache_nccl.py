@@ -44,6 +44,7 @@ from models.compiled_step import check_compile, compile_mode, graphs_and_breaks
 from training.checkpoint import Checkpointer, Resume
 from training.codebooks import feature_stats, init_codebooks, refit
 from training.config import OptimConfig, TrainConfig, parse_args, resumed_optim, save_config
+from training.optimizer import build_optimizer
 from training.device import cache_dtype, compute_dtype, make_deterministic, select_device
 from training.distributed import (DistContext, all_reduce_sum, destroy, detect_launch, dump_flight_recorder,
                                   final_barrier, free_destroyed_groups, init_distributed,
@@ -103,15 +104,15 @@ def train(cfg: TrainConfig, stop: StopRequest) -> int:
         # once the resume is known (a resumed run computes as its run did), and before the run's first torch work:
         # the feature statistics below are computed with the run's own thread count, as every later step is
         set_threads(cfg.run.threads, device, resume)
+        if resume is not None:  # it trains on its own schedule and optimizer: a new default never changes them
+            optim = keep_schedule(cfg, resume)
+            cfg, given = dataclasses.replace(cfg, optim=optim), dataclasses.replace(given, optim=optim)
         # the features' mean and scale, when the codec takes them from this data: the same sample on every rank
         stats = feature_stats(data.train) if resume is None or resume.new_data else None
     except (BadInputError, TransientFault):  # every rank raises it together: the groups go down here, not in the
         output.abandon()  # interpreter's exit
         destroy()
         raise
-    if resume is not None:  # and trains on its own schedule: a new default never changes it mid-run
-        optim = keep_schedule(cfg, resume)
-        cfg, given = dataclasses.replace(cfg, optim=optim), dataclasses.replace(given, optim=optim)
     data.save_manifests()  # the output dir is this run's from here on
     make_flight_recorder_dir(ctx, Path(cfg.run.output_dir))
     trainer = Trainer(cfg, ctx, data, codec, stop, faults, output, given)
@@ -192,11 +193,8 @@ class Trainer:
         if stats is not None:
             self.model.set_feature_stats(*(t.to(ctx.device) for t in stats))
         self.params = list(self.model.parameters())  # listed once: walking the modules every step is host time
-        # AdamW fused into one kernel over every parameter (CUDA and CPU), not several ops per parameter
-        fused = ctx.device.type in ("cuda", "cpu")
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, betas=(0.9, 0.99),
-                                           weight_decay=cfg.optim.weight_decay, fused=fused or None,
-                                           foreach=None if fused else True)
+        self.optimizer = build_optimizer(cfg.optim.optimizer, self.params, lr=cfg.optim.lr,
+                                         weight_decay=cfg.optim.weight_decay, device=ctx.device)
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=self.amp_dtype == torch.float16)
         torch.manual_seed(cfg.optim.seed + ctx.rank)
         if resume is not None:

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from data.training_data import DEFAULT_BATCH, DataConfig
+from errors import BadInputError
 from training.config import OptimConfig
 from training.schedule import DEFAULT_STEPS, Schedule
 
@@ -182,5 +183,23 @@ def test_a_resumed_run_keeps_its_checkpoints_optimisation_settings_unless_their_
     assert (optim.lr, optim.min_lr_ratio, optim.warmup_steps, optim.grad_clip) == (2e-3, 0.2, 50, 0.5)
     assert optim.weight_decay == typed.optim.weight_decay  # a setting the checkpoint predates: this run's
     assert (optim.seed, optim.max_steps) == (typed.optim.seed, 300)  # not kept: the budget is the relaunch's
+    assert optim.optimizer == "adamw"  # the optimizer whose state it resumes: runs from before the flag used AdamW
     assert said == ["--lr 0.002, the checkpoint's run's (this version's default: 0.003)",
                     "--min_lr_ratio 0.2 as given (the checkpoint's run trained with 0.1)"]
+
+
+def test_a_resumed_run_trains_with_its_checkpoints_optimizer_and_refuses_another():
+    from training.config import parse_args, resumed_optim
+
+    for saved in ({"optimizer": "muon", "lr": 3e-3}, {"optimizer": "adamw", "lr": 3e-3}, {"lr": 3e-3}):
+        plain = parse_args([])
+        optim, said = resumed_optim(plain.optim, saved, plain.typed)
+        assert optim.optimizer == saved.get("optimizer", "adamw")  # a checkpoint from before the flag: AdamW's
+        assert said == ([] if optim.optimizer == plain.optim.optimizer else
+                        [f"--optimizer {optim.optimizer}, the checkpoint's run's (this version's default: "
+                         f"{plain.optim.optimizer})"])
+    typed = parse_args(["--optimizer", "muon"])
+    with pytest.raises(BadInputError, match=r"--optimizer muon: the checkpoint's run trained with --optimizer adamw, "
+                                            r"whose state this run resumes; leave the flag out"):
+        resumed_optim(typed.optim, {"lr": 3e-3}, typed.typed)  # a checkpoint from before the flag: AdamW's
+    assert resumed_optim(typed.optim, {"optimizer": "muon"}, typed.typed)[0].optimizer == "muon"

@@ -440,9 +440,11 @@ def test_sigterm_during_the_imports_stops_before_the_first_step_and_a_relaunch_t
     assert events(out, "stop")[-1] == {**events(out, "stop")[-1], "step": 2, "reason": "max_steps"}
 
 
-def test_stop_and_resume_gives_identical_weights(tmp_path, small_data):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_stop_and_resume_gives_identical_weights(tmp_path, small_data, optimizer):
     common = ["--data_dir", small_data, *TINY, "--max_steps", "24", "--eval_every", "8", "--save_every", "100",
-              "--multi_length_training", "--segment_lengths", "16,32,64", "--quantize_dropout"]
+              "--multi_length_training", "--segment_lengths", "16,32,64", "--quantize_dropout",
+              "--optimizer", optimizer]
     straight = tmp_path / "straight"
     r = trainer_in_process([*common, "--output_dir", straight])
     assert r.returncode == 0, r.stderr[-3000:]
@@ -470,6 +472,12 @@ def test_stop_and_resume_gives_identical_weights(tmp_path, small_data):
     assert "give another --output_dir" in r.stderr and len(events(split, "train")) == trained
     # nor does it read batches, time a GEMM, show a train bar or say it trains
     assert not [said for said in ("MFU:", "step/s", "training for", "compile:") if said in r.stderr], r.stderr[-3000:]
+    # its optimizer's state is what it resumes: another is refused, with nothing written
+    other = "muon" if optimizer == "adamw" else "adamw"
+    r = trainer_in_process([*common, "--output_dir", split, "--max_steps", "30", "--optimizer", other])
+    assert r.returncode == 2 and f"--optimizer {other}: the checkpoint's run trained with --optimizer {optimizer}" \
+        in r.stderr, r.stderr[-3000:]
+    assert newest_checkpoint(split)["step"] == 24 and len(events(split, "train")) == trained
 
 
 def test_first_sigint_requests_a_stop_and_the_second_exits_at_once():

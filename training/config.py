@@ -22,9 +22,11 @@ import os
 from dataclasses import dataclass, field
 
 from data.training_data import DataConfig
+from errors import BadInputError
 from models.codec import CodecConfig
 from models.compiled_step import COMPILE_CHOICES, CPU_COMPILE_MIN_MINUTES, CPU_COMPILE_MIN_STEPS
 from training.flag_help import FlagHelpFormatter
+from training.optimizer import OPTIMIZERS
 from training.sync_check import STOP_CHECK_SECONDS
 
 DEFAULT_NCCL_TIMEOUT = 1800  # seconds; PyTorch's own default for NCCL groups
@@ -88,13 +90,17 @@ def on_off(text: str) -> bool:
 
 
 KEPT_ON_RESUME = "a resumed run keeps its checkpoint's unless given"
+FIXED_ON_RESUME = "a resumed run trains with its checkpoint's (another given: exit 2)"
 
 
 def flag(default, help: str | None = None, **metadata):
     """A field that is also a flag, with its default and help text (metadata: see _argparse_options; "kept": a
-    resumed run keeps its checkpoint's value unless the flag is given, `resumed_optim`)."""
+    resumed run keeps its checkpoint's value unless the flag is given; "fixed": it keeps its checkpoint's, the
+    value "fixed" names for a checkpoint from before the field, and refuses another: `resumed_optim`)."""
     if metadata.get("kept"):
         help = f"{help}; {KEPT_ON_RESUME}"
+    if "fixed" in metadata:
+        help = f"{help}; {FIXED_ON_RESUME}"
     return field(default=default, metadata={"help": help, **metadata})
 
 
@@ -123,11 +129,15 @@ class OptimConfig:
               "rank 0's clock decides; a resumed run has what its checkpoint left of it)")
     epochs: int | None = flag(None, "passes over the training frames (used when --max_steps is not given)")
     grad_accum: int = flag(1, "micro-batches per step; gradients are all-reduced on the last one only")
-    lr: float = flag(3e-3, "peak learning rate (AdamW), reached after --warmup_steps", kind="positive", kept=True)
+    optimizer: str = flag("adamw", "adamw: AdamW on every parameter; muon: Muon on the codec's conv kernels and "
+                                   "AdamW on its biases, one --lr and --weight_decay for both (training/optimizer.py)",
+                          choices=OPTIMIZERS, fixed="adamw")
+    lr: float = flag(3e-3, "peak learning rate, reached after --warmup_steps (AdamW's; Muon's step is scaled to "
+                           "the same size)", kind="positive", kept=True)
     min_lr_ratio: float = flag(0.01, "cosine decay ends at lr x this", kind="fraction", kept=True)
     warmup_steps: int = flag(50, "steps of linear warmup to --lr, before the cosine decay", kind="nonnegative",
                              kept=True)
-    weight_decay: float = flag(0.0, "AdamW's decoupled weight decay", kind="nonnegative", kept=True)
+    weight_decay: float = flag(0.0, "decoupled weight decay", kind="nonnegative", kept=True)
     grad_clip: float = flag(1.0, "gradients are scaled down to this total norm when above it (0: no clipping)",
                             kind="nonnegative", kept=True)
     max_bad_steps: int = flag(10, "non-finite steps in a row (each skipped on every rank) before the run stops",
@@ -319,19 +329,33 @@ def typed_flags(argv=None) -> frozenset[str]:
 def resumed_optim(optim: OptimConfig, saved: dict, typed: frozenset[str]) -> tuple[OptimConfig, list[str]]:
     """The optimisation settings of a resumed run: each "kept" field (the learning-rate schedule, the update's
     settings) as its checkpoint's run had it (`saved`: the checkpoint's "config"), unless its flag is typed; a
-    field the checkpoint predates keeps this run's value. A new default then never changes a running job's
-    schedule mid-run. Returns the settings and one line per field that differs from the flags or defaults."""
+    field the checkpoint predates keeps this run's value. A "fixed" field (the optimizer, whose state the run
+    resumes) is always the checkpoint's, its "fixed" value for a checkpoint from before it: BadInputError when the
+    flag names another. A new default then never changes a running job's schedule mid-run. Returns the settings
+    and one line per field that differs from the flags or defaults."""
     kept, said = {}, []
     for f in dataclasses.fields(OptimConfig):
-        if not f.metadata.get("kept") or f.name not in saved or saved[f.name] == getattr(optim, f.name):
+        fixed = "fixed" in f.metadata
+        if not (f.metadata.get("kept") or fixed) or not (f.name in saved or fixed):
             continue
-        ours = getattr(optim, f.name)
+        theirs, ours = saved.get(f.name, f.metadata.get("fixed")), getattr(optim, f.name)
+        if theirs == ours:
+            continue
+        if fixed and f.name in typed:
+            raise BadInputError(f"--{f.name} {ours}: the checkpoint's run trained with --{f.name} {theirs}, whose "
+                                "state this run resumes; leave the flag out to go on with it, or train afresh in "
+                                "another --output_dir")
         if f.name in typed:
-            said.append(f"--{f.name} {ours:g} as given (the checkpoint's run trained with {saved[f.name]:g})")
+            said.append(f"--{f.name} {ours:g} as given (the checkpoint's run trained with {theirs:g})")
         else:
-            kept[f.name] = saved[f.name]
-            said.append(f"--{f.name} {saved[f.name]:g}, the checkpoint's run's (this version's default: {ours:g})")
+            kept[f.name] = theirs
+            said.append(f"--{f.name} {_shown(theirs)}, the checkpoint's run's (this version's default: "
+                        f"{_shown(ours)})")
     return dataclasses.replace(optim, **kept), said
+
+
+def _shown(value) -> str:
+    return f"{value:g}" if isinstance(value, (int, float)) else str(value)
 
 
 def command_line(values: dict) -> list[str]:
