@@ -117,3 +117,23 @@ def test_an_adamw_state_is_refused_by_muon_naming_the_flag():
     muon = build_optimizer("muon", model_params(), lr=0.01, weight_decay=0.0, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="--optimizer adamw"):
         muon.load_state_dict(adamw.state_dict())
+
+
+def test_a_grad_scaler_unscales_and_steps_both_optimizers():
+    """fp16's GradScaler goes through `param_groups` and `step`: the scaled gradients, unscaled, give the step of
+    the plain ones (a power-of-two scale is exact)."""
+    grads = grads_for([p.shape for p in model_params()], 2)
+    plain, scaled = model_params(), model_params()
+    opt = build_optimizer("muon", plain, lr=0.01, weight_decay=0.0, device=torch.device("cpu"))
+    steps(plain, opt, grads)
+    opt = build_optimizer("muon", scaled, lr=0.01, weight_decay=0.0, device=torch.device("cpu"))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    for step_grads in grads:
+        scale = scaler.scale(torch.tensor(1.0))  # as the scaled loss's backward would scale the gradients
+        for p, g in zip(scaled, step_grads):
+            p.grad = g * scale
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+    for a, b in zip(plain, scaled):
+        assert torch.equal(a, b)
