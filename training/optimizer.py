@@ -6,8 +6,8 @@ momentum by the nearest semi-orthogonal matrix, found by five Newton-Schulz iter
 the weight moves at the same rate. A conv kernel [out, in, k] is the matrix [out, in * k] (what the conv
 multiplies its unfolded input by). Its step is scaled by 0.2 * sqrt(max(rows, cols)), the scale that gives it
 AdamW's update size ("match_rms_adamw", Liu et al., 2025), so both kinds of parameter follow one --lr, one
-schedule and one --weight_decay. The kernels of one shape are orthogonalised together, as one batched product a
-step: a handful of operations per shape, not per kernel.
+schedule and one --weight_decay. The kernels of one shape are orthogonalised together: the Newton-Schulz products
+are batched by shape (three shapes in the default codec), not made kernel by kernel.
 
 `build_optimizer` makes it; the step, its state dict and its resume are those of a torch optimizer: `MuonAdamW`
 holds the two and shows their param groups as one list (the learning rate set on each every step).
