@@ -84,8 +84,8 @@ def write_codes_parquet(folder: Path, name: str, layout: ShardLayout = CODES, *,
             with open(tmp, "wb") as f:
                 writer = pq.ParquetWriter(f, schema)
                 row = 0
-                for keys, lengths in _groups(_utterances(len_path, tsv, int(meta.get("first_utterance", 0)),
-                                                         tsv_path), group_utterances, group_frames):
+                utterances = _utterances(len_path, tsv, int(meta.get("first_utterance", 0)), tsv_path)
+                for keys, lengths in utterance_groups(utterances, group_utterances, group_frames):
                     end = row + int(lengths.sum())
                     if end > codes.shape[0]:
                         raise BadInputError(f"{len_path} lists more code frames than the {codes.shape[0]} rows of "
@@ -137,9 +137,10 @@ def _utterances(len_path: Path, tsv, first: int, tsv_path: Path) -> Iterator[tup
             yield key.rstrip("\n"), int(count)
 
 
-def _groups(utterances: Iterator[tuple[str, int]], most: int, frames: int) -> Iterator[tuple[list[str], np.ndarray]]:
+def utterance_groups(utterances: Iterator[tuple[str, int]], most: int,
+                     frames: int) -> Iterator[tuple[list[str], np.ndarray]]:
     """(keys, lengths) of consecutive utterances: at most `most` of them and `frames` code frames (an utterance
-    longer than that alone)."""
+    longer than that alone). Also how a finished shard's .km is written again (rvq_tokenizer/code_shard.py)."""
     keys, lengths, total = [], [], 0
     for key, n in utterances:
         if keys and (len(keys) == most or total + n > frames):

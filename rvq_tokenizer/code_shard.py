@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 
-from data.codes_parquet import complete_codes_parquet, write_codes_parquet
-from data.dump_writer import fsync_folder, write_temporary
+from data.codes_parquet import complete_codes_parquet, utterance_groups, write_codes_parquet
+from data.dump_writer import publish, write_temporary
 from data.resumable_shard import DISK_FULL, ShardWriter, finished_meta
 from data.shard_layout import CODES
 from data.writer_lock import WriterLock
@@ -180,36 +179,36 @@ def complete_km(folder: Path, name: str, level: int | None) -> Path | None:
         if had is not None:
             _record(meta_path, {**meta, KM_LEVEL: None})
         try:
-            os.replace(write_temporary(km, _km_text(folder, name, level)), km)
+            publish([], (write_temporary(km, _km_text(folder, name, level)), km))
         except BaseException as e:
             km.with_name(km.name + ".tmp").unlink(missing_ok=True)  # a full disk keeps no half-written file
             if isinstance(e, OSError) and e.errno in DISK_FULL:
                 raise TransientFault(f"{e.strerror} writing {km}: free space in {folder} and run the same command "
                                      "again; the shard's codes are kept") from None
             raise
-        fsync_folder(folder)
         _record(meta_path, {**meta, KM_LEVEL: level})
     return km
 
 
 def _record(path: Path, meta: dict) -> None:
     """Replace NAME.codes.json atomically."""
-    os.replace(write_temporary(path, json.dumps(meta) + "\n"), path)
-    fsync_folder(path.parent)
+    publish([], (write_temporary(path, json.dumps(meta) + "\n"), path))
 
 
 def _km_text(folder: Path, name: str, level: int) -> Iterator[str]:
-    """The .km lines of finished shard NAME at `level`, a block of utterances at a time: its codes memory-mapped,
-    at most KM_BLOCK_FRAMES code frames read at once (one utterance longer than that alone)."""
+    """The .km lines of finished shard NAME at `level`, a block of utterances at a time (data/codes_parquet.py
+    utterance_groups, as its parquet is written): its codes memory-mapped and its .codes.len read line by line, at
+    most KM_BLOCK_FRAMES code frames at once (one utterance longer than that alone)."""
     array, len_path = folder / (name + CODES.array), folder / (name + CODES.lengths)
     codes = np.load(array, mmap_mode="r")
-    lengths = np.loadtxt(len_path, dtype=np.int64, ndmin=1) if len_path.stat().st_size else np.zeros(0, np.int64)
-    if int(lengths.sum()) != codes.shape[0]:
-        raise BadInputError(f"{len_path} lists {int(lengths.sum())} code frames; {array} has {codes.shape[0]}")
-    ends = np.cumsum(lengths)
-    first = 0
-    while first < len(lengths):
-        start = int(ends[first] - lengths[first])
-        end = max(first + 1, int(np.searchsorted(ends, start + KM_BLOCK_FRAMES, side="right")))
-        yield km_lines(np.asarray(codes[start : int(ends[end - 1]), level - 1 : level]), lengths[first:end], 1)
-        first = end
+    row = 0
+    with open(len_path) as lens:
+        counts = (("", int(line)) for line in lens if line.strip())
+        for _, lengths in utterance_groups(counts, KM_BLOCK_FRAMES, KM_BLOCK_FRAMES):
+            end = row + int(lengths.sum())
+            if end > codes.shape[0]:
+                raise BadInputError(f"{len_path} lists more code frames than the {codes.shape[0]} rows of {array}")
+            yield km_lines(np.asarray(codes[row:end, level - 1 : level]), lengths, 1)
+            row = end
+    if row != codes.shape[0]:
+        raise BadInputError(f"{len_path} lists {row} code frames; {array} has {codes.shape[0]}")
