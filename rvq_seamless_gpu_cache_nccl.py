@@ -209,14 +209,14 @@ class Trainer:
                                  codebook_size=self.codec.codebook_size, started_at=STARTED, start_step=p.step,
                                  start_fraction=p.schedule_fraction, time_spent=p.time_spent,
                                  per_frame=p.seconds_per_frame)
-        if self.schedule.stop_reason(p.step) is None:  # training goes on: the end-of-schedule work is to come
+        ended = self.schedule.stop_reason(p.step)  # a resumed run at the end of its schedule
+        if ended is None:  # training goes on: the end-of-schedule work is to come
             p.end_of_schedule = []
         self.ddp_model = wrap_ddp(self.model, ctx)
-        finished = (resume is not None and self.schedule.stop_reason(p.step) is not None
-                    and set(END_OF_SCHEDULE) <= set(p.end_of_schedule))
+        finished = resume is not None and ended is not None and set(END_OF_SCHEDULE) <= set(p.end_of_schedule)
         self.open_outputs(training=not finished)
         if finished:  # nothing to train, refit or evaluate: no batches, compile, bar or timing, on every rank alike
-            p.stop_reason = self.schedule.stop_reason(p.step)
+            p.stop_reason = ended
             log.warning("%s holds a finished run (step %d, %s; its refit and final eval done): nothing is left to "
                         "do. To train afresh, give another --output_dir; to train on from it, a larger budget "
                         "(--max_steps, --max_minutes)", self.folder.root, p.step, self.schedule.describe())

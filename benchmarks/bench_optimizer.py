@@ -1,12 +1,13 @@
 """What --optimizer costs a training step: the optimizer's step (training/optimizer.py build_optimizer, as the
 trainer builds it) beside the forward and backward of the same codec, on this machine's CPU or GPU.
 
-For each codec (the defaults at 50 Hz, and 25 Hz: `--downsample 2`) and the default batch of the device (16 crops
-of 128 frames on a CPU), one forward and backward gives the gradients; then the forward and backward, the AdamW
-step and the Muon step are timed in turns, `--repeats` rounds of `--steps` calls each, and the median of the rounds
-is kept. The share is the optimizer's time over a whole step (forward, backward and that optimizer). Each optimizer's step
-is also counted as the host issues it (benchmarks/host_syncs.py's dispatch counter): its ops, each a kernel launch
-on a GPU, and its host syncs, the same on any device.
+For each codec (the defaults at 50 Hz, and 25 Hz: `--downsample 2`) and the trainer's default batch on the device
+(data/training_data.py DEFAULT_BATCH crops of AUTO_LENGTHS[0], 128 frames), one forward and backward gives the
+gradients; then the forward and backward, the AdamW step and the Muon step are timed in turns, `--repeats` rounds of
+`--steps` calls each, and the median of the rounds is kept. The share is the optimizer's time over a whole step
+(forward, backward and that optimizer). Each optimizer's step is also counted as the host issues it
+(benchmarks/host_syncs.py's dispatch counter): its ops (on a GPU each a kernel launch, views aside) and its host
+syncs, the same on any device.
 
     python benchmarks/bench_optimizer.py --threads 2 --out benchmarks/results/bench_optimizer.json
 """
@@ -26,6 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.demo_run import machine  # noqa: E402
 from benchmarks.host_syncs import count_host_syncs  # noqa: E402
+from data.training_data import AUTO_LENGTHS, DEFAULT_BATCH  # noqa: E402
 from models.codec import CodecConfig, RVQCodec  # noqa: E402
 from training.optimizer import OPTIMIZERS, build_optimizer  # noqa: E402
 
@@ -93,8 +95,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--crops", type=int, default=16)
-    parser.add_argument("--frames", type=int, default=128)
+    parser.add_argument("--crops", type=int, default=None, help="crops a step (default: the trainer's on the device)")
+    parser.add_argument("--frames", type=int, default=AUTO_LENGTHS[0], help="frames a crop")
     parser.add_argument("--steps", type=int, default=10, help="calls per round")
     parser.add_argument("--repeats", type=int, default=5, help="rounds; the median is kept")
     parser.add_argument("--out", default=None)
@@ -102,6 +104,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    args.crops = args.crops or DEFAULT_BATCH[device.type]
     rows = [bench_codec(name, flags, args, device) for name, flags in CODECS.items()]
     for row in rows:
         print(json.dumps(row))

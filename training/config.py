@@ -346,7 +346,7 @@ def resumed_optim(optim: OptimConfig, saved: dict, typed: frozenset[str]) -> tup
                                 "state this run resumes; leave the flag out to go on with it, or train afresh in "
                                 "another --output_dir")
         if f.name in typed:
-            said.append(f"--{f.name} {ours:g} as given (the checkpoint's run trained with {theirs:g})")
+            said.append(f"--{f.name} {_shown(ours)} as given (the checkpoint's run trained with {_shown(theirs)})")
         else:
             kept[f.name] = theirs
             said.append(f"--{f.name} {_shown(theirs)}, the checkpoint's run's (this version's default: "
