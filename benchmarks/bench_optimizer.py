@@ -6,8 +6,8 @@ For each codec (the defaults at 50 Hz, and 25 Hz: `--downsample 2`) and the trai
 gradients; then the forward and backward, the AdamW step and the Muon step are timed in turns, `--repeats` rounds of
 `--steps` calls each, and the median of the rounds is kept. The share is the optimizer's time over a whole step
 (forward, backward and that optimizer). Each optimizer's step is also counted as the host issues it
-(benchmarks/host_syncs.py's dispatch counter): its ops (on a GPU each a kernel launch, views aside) and its host
-syncs, the same on any device.
+(benchmarks/host_syncs.py's dispatch counter): its ops, those of them that move data (on a GPU each a kernel
+launch; the rest are views) and its host syncs, the same on any device.
 
     python benchmarks/bench_optimizer.py --threads 2 --out benchmarks/results/bench_optimizer.json
 """
@@ -75,7 +75,7 @@ def bench_codec(name: str, flags: dict, args, device: torch.device) -> dict:
     for o in OPTIMIZERS:
         with count_host_syncs(count_ops=True) as counter:
             calls[o]()
-        counted[o] = (sum(counter.ops_by_owner.values()), counter.total)
+        counted[o] = (sum(counter.ops_by_owner.values()), counter.data_ops, counter.total)
     rounds = {k: [] for k in calls}
     for _ in range(args.repeats):  # in turns, so that a busy neighbour weighs on each alike
         for key, fn in calls.items():
@@ -85,7 +85,7 @@ def bench_codec(name: str, flags: dict, args, device: torch.device) -> dict:
     for o in OPTIMIZERS:
         row[f"{o}_step_ms"] = ms[o]
         row[f"{o}_share_of_step"] = round(ms[o] / (ms["forward and backward"] + ms[o]), 3)
-        row[f"{o}_ops_per_step"], row[f"{o}_host_syncs_per_step"] = counted[o]
+        row[f"{o}_ops_per_step"], row[f"{o}_ops_moving_data_per_step"], row[f"{o}_host_syncs_per_step"] = counted[o]
     row["muon_step_time_vs_adamw"] = round((ms["forward and backward"] + ms["muon"])
                                            / (ms["forward and backward"] + ms["adamw"]), 3)
     return row

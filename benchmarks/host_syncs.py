@@ -70,17 +70,26 @@ def _owner() -> str:
     return "torch"
 
 
+def moves_data(func) -> bool:
+    """Whether a dispatched op does work on a device (on a GPU, a kernel launch): not a view of its input, not
+    a profiler's marker."""
+    return not (func.is_view or func is torch.ops.aten._unsafe_view.default or func.namespace == "profiler")
+
+
 class HostSyncCounter(TorchDispatchMode):
     def __init__(self, count_ops: bool = False):
         super().__init__()
         self.by_caller: collections.Counter = collections.Counter()
-        # with count_ops, every op dispatched, syncs or not, by owner (a stack walk per op: slow)
+        # with count_ops, every op dispatched, syncs or not, by owner (a stack walk per op: slow), and those of
+        # them that move data (moves_data)
         self.ops_by_owner: collections.Counter = collections.Counter()
+        self.data_ops = 0
         self.count_ops = count_ops
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.count_ops:
             self.ops_by_owner[_owner()] += 1
+            self.data_ops += moves_data(func)
         if func.__name__.split(".")[0] in SYNC_OPS and not _in_optimizer():
             self.by_caller[_caller()] += 1
         return func(*args, **(kwargs or {}))

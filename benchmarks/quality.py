@@ -113,7 +113,8 @@ def run_codec(data_dir, out_dir: Path, max_minutes: float, extra: list[str], val
     if len(valid.utterance(0)) % model.config.downsample:
         print(f"note: utterances are cut to a multiple of downsample {model.config.downsample}", file=sys.stderr)
     trained = dict(train_seconds=round(seconds, 1), trainer_seconds=round(train_seconds, 1), steps=stop["step"],
-                   stop_reason=stop["reason"], codec=state["codec"], command=" ".join(cmd[1:]), trainer_flags=extra)
+                   threads=state.get("threads"), stop_reason=stop["reason"], codec=state["codec"],
+                   command=" ".join(cmd[1:]), trainer_flags=extra)
     return trained, model
 
 

@@ -292,9 +292,10 @@ def main() -> int:
             ladder = rungs(c.num_quantizers, c.codebook_size, c.downsample, kbps)
             for row in score_codec(model, valid, ladder, labels, train):
                 report["codecs"].append({"codec": name, "flags": flags, "steps": trained["steps"],
-                                         "train_seconds": trained["train_seconds"],
+                                         "train_seconds": trained["train_seconds"], "threads": trained["threads"],
                                          "dead_code_threshold": c.dead_code_threshold, **row})
-            print(f"{name}: {trained['steps']} steps in {time.perf_counter() - began:.0f} s", file=sys.stderr)
+            print(f"{name}: {trained['steps']} steps in {time.perf_counter() - began:.0f} s on "
+                  f"{trained['threads']} thread(s)", file=sys.stderr)
             write()
     if args.baselines_from:
         other = json.loads(args.baselines_from.read_text())

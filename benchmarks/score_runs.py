@@ -87,6 +87,7 @@ def main() -> int:
     p.add_argument("--data_dir", default=None, help="the store the runs trained on (none: the demo corpus)")
     p.add_argument("--by_edge", action="store_true", help="also the error by distance from the utterance's ends")
     p.add_argument("--out", type=Path, required=True, help="JSON path")
+    p.add_argument("--trained", default=None, help="how the runs were trained (their commands), for the report")
     args = p.parse_args()
     torch.set_num_threads(2)
     _, valid, _ = open_stores(args.data_dir or ensure_demo_corpus(), "train", "valid", seed=parse_args([]).optim.seed)
@@ -96,7 +97,8 @@ def main() -> int:
         print(f"{run.name}: {rows[-1]['steps']} steps, rel_mse {rows[-1]['rel_mse']:.5f}, "
               f"lowest usage {rows[-1]['lowest_usage']:.1%}, flags {rows[-1]['flags']}", file=sys.stderr)
     report = {"data_dir": args.data_dir or "demo corpus", "machine": machine(),
-              "command": "python benchmarks/score_runs.py " + " ".join(sys.argv[1:]), "runs": rows}
+              "command": "python benchmarks/score_runs.py " + " ".join(sys.argv[1:]), "trained": args.trained,
+              "runs": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     return 0

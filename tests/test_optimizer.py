@@ -6,7 +6,8 @@ import copy
 import pytest
 import torch
 
-from training.optimizer import Muon, MuonAdamW, build_optimizer, orthogonalized
+from training.optimizer import NS_COEFFICIENTS, NS_STEPS, Muon, MuonAdamW, build_optimizer, gram_form_is_cheaper, \
+    orthogonalized
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -45,6 +46,37 @@ def test_the_newton_schulz_iteration_brings_every_singular_value_near_one():
     x = torch.randn(5, 32, 96, generator=torch.Generator().manual_seed(2)) * 7
     s = torch.linalg.svdvals(orthogonalized(x))
     assert s.min() > 0.5 and s.max() < 1.5
+
+
+def direct_iteration_in_float64(g: torch.Tensor) -> torch.Tensor:
+    a, b, c = NS_COEFFICIENTS
+    x = g.double()
+    x = x / torch.linalg.matrix_norm(x, keepdim=True)
+    for _ in range(NS_STEPS):
+        s = x @ x.mT
+        x = a * x + (b * s + c * s @ s) @ x
+    return x
+
+
+@pytest.mark.parametrize("shape", [(3, 32, 96), (2, 32, 128), (4, 32, 32), (2, 96, 32)],
+                         ids=["3 columns a row", "4 columns a row", "square", "tall"])
+def test_either_form_of_the_iteration_is_the_direct_one_in_float64(shape):
+    """The Gram form (wide matrices) and the direct one (the rest) give the direct iteration's result, on
+    matrices as ill-conditioned as a momentum of a few directions and noise."""
+    gen = torch.Generator().manual_seed(5)
+    rows, cols = shape[1:]
+    g = torch.randn(shape, generator=gen) + 50 * torch.randn(shape[0], rows, 3, generator=gen) @ torch.randn(
+        shape[0], 3, cols, generator=gen)
+    wide = g if rows <= cols else g.mT
+    expected = direct_iteration_in_float64(wide)
+    expected = expected if rows <= cols else expected.mT
+    got = orthogonalized(g).double()
+    assert (got - expected).norm() / expected.norm() < 1e-3
+
+
+def test_the_gram_form_is_taken_where_it_makes_fewer_products():
+    assert gram_form_is_cheaper(160, 480) and gram_form_is_cheaper(160, 640)
+    assert not gram_form_is_cheaper(160, 160) and not gram_form_is_cheaper(160, 240)
 
 
 def test_kernels_of_one_shape_step_together_as_each_alone():
