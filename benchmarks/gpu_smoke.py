@@ -341,6 +341,25 @@ def step_batch_512(args):
                  f"(data wait {large['data_wait_frac']:.1%}, compiled)", results
 
 
+def step_optimizer(args):
+    """Frames/s of the compiled step (--compile on) with `--optimizer muon` against the default AdamW, at 50 Hz
+    (the defaults) and 25 Hz (--downsample 2): what Muon's extra kernels a step (benchmarks/bench_optimizer.py
+    counts them) cost where the step is bound by the host. A measurement: it passes when the runs finish."""
+    needs_cuda()
+    steps = max(args.steps, 30)
+    runs = {f"{codec}, {optimizer}": ("--compile", "on", *codec_flags, "--optimizer", optimizer)
+            for codec, codec_flags in (("50 Hz", ()), ("25 Hz", ("--downsample", "2")))
+            for optimizer in ("adamw", "muon")}
+    results = {name: trained_speed(steps, *flags) for name, flags in runs.items()}
+    failed = [f"{name}: exit {r['exit']}" for name, r in results.items() if r["exit"] or "frames_per_sec" not in r]
+    if failed:
+        return False, "; ".join(failed), results
+    return True, ", ".join(
+        f"{codec}: muon {results[f'{codec}, muon']['frames_per_sec']:,} frames/s, "
+        f"{results[f'{codec}, muon']['frames_per_sec'] / results[f'{codec}, adamw']['frames_per_sec']:.2f}x "
+        f"adamw's {results[f'{codec}, adamw']['frames_per_sec']:,}" for codec in ("50 Hz", "25 Hz")), results
+
+
 def step_fp32_losses(args):
     needs_cuda()
     losses = {}
@@ -651,6 +670,7 @@ STEPS = [
     ("fp32 losses", step_fp32_losses, False),
     ("compiled step", step_compiled_step, False),
     ("batch 512", step_batch_512, False),
+    ("optimizer", step_optimizer, False),
     ("resume", step_resume, False),
     ("presets", step_presets, False),
     ("benchmarks", step_benchmarks, False),
