@@ -67,6 +67,7 @@ CODECS = {
     "25 Hz x 8 with dead-code threshold 0.25": ["--downsample", "2", "--dead_code_threshold", "0.25"],
     "25 Hz x 8 with a 320-d latent": ["--downsample", "2", "--latent_dim", "320"],
     "25 Hz x 8 with Muon": ["--downsample", "2", "--optimizer", "muon"],
+    "25 Hz x 4 with Muon": ["--downsample", "2", "--num_quantizers", "4", "--optimizer", "muon"],
     "50 Hz x 8 with Muon": ["--optimizer", "muon"],
 }
 # The trainer's schedule before its defaults became lr 3e-3 decaying to 1% (2026-11-29): every codec above with
@@ -75,7 +76,7 @@ BEFORE = ("lr 2e-3 decaying to 10%", ["--lr", "2e-3", "--min_lr_ratio", "0.1"])
 CODECS.update({f"{n.removesuffix(' (defaults)')} ({BEFORE[0]})": [*flags, *BEFORE[1]] for n, flags in CODECS.items()})
 # run when named, not codecs of the ladder
 TRIALS = ("25 Hz x 8 with dead-code threshold 0.25", "25 Hz x 8 with a 320-d latent", "25 Hz x 8 with Muon",
-          "50 Hz x 8 with Muon", *[n for n in CODECS if n.endswith(f"({BEFORE[0]})")])
+          "25 Hz x 4 with Muon", "50 Hz x 8 with Muon", *[n for n in CODECS if n.endswith(f"({BEFORE[0]})")])
 LADDER = [n for n in CODECS if n not in TRIALS]
 KBPS = (0.5, 1.0, 2.0, 4.0)
 
