@@ -34,14 +34,15 @@ from benchmarks.demo_run import machine  # noqa: E402
 from benchmarks.quality import score_encoded  # noqa: E402
 from data.demo_corpus import ensure_demo_corpus  # noqa: E402
 from data.stores import open_stores  # noqa: E402
+from errors import Asker, BadInputError  # noqa: E402
 from models.codebook_ops import RARE_SHARE  # noqa: E402
-from models.codec import CodecConfig, RVQCodec  # noqa: E402
-from training import checkpoint as ckpt  # noqa: E402
+from models.codec import RVQCodec  # noqa: E402
+from rvq_tokenizer.codec_files import load_codec  # noqa: E402
 from training.codebooks import REFIT_SEED_OFFSET, refit_utterances  # noqa: E402
 from training.config import parse_args  # noqa: E402
-from training.run_folder import RunFolder  # noqa: E402
 
 DEFAULTS = parse_args([])
+POSITIONAL = Asker(python=False, positional=("checkpoint",))  # a checkpoint is named by its path alone
 
 
 def expected_usage(counts: np.ndarray, draws: int) -> float:
@@ -84,18 +85,9 @@ def codes_of(model: RVQCodec, store) -> np.ndarray:
     return np.concatenate(out)
 
 
-def rel_mse(model: RVQCodec, store) -> float:
-    return score_encoded(model, store, model.config.beam_size, {})["rel_mse"]
-
-
-def load(path: Path) -> tuple[Path, dict, RVQCodec]:
-    if path.is_dir():
-        path, state = ckpt.load_latest(RunFolder(path).checkpoints)
-    else:
-        state = ckpt.load_checkpoint(path)
-    model = RVQCodec(CodecConfig(**state["codec"]))
-    model.load_state_dict(state["model"])
-    return path, state, model.eval()
+def scored(model: RVQCodec, store) -> dict:
+    """quality.py's scores of `store`'s utterances, encoded with the codec's own beam."""
+    return score_encoded(model, store, model.config.beam_size, {})
 
 
 def level_counts(codes: np.ndarray, size: int) -> list[np.ndarray]:
@@ -103,12 +95,13 @@ def level_counts(codes: np.ndarray, size: int) -> list[np.ndarray]:
 
 
 def trial(path: Path, train, valid, seeds: list[int], iters: int, refit_frames: int, train_utterances: int) -> dict:
-    path, state, model = load(path)
+    model, state, path = load_codec(path, asker=POSITIONAL)
     size = model.config.codebook_size
     seen = FirstUtterances(train, train_utterances)
     before_codes = codes_of(model, train)
     row = {"checkpoint": str(path), "step": state.get("step"), "codec": state["codec"],
-           "before": {"heldout_rel_mse": rel_mse(model, valid), "train_rel_mse": rel_mse(model, seen),
+           "before": {"heldout_rel_mse": scored(model, valid)["rel_mse"],
+                      "train_rel_mse": scored(model, seen)["rel_mse"],
                       "rare_codes": [rare_codes(c) for c in level_counts(before_codes, size)]},
            "refits": []}
     utterances = refit_utterances(train, refit_frames, DEFAULTS.optim.seed + REFIT_SEED_OFFSET)
@@ -119,13 +112,13 @@ def trial(path: Path, train, valid, seeds: list[int], iters: int, refit_frames: 
         refitted = copy.deepcopy(model)
         with torch.no_grad():
             refitted.refit_codebooks(utterances, iters, batch_frames=batch_frames, seed=seed)
-        held_out = codes_of(refitted, valid)
+        held_out = scored(refitted, valid)
+        code_frames = held_out["frames"] // model.config.downsample  # each utterance's frames: a multiple of it
         trained = level_counts(codes_of(refitted, train), size)
         row["refits"].append({
-            "seed": seed, "heldout_rel_mse": rel_mse(refitted, valid), "train_rel_mse": rel_mse(refitted, seen),
-            "heldout_code_frames": len(held_out),
-            "heldout_usage": [round(float((c > 0).mean()), 4) for c in level_counts(held_out, size)],
-            "usage_expected_at_that_size": [round(expected_usage(c, len(held_out)), 4) for c in trained],
+            "seed": seed, "heldout_rel_mse": held_out["rel_mse"], "train_rel_mse": scored(refitted, seen)["rel_mse"],
+            "heldout_code_frames": code_frames, "heldout_usage": held_out["code_usage"],
+            "usage_expected_at_that_size": [round(expected_usage(c, code_frames), 4) for c in trained],
             "train_usage": [round(float((c > 0).mean()), 4) for c in trained],
             "seconds": round(time.perf_counter() - start, 1)})
         r = row["refits"][-1]
@@ -148,8 +141,12 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     train, valid, _ = open_stores(args.data_dir or ensure_demo_corpus(), "train", "valid", seed=DEFAULTS.optim.seed)
     seeds = [int(s) for s in args.seeds.split(",")]
-    rows = [trial(c, train, valid, seeds, args.iters, DEFAULTS.codebooks.refit_frames, args.train_utterances)
-            for c in args.checkpoints]
+    try:
+        rows = [trial(c, train, valid, seeds, args.iters, DEFAULTS.codebooks.refit_frames, args.train_utterances)
+                for c in args.checkpoints]
+    except BadInputError as e:  # a path that holds no codec, in load_codec's words
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     report = {"data_dir": args.data_dir or "demo corpus", "machine": machine(), "threads": args.threads,
               "command": "python benchmarks/refit_trials.py " + " ".join(sys.argv[1:]), "trained": args.trained,
               "iters": args.iters, "rare_share": RARE_SHARE, "rows": rows}

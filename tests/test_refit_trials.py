@@ -49,3 +49,20 @@ def test_a_trial_refits_a_checkpoint_once_per_seed_and_reports_the_held_out_usag
         assert all(0 < u <= 1 for u in r["heldout_usage"] + r["usage_expected_at_that_size"])
         assert np.isfinite(r["heldout_rel_mse"]) and np.isfinite(r["train_rel_mse"])
     assert all(0 <= n <= 16 for n in row["before"]["rare_codes"])
+
+
+def test_a_path_that_holds_no_codec_ends_with_exit_2_and_names_it(tmp_path, monkeypatch, capsys):
+    from benchmarks import refit_trials
+
+    write_fairseq(tmp_path / "data", "train", [70, 64], dim=8)
+    write_fairseq(tmp_path / "data", "valid", [40], dim=8)
+    out = tmp_path / "out.json"
+    monkeypatch.setattr("sys.argv", ["refit_trials.py", "--data_dir", str(tmp_path / "data"),
+                                     str(tmp_path / "nowhere"), "--out", str(out), "--threads", "1"])
+    threads = torch.get_num_threads()
+    try:
+        assert refit_trials.main() == 2
+    finally:
+        torch.set_num_threads(threads)  # main sets its --threads: this worker's other tests keep theirs
+    assert f"checkpoint {tmp_path / 'nowhere'} does not exist" in capsys.readouterr().err
+    assert not out.exists()
