@@ -87,6 +87,33 @@ def test_a_stuck_rank_gets_one_verdict_that_every_rank_reads(store):
     assert "(allowance 30s). The others wait: rank 0 in forward at step 5" in paragraph
 
 
+def test_a_healthy_rank_reads_no_thread_stack_and_one_half_its_allowance_into_a_phase_does(store, monkeypatch):
+    """Reading another thread's stack is not safe in CPython 3.11 while threads start and end: the beats of a main
+    thread that moves never read it; once the thread has stayed in its phase for half the phase's allowance (the
+    slow allowance for a slow phase) every beat does, so a verdict finds it fresh."""
+    import training.watchdog as watchdog
+
+    reads = []
+    monkeypatch.setattr(watchdog, "where", lambda thread_id: reads.append(thread_id) or "x.py:1 in f")
+    wd = watchdogs(2, ranks=[0])[0]  # its first beat, made as it starts, read nothing
+    p = wd.progress
+    p.step, p.phase = 5, "forward"
+    for _ in range(3):
+        wd.round(time.monotonic())
+    p.since = time.monotonic() - TIMEOUT / 2 + 1
+    wd.round(time.monotonic())
+    assert reads == []
+    assert wd.store.get(wd.where_keys[0]) == b""
+    p.since = time.monotonic() - TIMEOUT / 2
+    wd.round(time.monotonic())
+    assert reads == [threading.main_thread().ident]
+    assert wd.store.get(wd.where_keys[0]) == b"x.py:1 in f"
+    p.step, p.phase = 0, "k-means init"  # a slow phase: half of the slow allowance
+    p.since = time.monotonic() - 3 * TIMEOUT + 1
+    wd.round(time.monotonic())
+    assert len(reads) == 1 and wd.store.get(wd.where_keys[0]) == b""
+
+
 def test_of_ranks_at_one_point_the_one_outside_a_collective_is_the_one_the_others_wait_for():
     def allowance(phase, step):
         return 10

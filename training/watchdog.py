@@ -15,7 +15,8 @@ store request can block for good where the store's host is stopped).
 
 A live process whose main thread is stuck beats on, so each rank also publishes
 its main thread's progress: step, phase, how long it has been in that phase and,
-under a key of its own, where it is (file, line, function). The ranks furthest
+under a key of its own, where it is (file, line, function), read once it has
+stayed in its phase for half the phase's allowance. The ranks furthest
 behind are the ones the others wait for; when one of them has overstayed its
 phase's allowance (--sync_timeout, or --slow_phase_timeout for a slow phase) the
 first rank to see it reads where every main thread is and writes a verdict to
@@ -126,7 +127,7 @@ def where(thread_id: int) -> str:
 
 
 def in_collective(state: dict) -> bool:
-    return "torch/distributed/" in state["where"].split(", called from")[0]
+    return "torch/distributed/" in state.get("where", "").split(", called from")[0]
 
 
 def stuck_ranks(states: dict, allowance) -> tuple[list, bool]:
@@ -216,15 +217,20 @@ class PeerWatchdog:
                 thread.join(timeout=self.interval_s + 15)
 
     def _publish(self) -> None:
-        """This rank's state with its next beat number, and where its main thread is: one message, no reply."""
+        """This rank's state with its next beat number, and where its main thread is once that thread has stayed in
+        its phase for half the phase's allowance ("" before): one message, no reply. A healthy run never reads
+        another thread's stack: in CPython 3.11 no way of reading it is safe while threads start and end (walking
+        frame objects has ended a rank with a segmentation fault; faulthandler's dump of every thread can crash on
+        a thread that starts or ends meanwhile, CPython issues 116008 and 131580)."""
         p = self.progress
         self.beat += 1
-        state = {"beat": self.beat, "step": p.step, "phase": p.phase, "for": round(time.monotonic() - p.since, 1)}
+        step, phase, in_phase = p.step, p.phase, time.monotonic() - p.since
+        state = {"beat": self.beat, "step": step, "phase": phase, "for": round(in_phase, 1)}
         if self.stop_request:  # peers read it: their slow phases cut their work short (StopRequest.anywhere)
             state["stop"] = 1
         self.stop_published = "stop" in state
-        self.store.multi_set([self.state_keys[self.rank], self.where_keys[self.rank]],
-                             [json.dumps(state), where(self.main_id)])
+        place = where(self.main_id) if in_phase >= self.allowance(phase, step) / 2 else ""
+        self.store.multi_set([self.state_keys[self.rank], self.where_keys[self.rank]], [json.dumps(state), place])
         self.published = state["beat"]
 
     def round(self, now: float) -> tuple[str, list, list]:
@@ -260,8 +266,8 @@ class PeerWatchdog:
         rank to see it writes it, with where every main thread is; every rank reads the same one."""
         if not stuck_ranks(states, self.allowance)[0]:  # where the main threads are is read only past here
             return ""
-        wheres = [w.decode() for w in self.store.multi_get(self.where_keys)]
-        states = {r: {**states[r], "where": wheres[r]} for r in sorted(states)}
+        wheres = [w.decode() for w in self.store.multi_get(self.where_keys)]  # "": a main thread not read
+        states = {r: {**states[r], **({"where": wheres[r]} if wheres[r] else {})} for r in sorted(states)}
         late, together = stuck_ranks(states, self.allowance)
         if not late:
             return ""
@@ -341,7 +347,8 @@ class PeerWatchdog:
 
         def at(r):
             s = states[r]
-            return f"rank {r} in {s['phase']} at step {s['step']} for {s['for']:.0f}s, at {s['where']}"
+            place = f", at {s['where']}" if "where" in s else ""  # read once a rank is half its allowance in
+            return f"rank {r} in {s['phase']} at step {s['step']} for {s['for']:.0f}s{place}"
 
         if verdict["together"]:
             head = (f"ranks {late} have all waited in the same place longer than its allowance "
