@@ -16,8 +16,10 @@ k levels x log2(codebook) bits x the code frame rate, 50 / downsample Hz), as `t
 Beside them, at the same bits per second and 50 Hz: faiss ResidualQuantizer with as many levels of the same
 codebook size, beam 1 and beam 8 (quality.py run_faiss; 1 level is plain k-means), trained on every training
 frame. Prints a table and writes JSON after each codec; started again with the same --out, a run stopped part-way
-goes on where it stopped (the codecs and baselines the report holds are kept). `--plot A.json B.json --out
-ladder.png` draws rel_mse against kbps, one panel per report.
+goes on where it stopped (the codecs and baselines the report holds are kept). `--valid_dir` scores on another
+store's held-out split (one of more utterances of the same kind: `speech_corpus.py --utterances 4000` holds the
+400-utterance corpus's utterances first, and ten times its held-out ones). `--plot A.json B.json --out ladder.png`
+draws rel_mse against kbps, one panel per report.
 
     python benchmarks/rate_ladder.py --data_dir .cache/speech_corpus --alignments .cache/speech_corpus/valid.phn \\
         --out benchmarks/results/rate_ladder_speech.json
@@ -244,6 +246,9 @@ def plot(paths: list[Path], out: Path, names: list[str]) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data_dir", type=Path, help="a feature store with train and valid splits (default: demo corpus)")
+    p.add_argument("--valid_dir", type=Path,
+                   help="score on this store's held-out split instead of --data_dir's (the codecs and faiss are "
+                        "trained on --data_dir's training split): more held-out frames of the same kind")
     p.add_argument("--alignments", type=Path, help="the valid split's frame labels (.phn), for level 1's PNMI")
     p.add_argument("--codecs", default=",".join(LADDER),
                    help=f"comma-separated, of: {'; '.join(CODECS)} (with --plot: the codecs drawn)")
@@ -268,11 +273,14 @@ def main() -> int:
     kbps = tuple(float(k) for k in args.kbps.split(","))
     data_dir = args.data_dir or ensure_demo_corpus()
     train, valid, _ = open_stores(data_dir, "train", "valid", seed=0)
+    if args.valid_dir:
+        _, valid, _ = open_stores(args.valid_dir, "train", "valid", seed=0)
     labels = phone_labels(args.alignments, valid)
     budget = (f"{args.max_steps} steps" if args.max_steps else f"{args.max_minutes:g} minutes") + " on " + machine()
     command = "python benchmarks/rate_ladder.py " + " ".join(sys.argv[1:])
     report = {"corpus": "demo" if args.data_dir is None else args.data_dir.name, "budget": budget,
               "machine": machine(), "valid_frames": int(valid.total_frames), "train_frames": int(train.total_frames),
+              **({"valid_dir": str(args.valid_dir)} if args.valid_dir else {}),
               "commands": [command], "codecs": [], "baselines": []}
     report = resumed(report, args.out)
     done = {r["codec"] for r in report["codecs"]}

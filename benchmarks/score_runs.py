@@ -12,7 +12,10 @@ the same flags gives the same codes whatever else runs beside it, so trials can 
     wait
     python benchmarks/score_runs.py --data_dir .cache/speech_corpus /tmp/trials/base /tmp/trials/lr4 --out x.json
 
-The row of a run is what `quality.py --methods codec --max_minutes 60 -- FLAGS` gives for the same flags.
+The row of a run is what `quality.py --methods codec --max_minutes 60 -- FLAGS` gives for the same flags. With
+`--kbps`, a run has a row for each rung its first levels make, scored as rate_ladder.py scores a codec of the ladder
+(the lowest level's usage on the held-out code frames beside its ceiling, and on the training frames; level 1's PNMI
+with `--alignments`); `--valid_dir` scores on another store's held-out split, e.g. one ten times as large.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.demo_run import machine  # noqa: E402
 from benchmarks.quality import finished_run, score_encoded  # noqa: E402
+from benchmarks.rate_ladder import phone_labels, rungs, score_codec  # noqa: E402
 from data.demo_corpus import ensure_demo_corpus  # noqa: E402
 from data.stores import open_stores  # noqa: E402
 from training.config import parse_args  # noqa: E402
@@ -81,22 +85,52 @@ def score_run(run: Path, valid, by_edge: bool = False) -> dict:
     return result
 
 
+def score_rungs(run: Path, train, valid, kbps: tuple[float, ...], labels) -> list[dict]:
+    """A run's rows at each rung of `kbps` its first levels make (rate_ladder.py score_codec)."""
+    config = json.loads((RunFolder(run).root / "config.json").read_text())
+    stop, seconds, _, model = finished_run(run)
+    c = model.config
+    ladder = rungs(c.num_quantizers, c.codebook_size, c.downsample, kbps)
+    return [{"run": run.name, "flags": changed_flags(config), "steps": stop["step"], "stop_reason": stop["reason"],
+             "train_seconds": round(seconds, 1), **row} for row in score_codec(model, valid, ladder, labels, train)]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", type=Path, help="trainer output dirs")
     p.add_argument("--data_dir", default=None, help="the store the runs trained on (none: the demo corpus)")
     p.add_argument("--by_edge", action="store_true", help="also the error by distance from the utterance's ends")
+    p.add_argument("--valid_dir", default=None, help="score on this store's held-out split instead of --data_dir's")
+    p.add_argument("--kbps", default=None,
+                   help="comma-separated rungs (kilobits per second): a row for each rung a run's first levels make")
+    p.add_argument("--alignments", type=Path, default=None,
+                   help="the held-out split's frame labels (.phn), for level 1's PNMI (with --kbps)")
     p.add_argument("--out", type=Path, required=True, help="JSON path")
     p.add_argument("--trained", default=None, help="how the runs were trained (their commands), for the report")
     args = p.parse_args()
     torch.set_num_threads(2)
-    _, valid, _ = open_stores(args.data_dir or ensure_demo_corpus(), "train", "valid", seed=parse_args([]).optim.seed)
+    if args.alignments and not args.kbps:
+        p.error("--alignments needs --kbps")
+    if args.by_edge and args.kbps:
+        p.error("--by_edge scores the whole codec: leave out --kbps")
+    seed = parse_args([]).optim.seed
+    train, valid, _ = open_stores(args.data_dir or ensure_demo_corpus(), "train", "valid", seed=seed)
+    if args.valid_dir:
+        _, valid, _ = open_stores(args.valid_dir, "train", "valid", seed=seed)
+    labels = phone_labels(args.alignments, valid)
     rows = []
     for run in args.runs:
-        rows.append(score_run(run, valid, args.by_edge))
-        print(f"{run.name}: {rows[-1]['steps']} steps, rel_mse {rows[-1]['rel_mse']:.5f}, "
-              f"lowest usage {rows[-1]['lowest_usage']:.1%}, flags {rows[-1]['flags']}", file=sys.stderr)
-    report = {"data_dir": args.data_dir or "demo corpus", "machine": machine(),
+        if args.kbps:
+            new = score_rungs(run, train, valid, tuple(float(k) for k in args.kbps.split(",")), labels)
+        else:
+            new = [score_run(run, valid, args.by_edge)]
+        for row in new:
+            rung = f"{row['kbps']:g} kbps, " if "kbps" in row else ""
+            print(f"{run.name}: {row['steps']} steps, {rung}rel_mse {row['rel_mse']:.5f}, lowest usage "
+                  f"{row['lowest_usage']:.1%}, flags {row['flags']}", file=sys.stderr)
+        rows += new
+    report = {"data_dir": args.data_dir or "demo corpus", "valid_dir": args.valid_dir or args.data_dir or "demo corpus",
+              "valid_frames": int(valid.total_frames), "machine": machine(),
               "command": "python benchmarks/score_runs.py " + " ".join(sys.argv[1:]), "trained": args.trained,
               "runs": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
