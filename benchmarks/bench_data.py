@@ -33,7 +33,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.demo_run import machine  # noqa: E402
+from benchmarks.demo_run import command_line, machine  # noqa: E402
 from data.batch_plan import BatchPlan  # noqa: E402
 from data.device_cache import DeviceFeatureCache  # noqa: E402
 from data.prefetcher import Prefetcher  # noqa: E402
@@ -165,7 +165,7 @@ def main() -> int:
     load_at_start = round(os.getloadavg()[0], 2)
     torch.manual_seed(0)
     np.random.seed(0)
-    result = {"command": "python benchmarks/bench_data.py " + " ".join(sys.argv[1:]), "machine": machine(),
+    result = {"command": command_line(), "machine": machine(),
               "load_average_1min_at_start": load_at_start,
               "dim": DIM, "segment_length": BASE_LENGTH, "frames_per_step": FRAMES_PER_STEP, "sizes": {}}
     for scale in args.scales:

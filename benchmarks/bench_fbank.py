@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_extract import write_corpus as write_mixed_corpus  # noqa: E402
-from benchmarks.demo_run import machine  # noqa: E402
+from benchmarks.demo_run import command_line, machine  # noqa: E402
 from data.audio.features import SeamlessFbank, load_audio  # noqa: E402
 from data.manifests import list_audio_folder  # noqa: E402
 from data.audio.fbank import CPU_FRAMES_PER_PASS, TorchFbank  # noqa: E402
@@ -210,7 +210,7 @@ def main() -> int:
     seconds = tuple(float(x) for x in args.seconds.split(","))
     info = {"machine": machine(), "cpu": cpu, "torch_threads": torch.get_num_threads(),
             "load_average_before": [round(x, 2) for x in os.getloadavg()], "files": args.files, "seconds": seconds,
-            "repeats": args.repeats, "command": " ".join(sys.argv), "corpora": {}}
+            "repeats": args.repeats, "command": command_line(), "corpora": {}}
     print(f"{info['machine']}; CPU {cpu}, 1-min load {info['load_average_before'][0]}", flush=True)
     writers = {"mixed": write_mixed_corpus, "flac16k": write_flac16k_corpus}
     with tempfile.TemporaryDirectory() as tmp:

@@ -25,7 +25,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.demo_run import machine  # noqa: E402
+from benchmarks.demo_run import command_line, machine  # noqa: E402
 from benchmarks.host_syncs import count_host_syncs  # noqa: E402
 from data.training_data import AUTO_LENGTHS, DEFAULT_BATCH  # noqa: E402
 from models.codec import CodecConfig, RVQCodec  # noqa: E402
@@ -110,7 +110,7 @@ def main() -> None:
         print(json.dumps(row))
     if args.out:
         report = {"machine": machine(), "threads": torch.get_num_threads(), "device": str(device),
-                  "batch": f"{args.crops} x {args.frames} frames", "command": " ".join(sys.argv), "rows": rows}
+                  "batch": f"{args.crops} x {args.frames} frames", "command": command_line(), "rows": rows}
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
         print(f"written {args.out}")
 

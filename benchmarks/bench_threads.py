@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_step import run  # noqa: E402
-from benchmarks.demo_run import machine  # noqa: E402
+from benchmarks.demo_run import command_line, machine  # noqa: E402
 from data.demo_corpus import ensure_demo_corpus  # noqa: E402
 
 NEIGHBOUR = """
@@ -140,7 +140,7 @@ def main() -> int:
     own_vs_before = round(alone[own]["frames_per_sec"] / (alone[previous]["frames_per_sec"] or float("nan")), 2)
     print(f"\nalone, its own choice against {previous}: {own_vs_before:.2f}x")
     out = Path(args.out)
-    out.write_text(json.dumps({"command": "python benchmarks/bench_threads.py " + " ".join(sys.argv[1:]),
+    out.write_text(json.dumps({"command": command_line(),
                                "machine": machine(), "measured": what, "flags": args.flags, "steps": args.steps,
                                "log_every": args.log_every, "repeats": args.repeats, "cores": cores,
                                "alone_own_choice_vs_before": own_vs_before, "rows": best}, indent=2) + "\n")

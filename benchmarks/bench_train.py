@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_data import DIM, forever, plain_loader, write_synthetic  # noqa: E402
-from benchmarks.demo_run import machine  # noqa: E402
+from benchmarks.demo_run import command_line, machine  # noqa: E402
 from data.training_data import AUTO_LENGTHS, DEFAULT_BATCH  # noqa: E402
 from models.codec import CodecConfig, RVQCodec  # noqa: E402
 from training.device import compute_dtype  # noqa: E402
@@ -209,7 +209,7 @@ def main() -> int:
         eager = rows.get(eager_of.get(name))
         if eager is not None and eager is not row:  # a compiled row against the same configuration eager
             row["vs_eager"] = round(row["frames_per_sec"] / eager["frames_per_sec"], 2)
-    result = {"command": "python benchmarks/bench_train.py " + " ".join(sys.argv[1:]), "machine": machine(),
+    result = {"command": command_line(), "machine": machine(),
               "load_average_1min_at_start": load_at_start,
               "codec": args.codec, "dim": args.dim, "config": CONFIG, "steps": args.steps, "repeats": args.repeats,
               "log_every": args.log_every, "utterances": args.utterances, "compile": compiles, "runs": rows}

@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -35,6 +36,14 @@ def machine() -> str:
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return f"{os.cpu_count()} cores ({cpu}), {gpu}, torch {torch.__version__}"
+
+
+def command_line() -> str:
+    """This script's command as a shell line that runs it again: `python benchmarks/X.py ARGS`, an argument with a
+    space, a quote or nothing in it quoted (a report's `command`)."""
+    script = Path(sys.argv[0]).resolve()
+    name = script.relative_to(REPO) if script.is_relative_to(REPO) else script
+    return shlex.join(["python", str(name), *sys.argv[1:]])
 
 
 def main() -> int:

@@ -40,7 +40,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.demo_run import machine  # noqa: E402
+from benchmarks.demo_run import command_line, machine  # noqa: E402
 from data.batch_plan import BatchPlan  # noqa: E402
 from data.crops import HostBatches  # noqa: E402
 from data.demo_corpus import ensure_demo_corpus  # noqa: E402
@@ -266,7 +266,7 @@ def main() -> int:
                   "standardisation": f"per-dimension mean/std of the training data (the codec's own); faiss on "
                                      f"{args.faiss_space} features, the bare ResidualVQ on standardised ones; "
                                      "reconstructions are mapped back to feature space for the metric",
-                  "command": "python benchmarks/quality.py " + " ".join(sys.argv[1:]), "results": results}
+                  "command": command_line(), "results": results}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2) + "\n")
 

@@ -43,7 +43,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.demo_run import machine  # noqa: E402
+from benchmarks.demo_run import command_line, machine  # noqa: E402
 from benchmarks.quality import all_frames, run_codec, run_faiss, score, stats, unpack_codes  # noqa: E402
 from data.alignments import labels_at_code_rate, read_alignments  # noqa: E402
 from data.audio.features import FRAME_RATE  # noqa: E402
@@ -277,7 +277,7 @@ def main() -> int:
         _, valid, _ = open_stores(args.valid_dir, "train", "valid", seed=0)
     labels = phone_labels(args.alignments, valid)
     budget = (f"{args.max_steps} steps" if args.max_steps else f"{args.max_minutes:g} minutes") + " on " + machine()
-    command = "python benchmarks/rate_ladder.py " + " ".join(sys.argv[1:])
+    command = command_line()
     report = {"corpus": "demo" if args.data_dir is None else args.data_dir.name, "budget": budget,
               "machine": machine(), "valid_frames": int(valid.total_frames), "train_frames": int(train.total_frames),
               **({"valid_dir": str(args.valid_dir)} if args.valid_dir else {}),

@@ -30,7 +30,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.demo_run import machine  # noqa: E402
+from benchmarks.demo_run import command_line, machine  # noqa: E402
 from benchmarks.quality import score_encoded  # noqa: E402
 from data.demo_corpus import ensure_demo_corpus  # noqa: E402
 from data.stores import open_stores  # noqa: E402
@@ -148,7 +148,7 @@ def main() -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     report = {"data_dir": args.data_dir or "demo corpus", "machine": machine(), "threads": args.threads,
-              "command": "python benchmarks/refit_trials.py " + " ".join(sys.argv[1:]), "trained": args.trained,
+              "command": command_line(), "trained": args.trained,
               "iters": args.iters, "rare_share": RARE_SHARE, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

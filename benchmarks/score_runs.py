@@ -30,7 +30,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.demo_run import machine  # noqa: E402
+from benchmarks.demo_run import command_line, machine  # noqa: E402
 from benchmarks.quality import finished_run, score_encoded  # noqa: E402
 from benchmarks.rate_ladder import phone_labels, rungs, score_codec  # noqa: E402
 from data.demo_corpus import ensure_demo_corpus  # noqa: E402
@@ -131,7 +131,7 @@ def main() -> int:
         rows += new
     report = {"data_dir": args.data_dir or "demo corpus", "valid_dir": args.valid_dir or args.data_dir or "demo corpus",
               "valid_frames": int(valid.total_frames), "machine": machine(),
-              "command": "python benchmarks/score_runs.py " + " ".join(sys.argv[1:]), "trained": args.trained,
+              "command": command_line(), "trained": args.trained,
               "runs": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
