@@ -251,7 +251,7 @@ def main() -> int:
                         "trained on --data_dir's training split): more held-out frames of the same kind")
     p.add_argument("--alignments", type=Path, help="the valid split's frame labels (.phn), for level 1's PNMI")
     p.add_argument("--codecs", default=",".join(LADDER),
-                   help=f"comma-separated, of: {'; '.join(CODECS)} (with --plot: the codecs drawn)")
+                   help=f"comma-separated, of: {'; '.join(CODECS).replace('%', '%%')} (with --plot: the codecs drawn)")
     p.add_argument("--kbps", default=",".join(f"{k:g}" for k in KBPS), help="the rungs, kilobits per second")
     p.add_argument("--max_minutes", type=float, default=10.0, help="each codec's budget, start to exit")
     p.add_argument("--max_steps", type=int, help="each codec's budget in steps instead (the trainer's --max_steps)")

@@ -80,3 +80,15 @@ def test_every_codec_can_be_named_on_the_command_line():
     assert CODECS["25 Hz x 4 (lr 2e-3 decaying to 10%)"] == [*CODECS["25 Hz x 4"], *BEFORE[1]]
     assert BEFORE[1] == ["--lr", "2e-3", "--min_lr_ratio", "0.1"]
     assert ladder_codec("50 Hz x 8 (lr 2e-3 decaying to 10%)") == LADDER[0] == "50 Hz x 8 (defaults)"
+
+
+def test_its_help_names_every_codec(monkeypatch, capsys):
+    import pytest
+
+    from benchmarks.rate_ladder import main
+
+    monkeypatch.setattr("sys.argv", ["rate_ladder.py", "--help"])
+    with pytest.raises(SystemExit) as stop:
+        main()  # a '%' in a codec's name must reach argparse escaped
+    assert stop.value.code == 0
+    assert "lr 2e-3 decaying to 10%)" in " ".join(capsys.readouterr().out.split())
