@@ -72,14 +72,19 @@ class EdgeErrors:
         return bands
 
 
-def score_run(run: Path, valid, by_edge: bool = False) -> dict:
+def trained_run(run: Path) -> tuple[dict, object]:
+    """A finished run's row heading (its name, the flags it changed, its steps, stop and time) and its codec."""
     config = json.loads((RunFolder(run).root / "config.json").read_text())
     stop, seconds, _, model = finished_run(run)
+    return {"run": run.name, "flags": changed_flags(config), "steps": stop["step"], "stop_reason": stop["reason"],
+            "train_seconds": round(seconds, 1)}, model
+
+
+def score_run(run: Path, valid, by_edge: bool = False) -> dict:
+    heading, model = trained_run(run)
     edges = EdgeErrors() if by_edge else None
     row = score_encoded(model, valid, model.config.beam_size, {}, edges.add if by_edge else None)
-    result = {"run": run.name, "flags": changed_flags(config), "steps": stop["step"], "stop_reason": stop["reason"],
-              "train_seconds": round(seconds, 1), "rel_mse": row["rel_mse"], "lowest_usage": min(row["code_usage"]),
-              "frames": row["frames"]}
+    result = {**heading, "rel_mse": row["rel_mse"], "lowest_usage": min(row["code_usage"]), "frames": row["frames"]}
     if by_edge:
         result["by_edge"] = edges.bands(row["rel_mse"])
     return result
@@ -87,12 +92,10 @@ def score_run(run: Path, valid, by_edge: bool = False) -> dict:
 
 def score_rungs(run: Path, train, valid, kbps: tuple[float, ...], labels) -> list[dict]:
     """A run's rows at each rung of `kbps` its first levels make (rate_ladder.py score_codec)."""
-    config = json.loads((RunFolder(run).root / "config.json").read_text())
-    stop, seconds, _, model = finished_run(run)
+    heading, model = trained_run(run)
     c = model.config
     ladder = rungs(c.num_quantizers, c.codebook_size, c.downsample, kbps)
-    return [{"run": run.name, "flags": changed_flags(config), "steps": stop["step"], "stop_reason": stop["reason"],
-             "train_seconds": round(seconds, 1), **row} for row in score_codec(model, valid, ladder, labels, train)]
+    return [{**heading, **row} for row in score_codec(model, valid, ladder, labels, train)]
 
 
 def main() -> int:
@@ -118,10 +121,11 @@ def main() -> int:
     if args.valid_dir:
         _, valid, _ = open_stores(args.valid_dir, "train", "valid", seed=seed)
     labels = phone_labels(args.alignments, valid)
+    kbps = tuple(float(k) for k in args.kbps.split(",")) if args.kbps else ()
     rows = []
     for run in args.runs:
-        if args.kbps:
-            new = score_rungs(run, train, valid, tuple(float(k) for k in args.kbps.split(",")), labels)
+        if kbps:
+            new = score_rungs(run, train, valid, kbps, labels)
         else:
             new = [score_run(run, valid, args.by_edge)]
         for row in new:
