@@ -2,15 +2,16 @@
 depends on its random splits, and how far the held-out code usage is what the held-out set's size allows.
 
 For each CHECKPOINT (a trainer checkpoint, or a run folder: its newest checkpoint), with the codec's own beam:
-- before the refit: the held-out rel_mse, the rel_mse of the first --train_utterances training utterances (the
-  train/held-out gap), and per level the codes that win fewer than the refit's RARE_SHARE of the mean share of
-  the training frames' codes (the codes the refit splits off populous ones);
+- before the refit: the held-out rel_mse and the residual the codes leave in the latent (`latent_residual`), the
+  rel_mse of the first --train_utterances training utterances (the train/held-out gap), and per level the codes
+  that win fewer than the refit's RARE_SHARE of the mean share of the training frames' codes (the codes the refit
+  splits off populous ones);
 - the refit as the trainer runs it (models/codebook_ops.py `refit_codebooks`, --refit_iters Lloyd steps, on the
   utterances rank 0 of a one-rank run reads), once per --seeds (the trainer's is its --seed, 1234): the
-  held-out and training rel_mse after it, and per level the held-out usage next to the usage a held-out set of
-  that many code frames would show if its frames took the training frames' codes at the training frames'
-  frequencies (`expected_usage`): a level under it uses fewer codes on held-out frames than on training ones;
-  one at it is as used as sampling that many frames can show.
+  held-out and training rel_mse and the held-out latent residual after it, and per level the held-out usage next
+  to the usage a held-out set of that many code frames would show if its frames took the training frames' codes
+  at the training frames' frequencies (`expected_usage`): a level under it uses fewer codes on held-out frames
+  than on training ones, one at it is as used as sampling that many frames can show.
 
     python benchmarks/refit_trials.py --data_dir .cache/speech_corpus_seed1 RUN_A RUN_B/checkpoints/step_00001800.pt \\
         --seeds 1234,0,1 --out benchmarks/results/refit_trials_X.json
@@ -85,6 +86,24 @@ def codes_of(model: RVQCodec, store) -> np.ndarray:
     return np.concatenate(out)
 
 
+def latent_residual(model: RVQCodec, store) -> float:
+    """The mean squared residual per latent dimension that the codec's beam codes leave in the encoder's output over
+    `store`'s utterances (up to a multiple of the downsample): the quantizer's own error, which the refit lowers,
+    as against rel_mse, the decoder's output's."""
+    s, total, count = model.config.downsample, 0.0, 0
+    with torch.no_grad():
+        for i in range(len(store)):
+            x = torch.from_numpy(np.array(store.utterance(i), dtype=np.float32))
+            x = x[: len(x) // s * s]
+            if len(x) == 0:
+                continue
+            latent = model._encode_latent(x[None])[0]
+            quantized = model.rvq.get_output_from_indices(model.encode(x)[None])[0]
+            total += float(((latent - quantized) ** 2).sum())
+            count += latent.numel()
+    return total / count
+
+
 def scored(model: RVQCodec, store) -> dict:
     """quality.py's scores of `store`'s utterances, encoded with the codec's own beam."""
     return score_encoded(model, store, model.config.beam_size, {})
@@ -94,13 +113,18 @@ def level_counts(codes: np.ndarray, size: int) -> list[np.ndarray]:
     return [np.bincount(codes[:, q], minlength=size) for q in range(codes.shape[1])]
 
 
-def trial(path: Path, train, valid, seeds: list[int], iters: int, refit_frames: int, train_utterances: int) -> dict:
+def trial(path: Path, train, valid, seeds: list[int], iters: int, refit_frames: int, train_utterances: int,
+          usage_utterances: int | None = None) -> dict:
+    """usage_utterances: count the training frames' codes (rare codes, the usage they allow) on the first this many
+    training utterances (none: every one; each count encodes them all with the beam, long on a large corpus)."""
     model, state, path = load_codec(path, asker=POSITIONAL)
     size = model.config.codebook_size
     seen = FirstUtterances(train, train_utterances)
-    before_codes = codes_of(model, train)
+    counted = train if usage_utterances is None else FirstUtterances(train, usage_utterances)
+    before_codes = codes_of(model, counted)
     row = {"checkpoint": str(path), "step": state.get("step"), "codec": state["codec"],
            "before": {"heldout_rel_mse": scored(model, valid)["rel_mse"],
+                      "heldout_latent_mse": latent_residual(model, valid),
                       "train_rel_mse": scored(model, seen)["rel_mse"],
                       "rare_codes": [rare_codes(c) for c in level_counts(before_codes, size)]},
            "refits": []}
@@ -114,16 +138,18 @@ def trial(path: Path, train, valid, seeds: list[int], iters: int, refit_frames: 
             refitted.refit_codebooks(utterances, iters, batch_frames=batch_frames, seed=seed)
         held_out = scored(refitted, valid)
         code_frames = held_out["frames"] // model.config.downsample  # each utterance's frames: a multiple of it
-        trained = level_counts(codes_of(refitted, train), size)
+        trained = level_counts(codes_of(refitted, counted), size)
         row["refits"].append({
             "seed": seed, "heldout_rel_mse": held_out["rel_mse"], "train_rel_mse": scored(refitted, seen)["rel_mse"],
+            "heldout_latent_mse": latent_residual(refitted, valid),
             "heldout_code_frames": code_frames, "heldout_usage": held_out["code_usage"],
             "usage_expected_at_that_size": [round(expected_usage(c, code_frames), 4) for c in trained],
             "train_usage": [round(float((c > 0).mean()), 4) for c in trained],
             "seconds": round(time.perf_counter() - start, 1)})
         r = row["refits"][-1]
         print(f"{path}: seed {seed}: held-out {r['heldout_rel_mse']:.5f} (before the refit "
-              f"{row['before']['heldout_rel_mse']:.5f}), train {r['train_rel_mse']:.5f}", file=sys.stderr)
+              f"{row['before']['heldout_rel_mse']:.5f}), train {r['train_rel_mse']:.5f}, held-out latent residual "
+              f"{r['heldout_latent_mse']:.5f} (before {row['before']['heldout_latent_mse']:.5f})", file=sys.stderr)
     return row
 
 
@@ -134,6 +160,8 @@ def main() -> int:
     p.add_argument("--seeds", default=str(DEFAULTS.optim.seed), help="comma-separated seeds of the refit's splits")
     p.add_argument("--iters", type=int, default=DEFAULTS.codebooks.refit_iters, help="Lloyd steps per level")
     p.add_argument("--train_utterances", type=int, default=40, help="training utterances scored for the gap")
+    p.add_argument("--usage_utterances", type=int, default=None,
+                   help="training utterances whose codes are counted (default: all)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, required=True, help="JSON path")
     p.add_argument("--trained", default=None, help="how the checkpoints were trained (their commands)")
@@ -142,14 +170,15 @@ def main() -> int:
     train, valid, _ = open_stores(args.data_dir or ensure_demo_corpus(), "train", "valid", seed=DEFAULTS.optim.seed)
     seeds = [int(s) for s in args.seeds.split(",")]
     try:
-        rows = [trial(c, train, valid, seeds, args.iters, DEFAULTS.codebooks.refit_frames, args.train_utterances)
+        rows = [trial(c, train, valid, seeds, args.iters, DEFAULTS.codebooks.refit_frames, args.train_utterances,
+                      args.usage_utterances)
                 for c in args.checkpoints]
     except BadInputError as e:  # a path that holds no codec, in load_codec's words
         print(f"error: {e}", file=sys.stderr)
         return 2
     report = {"data_dir": args.data_dir or "demo corpus", "machine": machine(), "threads": args.threads,
               "command": command_line(), "trained": args.trained,
-              "iters": args.iters, "rare_share": RARE_SHARE, "rows": rows}
+              "iters": args.iters, "rare_share": RARE_SHARE, "usage_utterances": args.usage_utterances, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     return 0

@@ -48,7 +48,11 @@ def test_a_trial_refits_a_checkpoint_once_per_seed_and_reports_the_held_out_usag
         assert len(r["heldout_usage"]) == len(r["usage_expected_at_that_size"]) == 2
         assert all(0 < u <= 1 for u in r["heldout_usage"] + r["usage_expected_at_that_size"])
         assert np.isfinite(r["heldout_rel_mse"]) and np.isfinite(r["train_rel_mse"])
+        assert r["heldout_latent_mse"] > 0 and row["before"]["heldout_latent_mse"] > 0
     assert all(0 <= n <= 16 for n in row["before"]["rare_codes"])
+    one = trial(path, train, valid, seeds=[3], iters=2, refit_frames=10**6, train_utterances=2, usage_utterances=1)
+    assert one["refits"][0]["heldout_rel_mse"] == row["refits"][0]["heldout_rel_mse"]  # the same refit, fewer counted
+    assert sum(one["before"]["rare_codes"]) >= sum(row["before"]["rare_codes"])  # 35 code frames for 16 codes
 
 
 def test_a_path_that_holds_no_codec_ends_with_exit_2_and_names_it(tmp_path, monkeypatch, capsys):
@@ -66,3 +70,25 @@ def test_a_path_that_holds_no_codec_ends_with_exit_2_and_names_it(tmp_path, monk
         torch.set_num_threads(threads)  # main sets its --threads: this worker's other tests keep theirs
     assert f"checkpoint {tmp_path / 'nowhere'} does not exist" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_the_latent_residual_of_one_level_nearest_codes_is_each_latent_frame_s_distance_to_its_nearest_code(
+        tmp_path):
+    from benchmarks.refit_trials import latent_residual
+
+    torch.manual_seed(0)
+    model = RVQCodec(CodecConfig(feature_dim=8, latent_dim=16, num_quantizers=1, codebook_size=16, downsample=2,
+                                 kmeans_init=False, beam_size=1)).eval()
+    write_fairseq(tmp_path / "data", "train", [70, 64], dim=8)
+    write_fairseq(tmp_path / "data", "valid", [40, 51], dim=8)
+    _, valid, _ = open_stores(tmp_path / "data", "train", "valid", seed=0)
+    codebook = model.rvq.layers[0]._codebook.embed[0]
+    expected, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(len(valid)):
+            x = torch.from_numpy(np.array(valid.utterance(i), dtype=np.float32))
+            latent = model._encode_latent(x[None, : len(x) // 2 * 2])[0]
+            expected += float(torch.cdist(latent, codebook).min(1).values.pow(2).sum())
+            count += latent.numel()
+    assert np.isclose(latent_residual(model, valid), expected / count, rtol=1e-4)
+    assert latent_residual(model, valid) > 0
