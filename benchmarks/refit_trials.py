@@ -2,7 +2,7 @@
 depends on its random splits, and how far the held-out code usage is what the held-out set's size allows.
 
 For each CHECKPOINT (a trainer checkpoint, or a run folder: its newest checkpoint), with the codec's own beam:
-- before the refit: the held-out rel_mse and the residual the codes leave in the latent (`latent_residual`), the
+- before the refit: the held-out rel_mse and the residual the codes leave in the latent (`scored`), the
   rel_mse of the first --train_utterances training utterances (the train/held-out gap), and per level the codes
   that win fewer than the refit's RARE_SHARE of the mean share of the training frames' codes (the codes the refit
   splits off populous ones);
@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.demo_run import command_line, machine  # noqa: E402
-from benchmarks.quality import score_encoded  # noqa: E402
+from benchmarks.quality import score  # noqa: E402
 from data.demo_corpus import ensure_demo_corpus  # noqa: E402
 from data.stores import open_stores  # noqa: E402
 from errors import Asker, BadInputError  # noqa: E402
@@ -86,27 +86,23 @@ def codes_of(model: RVQCodec, store) -> np.ndarray:
     return np.concatenate(out)
 
 
-def latent_residual(model: RVQCodec, store) -> float:
-    """The mean squared residual per latent dimension that the codec's beam codes leave in the encoder's output over
-    `store`'s utterances (up to a multiple of the downsample): the quantizer's own error, which the refit lowers,
-    as against rel_mse, the decoder's output's."""
-    s, total, count = model.config.downsample, 0.0, 0
-    with torch.no_grad():
-        for i in range(len(store)):
-            x = torch.from_numpy(np.array(store.utterance(i), dtype=np.float32))
-            x = x[: len(x) // s * s]
-            if len(x) == 0:
-                continue
-            latent = model._encode_latent(x[None])[0]
-            quantized = model.rvq.get_output_from_indices(model.encode(x)[None])[0]
-            total += float(((latent - quantized) ** 2).sum())
-            count += latent.numel()
-    return total / count
-
-
 def scored(model: RVQCodec, store) -> dict:
-    """quality.py's scores of `store`'s utterances, encoded with the codec's own beam."""
-    return score_encoded(model, store, model.config.beam_size, {})
+    """quality.py's scores of `store`'s utterances, encoded with the codec's own beam as `score_encoded` encodes
+    them, and in the same pass `latent_mse`: the mean squared residual per latent dimension that those codes leave
+    in the encoder's output, the quantizer's own error, which the refit lowers (rel_mse is the decoder's output's)."""
+    s, residual = model.config.downsample, [0.0, 0]
+
+    def reconstruct(x):
+        x = x[: len(x) // s * s]
+        codes = model.encode(x)
+        latent = model._encode_latent(x[None])[0]
+        residual[0] += float(((latent - model.rvq.get_output_from_indices(codes[None])[0]) ** 2).sum())
+        residual[1] += latent.numel()
+        return model.decode(codes), codes
+
+    with torch.no_grad():
+        result = score(store, reconstruct, model.config.num_quantizers, model.config.codebook_size)
+    return {**result, "latent_mse": residual[0] / residual[1]}
 
 
 def level_counts(codes: np.ndarray, size: int) -> list[np.ndarray]:
@@ -122,9 +118,9 @@ def trial(path: Path, train, valid, seeds: list[int], iters: int, refit_frames: 
     seen = FirstUtterances(train, train_utterances)
     counted = train if usage_utterances is None else FirstUtterances(train, usage_utterances)
     before_codes = codes_of(model, counted)
+    before = scored(model, valid)
     row = {"checkpoint": str(path), "step": state.get("step"), "codec": state["codec"],
-           "before": {"heldout_rel_mse": scored(model, valid)["rel_mse"],
-                      "heldout_latent_mse": latent_residual(model, valid),
+           "before": {"heldout_rel_mse": before["rel_mse"], "heldout_latent_mse": before["latent_mse"],
                       "train_rel_mse": scored(model, seen)["rel_mse"],
                       "rare_codes": [rare_codes(c) for c in level_counts(before_codes, size)]},
            "refits": []}
@@ -141,7 +137,7 @@ def trial(path: Path, train, valid, seeds: list[int], iters: int, refit_frames: 
         trained = level_counts(codes_of(refitted, counted), size)
         row["refits"].append({
             "seed": seed, "heldout_rel_mse": held_out["rel_mse"], "train_rel_mse": scored(refitted, seen)["rel_mse"],
-            "heldout_latent_mse": latent_residual(refitted, valid),
+            "heldout_latent_mse": held_out["latent_mse"],
             "heldout_code_frames": code_frames, "heldout_usage": held_out["code_usage"],
             "usage_expected_at_that_size": [round(expected_usage(c, code_frames), 4) for c in trained],
             "train_usage": [round(float((c > 0).mean()), 4) for c in trained],

@@ -74,7 +74,8 @@ def test_a_path_that_holds_no_codec_ends_with_exit_2_and_names_it(tmp_path, monk
 
 def test_the_latent_residual_of_one_level_nearest_codes_is_each_latent_frame_s_distance_to_its_nearest_code(
         tmp_path):
-    from benchmarks.refit_trials import latent_residual
+    from benchmarks.quality import score_encoded
+    from benchmarks.refit_trials import scored
 
     torch.manual_seed(0)
     model = RVQCodec(CodecConfig(feature_dim=8, latent_dim=16, num_quantizers=1, codebook_size=16, downsample=2,
@@ -90,5 +91,6 @@ def test_the_latent_residual_of_one_level_nearest_codes_is_each_latent_frame_s_d
             latent = model._encode_latent(x[None, : len(x) // 2 * 2])[0]
             expected += float(torch.cdist(latent, codebook).min(1).values.pow(2).sum())
             count += latent.numel()
-    assert np.isclose(latent_residual(model, valid), expected / count, rtol=1e-4)
-    assert latent_residual(model, valid) > 0
+    assert np.isclose(scored(model, valid)["latent_mse"], expected / count, rtol=1e-4)
+    assert scored(model, valid)["latent_mse"] > 0
+    assert scored(model, valid)["rel_mse"] == score_encoded(model, valid, 1, {})["rel_mse"]  # quality.py's score
